@@ -1,0 +1,34 @@
+# Every target works on a fresh machine: `setup` creates .venv when missing.
+VENV := .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.kasoku-installed
+# torch is pinned here, not in pyproject: 2.13.0 is the CPU build on this machine's disk;
+# an open range would pull a multi-GB CUDA build.
+TORCH_PIN := torch==2.13.0
+
+.PHONY: setup demo test bench lint clean
+
+setup: $(STAMP)
+
+$(STAMP): pyproject.toml
+	test -x $(PY) || python3 -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip
+	$(PY) -m pip install --quiet $(TORCH_PIN)
+	$(PY) -m pip install --quiet -e '.[dev,openvino]' $(TORCH_PIN)
+	touch $(STAMP)
+
+demo: setup
+	$(VENV)/bin/kasoku demo
+
+test: setup
+	$(PY) -m pytest -q
+
+bench: setup
+	$(PY) benchmarks/tiny_pipeline.py
+	$(PY) benchmarks/full_sd15.py
+
+lint: setup
+	$(VENV)/bin/ruff check src tests examples benchmarks
+
+clean:
+	rm -rf $(VENV) build *.egg-info src/*.egg-info

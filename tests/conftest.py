@@ -1,0 +1,50 @@
+"""Shared, session-scoped artefacts: the tiny pipeline is built once and exported once."""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+import pytest  # noqa: E402
+
+from kasoku.components import ImageShape  # noqa: E402
+from kasoku.console import quiet_third_party_logs  # noqa: E402
+
+quiet_third_party_logs()
+
+# Two resolutions and two batch sizes inside the tiny profile (32..128 px, 1..4 images).
+TINY_CHECK_SHAPES = [ImageShape(1, 64, 64), ImageShape(2, 32, 48)]
+
+
+@pytest.fixture(scope="session")
+def tiny_pipe():
+    from kasoku.tiny import tiny_pipeline
+
+    return tiny_pipeline()
+
+
+@pytest.fixture(scope="session")
+def tiny_dir(tmp_path_factory):
+    from kasoku.tiny import write_tiny_pipeline
+
+    return write_tiny_pipeline(tmp_path_factory.mktemp("models") / "tiny-sd")
+
+
+@pytest.fixture(scope="session")
+def tiny_specs(tiny_pipe):
+    from kasoku.components import component_specs
+
+    return component_specs(tiny_pipe)
+
+
+@pytest.fixture(scope="session")
+def tiny_onnx(tiny_specs, tmp_path_factory):
+    """Every tiny component exported once with the dynamo exporter (parity checked inside)."""
+    from kasoku.export import export_component
+
+    root = tmp_path_factory.mktemp("onnx")
+    return {
+        name: export_component(spec, root / name / "model.onnx", check_shapes=TINY_CHECK_SHAPES)
+        for name, spec in tiny_specs.items()
+    }
