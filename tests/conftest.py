@@ -48,3 +48,21 @@ def tiny_onnx(tiny_specs, tmp_path_factory):
         name: export_component(spec, root / name / "model.onnx", check_shapes=TINY_CHECK_SHAPES)
         for name, spec in tiny_specs.items()
     }
+
+
+@pytest.fixture(scope="session")
+def tiny_cache(tmp_path_factory):
+    from kasoku.cache import Cache
+
+    return Cache(tmp_path_factory.mktemp("cache"))
+
+
+@pytest.fixture(scope="session")
+def tiny_compiled(tiny_dir, tiny_cache):
+    """The tiny pipeline compiled once per CPU backend: {backend: (engines, report)}."""
+    from kasoku.build import compile_components
+
+    return {
+        backend: compile_components(tiny_dir, backend=backend, cache=tiny_cache)
+        for backend in ("onnxruntime", "openvino")
+    }

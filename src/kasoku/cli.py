@@ -75,6 +75,108 @@ def cmd_export(args: argparse.Namespace) -> int:
     return 0
 
 
+@command("compile")
+def cmd_compile(args: argparse.Namespace) -> int:
+    """Build the engines of every component into the cache (export, optimize, engine)."""
+    from .build import compile_components
+    from .console import console, stage, table, write_json
+
+    def on_stage(component: str, name: str):
+        return stage(f"{component}: {name}")
+
+    _, report = compile_components(
+        args.model, backend=args.backend, precision=args.precision, profile=_profile_from_args(args),
+        components=args.components, cache=args.cache_dir, exporter=args.exporter, opset=args.opset,
+        options=_engine_options(args), on_stage=on_stage,
+    )
+    rows = [[s.component, s.stage, s.status, f"{s.seconds:.1f} s", s.key[:12]] for s in report.stages]
+    console.print(table(f"compile {report.model} ({report.precision})",
+                        ["component", "stage", "cache", "time", "entry"], rows))
+    console.print("backends: " + ", ".join(f"{c}={b}" for c, b in report.backends.items()))
+    built = sum(s.status != "reused" for s in report.stages)
+    console.print(f"{built} built, {len(report.stages) - built} reused from the cache, {report.seconds:.1f} s in all")
+    if args.json:
+        write_json(args.json, report)
+    return 0
+
+
+@command("cache")
+def cmd_cache(args: argparse.Namespace) -> int:
+    """List (`ls`) or remove (`clear [MODEL]`) the cache entries."""
+    import datetime
+
+    from .cache import Cache
+    from .console import console, table, write_json
+
+    cache = Cache(args.cache_dir)
+    if args.action == "clear":
+        removed = cache.clear(args.model)
+        console.print(f"removed {removed} entr{'y' if removed == 1 else 'ies'} from {cache.root}")
+        return 0
+    entries = cache.list()
+    rows = [[e.key[:12], e.kind, e.model, e.component, f"{e.size_bytes / 1e6:.1f} MB",
+             datetime.datetime.fromtimestamp(e.created).strftime("%Y-%m-%d %H:%M")] for e in entries]
+    console.print(table(f"cache {cache.root}", ["entry", "kind", "model", "component", "size", "created"], rows))
+    console.print(f"{len(entries)} entries, {sum(e.size_bytes for e in entries) / 1e6:.1f} MB")
+    if args.json:
+        write_json(args.json, [vars(e) for e in entries])
+    return 0
+
+
+@command("info")
+def cmd_info(args: argparse.Namespace) -> int:
+    """Installed backends, versions and devices, and why a backend is unavailable."""
+    from .console import console, table, write_json
+    from .info import system_info
+
+    info = system_info()
+    machine = info["machine"]
+    console.print(f"python {info['python']} | CPU: {machine['cpu']} ({machine['cores']} threads) | "
+                  f"GPUs: {', '.join(machine['gpus']) or 'none'}")
+    console.print(table("versions", ["package", "version"], sorted(info["versions"].items())))
+    rows = [[b["name"], "yes" if b["available"] else "no", b["version"] or "-", b["devices"] or b["reason"]]
+            for b in info["backends"]]
+    console.print(table("backends", ["backend", "available", "version", "devices / why not"], rows))
+    if args.json:
+        write_json(args.json, info)
+    return 0
+
+
+def _range(text: str) -> tuple[int, ...]:
+    try:
+        values = tuple(int(v) for v in text.split(":"))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected MIN:MAX or MIN:OPT:MAX, got {text!r}") from None
+    if len(values) not in (2, 3):
+        raise argparse.ArgumentTypeError(f"expected MIN:MAX or MIN:OPT:MAX, got {text!r}")
+    return values
+
+
+def _profile_from_args(args: argparse.Namespace):
+    """A ShapeProfile from --batch/--height/--width, the model's defaults for the rest."""
+    if not (args.batch or args.height or args.width):
+        return None
+    from .components import ShapeProfile, default_profile
+    from .loading import load_pipeline
+
+    base = default_profile(load_pipeline(args.model))
+    ranges = {}
+    for dim in ("batch", "height", "width"):
+        given = getattr(args, dim)
+        low, opt, high = (getattr(base.min, dim), getattr(base.opt, dim), getattr(base.max, dim))
+        if given:
+            low, high = given[0], given[-1]
+            opt = given[1] if len(given) == 3 else min(max(opt, low), high)
+        ranges[dim] = (low, opt, high)
+    return ShapeProfile.from_ranges(ranges["batch"], ranges["height"], ranges["width"], base.multiple)
+
+
+def _engine_options(args: argparse.Namespace):
+    from .backends import EngineOptions
+
+    return EngineOptions(threads=args.threads, builder_optimization_level=args.trt_opt_level)
+
+
 @command("demo")
 def cmd_demo(args: argparse.Namespace) -> int:
     """The main job on the built-in tiny pipeline, offline: export, prove parity, report."""
@@ -128,7 +230,42 @@ def build_parser() -> argparse.ArgumentParser:
                    metavar="NAME", help=f"which components (default all: {' '.join(COMPONENT_NAMES)})")
     p.add_argument("--json", type=Path, metavar="PATH", help="also write the manifest to PATH")
 
+    p = add("compile")
+    p.add_argument("model", help="a diffusers pipeline folder (or a hub id when online)")
+    _add_engine_arguments(p)
+    p.add_argument("--json", type=Path, metavar="PATH", help="also write the report as JSON")
+
+    p = add("cache")
+    p.add_argument("action", choices=("ls", "clear"), help="ls: list the entries; clear: remove them")
+    p.add_argument("model", nargs="?", help="with clear: only the entries of this model (folder or name)")
+    p.add_argument("--cache-dir", type=Path, default=None, help="default: $KASOKU_CACHE or ~/.cache/kasoku")
+    p.add_argument("--json", type=Path, metavar="PATH", help="with ls: also write the list as JSON")
+
+    p = add("info")
+    p.add_argument("--json", type=Path, metavar="PATH", help="also write the report as JSON")
     return parser
+
+
+def _add_engine_arguments(p: argparse.ArgumentParser) -> None:
+    """The options that say which engines to build (compile, generate, verify, bench)."""
+    from .backends import BACKEND_CHOICES
+    from .components import COMPONENT_NAMES, Precision
+    from .export import DEFAULT_EXPORTER, DEFAULT_OPSET, EXPORTERS
+
+    p.add_argument("--backend", choices=BACKEND_CHOICES, default="auto",
+                   help="auto (default): TensorRT then ONNX Runtime CUDA on a GPU; on a CPU the faster of "
+                        "onnxruntime and openvino per component, measured once")
+    p.add_argument("--precision", choices=[p.value for p in Precision], default="fp32", help="default fp32")
+    p.add_argument("--batch", type=_range, metavar="MIN:MAX", help="images per call the engines serve")
+    p.add_argument("--height", type=_range, metavar="MIN:MAX", help="image heights in pixels")
+    p.add_argument("--width", type=_range, metavar="MIN:MAX", help="image widths in pixels")
+    p.add_argument("--components", nargs="+", choices=COMPONENT_NAMES, default=list(COMPONENT_NAMES),
+                   metavar="NAME", help=f"which components (default all: {' '.join(COMPONENT_NAMES)})")
+    p.add_argument("--exporter", choices=EXPORTERS, default=DEFAULT_EXPORTER, help=argparse.SUPPRESS)
+    p.add_argument("--opset", type=int, default=DEFAULT_OPSET, help=argparse.SUPPRESS)
+    p.add_argument("--threads", type=int, default=None, help="CPU threads per engine (default: the runtime's)")
+    p.add_argument("--trt-opt-level", type=int, default=3, help="TensorRT builder optimization level 0-5 (default 3)")
+    p.add_argument("--cache-dir", type=Path, default=None, help="default: $KASOKU_CACHE or ~/.cache/kasoku")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -9,6 +9,7 @@ tensor shape anywhere in kasoku is computed from here.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 from dataclasses import dataclass, field
@@ -31,6 +32,10 @@ class Precision(str, Enum):
 
 class ShapeOutOfProfile(KasokuError, ValueError):
     """A shape the compiled profile does not serve."""
+
+
+class InvalidProfile(KasokuError, ValueError):
+    """A shape profile that cannot be built."""
 
 
 @dataclass(frozen=True)
@@ -58,9 +63,9 @@ class ShapeProfile:
         for dim in ("batch", "height", "width"):
             lo, mid, hi = (getattr(s, dim) for s in (self.min, self.opt, self.max))
             if not 1 <= lo <= mid <= hi:
-                raise ValueError(f"profile {dim} must satisfy 1 <= min <= opt <= max but is {lo}, {mid}, {hi}.")
+                raise InvalidProfile(f"profile {dim} must satisfy 1 <= min <= opt <= max but is {lo}, {mid}, {hi}.")
             if dim != "batch" and any(v % self.multiple for v in (lo, mid, hi)):
-                raise ValueError(
+                raise InvalidProfile(
                     f"profile {dim} values must be multiples of {self.multiple} but are {lo}, {mid}, {hi}."
                 )
 
@@ -199,8 +204,9 @@ class ComponentSpec:
             t.name: self.sample_input(t, t.shape_at(shape), generator) for t in self.inputs
         }
 
+    @functools.cached_property
     def fingerprint(self) -> str:
-        """Digest of the weights and the config: what the cache keys on."""
+        """Digest of the weights and the config: what the cache keys on (computed once)."""
         digest = hashlib.sha256()
         digest.update(self.name.encode())
         digest.update(json.dumps(_jsonable(self.config), sort_keys=True).encode())

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import logging
+import sys
 from contextlib import contextmanager
 from dataclasses import asdict, is_dataclass
 from pathlib import Path
@@ -13,7 +14,8 @@ from rich.console import Console
 from rich.progress import BarColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-console = Console(stderr=False, highlight=False)
+# Reports are tables: when piped (CI logs, files) give them room instead of rich's 80 columns.
+console = Console(highlight=False, width=None if sys.stdout.isatty() else 132)
 
 
 def quiet_third_party_logs() -> None:

@@ -80,7 +80,7 @@ def load_pipeline(model: Any, *, torch_dtype: torch.dtype = torch.float32):
             "such as 'stable-diffusion-v1-5/stable-diffusion-v1-5'."
         )
     pipe = DiffusionPipeline.from_pretrained(
-        source, torch_dtype=torch_dtype, use_safetensors=True, safety_checker=None
+        source, dtype=torch_dtype, use_safetensors=True, safety_checker=None
     )
     pipeline_class = type(pipe).__name__
     if pipeline_class not in SUPPORTED_PIPELINES:

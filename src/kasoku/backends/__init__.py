@@ -1,0 +1,53 @@
+"""Engines per backend behind one interface; `auto` picks per component."""
+
+from __future__ import annotations
+
+from .base import Availability, Backend, BackendUnavailable, Engine, EngineOptions
+from .onnxruntime import OnnxRuntimeBackend
+from .openvino import OpenVinoBackend
+from .tensorrt import TensorRTBackend
+from .torch_eager import TorchBackend
+
+BACKENDS: dict[str, type[Backend]] = {
+    cls.name: cls for cls in (TensorRTBackend, OnnxRuntimeBackend, OpenVinoBackend, TorchBackend)
+}
+# `onnxruntime-cuda` and `onnxruntime-tensorrt` are onnxruntime with that execution provider.
+ALIASES = {"onnxruntime-cpu": ("onnxruntime", "cpu"), "onnxruntime-cuda": ("onnxruntime", "cuda"),
+           "onnxruntime-tensorrt": ("onnxruntime", "tensorrt")}
+BACKEND_CHOICES = ("auto", *BACKENDS, *ALIASES)
+
+
+def get_backend(name: str, options: EngineOptions | None = None) -> Backend:
+    """A backend by name (see BACKEND_CHOICES except "auto", which kasoku.build resolves)."""
+    options = options or EngineOptions()
+    if name in ALIASES:
+        name, options.device = ALIASES[name]
+    if name not in BACKENDS:
+        raise BackendUnavailable(f"unknown backend {name!r}; choose from {', '.join(BACKEND_CHOICES)}.")
+    return BACKENDS[name](options)
+
+
+def backend_availability() -> list[Availability]:
+    return [cls.availability() for cls in BACKENDS.values()]
+
+
+def gpu_candidates() -> list[str]:
+    """GPU backends in order of preference that can run here."""
+    import onnxruntime as ort
+
+    names = []
+    if TensorRTBackend.availability().available:
+        names.append("tensorrt")
+    if "CUDAExecutionProvider" in ort.get_available_providers():
+        names.append("onnxruntime-cuda")
+    return names
+
+
+def cpu_candidates() -> list[str]:
+    return [cls.name for cls in (OnnxRuntimeBackend, OpenVinoBackend) if cls.availability().available]
+
+
+__all__ = [
+    "Availability", "Backend", "BackendUnavailable", "Engine", "EngineOptions", "BACKENDS", "BACKEND_CHOICES",
+    "get_backend", "backend_availability", "gpu_candidates", "cpu_candidates",
+]

@@ -1,0 +1,131 @@
+"""ONNX Runtime: CPU by default; CUDA and TensorRT execution providers when present."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from ..components import ComponentSpec, Precision
+from ..export import onnx_files
+from ..optimize import PROTO_LIMIT
+from .base import Availability, Backend, BackendUnavailable, Engine, cpu_name
+
+PROVIDERS = {
+    "cpu": "CPUExecutionProvider",
+    "cuda": "CUDAExecutionProvider",
+    "tensorrt": "TensorrtExecutionProvider",
+}
+MODEL_FILE = "model.onnx"
+
+
+def _shape_list(shapes: dict[str, tuple[int, ...]]) -> str:
+    """TensorRT EP's profile syntax: `name:1x4x64x64,other:2`."""
+    return ",".join(f"{name}:{'x'.join(str(d) for d in shape)}" for name, shape in shapes.items())
+
+
+def provider_options(spec: ComponentSpec, device: str, precision: Precision, cache_dir: Path | None) -> list:
+    """The providers list for InferenceSession: the asked-for one first, CPU as fallback.
+
+    The TensorRT EP gets the component's min/opt/max profile, fp16 when asked, and engine and
+    timing caches inside `cache_dir` (the kasoku cache entry), so it builds once.
+    """
+    if device not in PROVIDERS:
+        raise ValueError(f"onnxruntime device must be one of {list(PROVIDERS)} but is {device!r}.")
+    if device == "cpu":
+        return ["CPUExecutionProvider"]
+    if device == "cuda":
+        return [("CUDAExecutionProvider", {}), "CPUExecutionProvider"]
+    profile = spec.profile_shapes()
+    options: dict[str, Any] = {
+        "trt_fp16_enable": Precision(precision) == Precision.FP16,
+        "trt_profile_min_shapes": _shape_list({n: s[0] for n, s in profile.items()}),
+        "trt_profile_opt_shapes": _shape_list({n: s[1] for n, s in profile.items()}),
+        "trt_profile_max_shapes": _shape_list({n: s[2] for n, s in profile.items()}),
+    }
+    if cache_dir is not None:
+        options.update(
+            trt_engine_cache_enable=True,
+            trt_engine_cache_path=str(cache_dir / "trt-engines"),
+            trt_timing_cache_enable=True,
+            trt_timing_cache_path=str(cache_dir / "trt-timing"),
+        )
+    return [("TensorrtExecutionProvider", options), ("CUDAExecutionProvider", {}), "CPUExecutionProvider"]
+
+
+def _onnx_bytes(path: Path) -> int:
+    return sum(f.stat().st_size for f in onnx_files(path))
+
+
+class OnnxRuntimeEngine(Engine):
+    backend = "onnxruntime"
+
+    def __init__(self, spec: ComponentSpec, precision: Precision, session):
+        super().__init__(spec, precision)
+        self.session = session
+
+    def _run(self, feeds: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        outputs = self.session.run(list(self.spec.outputs), feeds)
+        return dict(zip(self.spec.outputs, outputs))
+
+    def describe(self) -> dict[str, str]:
+        return {**super().describe(), "providers": ",".join(self.session.get_providers())}
+
+
+class OnnxRuntimeBackend(Backend):
+    name = "onnxruntime"
+    extra = None  # a core dependency; `kasoku[gpu]` brings onnxruntime-gpu
+
+    @classmethod
+    def availability(cls) -> Availability:
+        try:
+            import onnxruntime as ort
+        except ImportError as error:
+            return Availability(cls.name, False, reason=f"onnxruntime cannot be imported ({error})")
+        providers = [p for p in ort.get_available_providers() if p in PROVIDERS.values()]
+        return Availability(cls.name, True, ort.__version__, f"{cpu_name()}; providers: {', '.join(providers)}")
+
+    def _session(self, path: Path, spec: ComponentSpec, precision: Precision, cache_dir: Path | None,
+                 *, save_optimized: Path | None = None):
+        import onnxruntime as ort
+
+        provider = PROVIDERS[self.options.device]
+        if provider not in ort.get_available_providers():
+            raise BackendUnavailable(
+                f"onnxruntime has no {provider} here (available: {ort.get_available_providers()}). "
+                "Install `kasoku[gpu]` on a machine with a CUDA GPU, or use device 'cpu'."
+            )
+        options = ort.SessionOptions()
+        options.log_severity_level = 3
+        if self.options.threads:
+            options.intra_op_num_threads = self.options.threads
+        if save_optimized is not None:
+            # Store ORT's own graph optimizations in the entry, so a warm load skips them.
+            options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_EXTENDED
+            options.optimized_model_filepath = str(save_optimized)
+            if _onnx_bytes(path) > PROTO_LIMIT * 0.9:  # weights must leave the protobuf
+                options.add_session_config_entry(
+                    "session.optimized_model_external_initializers_file_name", save_optimized.name + ".data"
+                )
+                options.add_session_config_entry("session.optimized_model_external_initializers_min_size_in_bytes", "1024")
+        providers = provider_options(spec, self.options.device, precision, cache_dir)
+        return ort.InferenceSession(str(path), options, providers=providers)
+
+    def build(self, spec: ComponentSpec, onnx_path: Path, out_dir: Path, precision: Precision) -> dict[str, Any]:
+        self.require()
+        target = out_dir / MODEL_FILE
+        if self.options.device == "cpu":
+            self._session(onnx_path, spec, precision, None, save_optimized=target)
+        else:
+            for file in onnx_files(onnx_path):
+                shutil.copy2(file, out_dir / file.name.replace(onnx_path.name, MODEL_FILE))
+            self._session(target, spec, precision, out_dir)  # builds the TensorRT EP engine caches
+        return {"providers": provider_options(spec, self.options.device, precision, None)[0]}
+
+    def load(self, spec: ComponentSpec, entry_dir: Path, precision: Precision) -> Engine:
+        self.require()
+        cache_dir = entry_dir if self.options.device == "tensorrt" else None
+        session = self._session(entry_dir / MODEL_FILE, spec, precision, cache_dir)
+        return OnnxRuntimeEngine(spec, precision, session)

@@ -1,0 +1,245 @@
+"""Compile a pipeline's components into engines, every artefact through the cache.
+
+Per component: export (ONNX, parity-checked) → optimize (backend's passes, parity re-checked)
+→ engine (backend build) → load. Each stage is a cache entry keyed by everything that
+changes it, so a second compile reuses all of them. `backend="auto"` picks per component:
+on a GPU TensorRT, then ONNX Runtime CUDA; on a CPU whichever of ONNX Runtime and OpenVINO
+runs the component faster here, measured once and remembered in the cache.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import statistics
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import onnx
+import onnxruntime
+import torch
+
+from .backends import Engine, EngineOptions, cpu_candidates, get_backend, gpu_candidates
+from .backends.base import Backend
+from .cache import Cache, CacheEntry
+from .components import COMPONENT_NAMES, ComponentSpec, Precision, ShapeProfile, component_specs
+from .export import DEFAULT_EXPORTER, DEFAULT_OPSET, check_onnx_parity, default_check_shapes, export_component
+from .optimize import optimize
+from .parity import compare_outputs, raise_on_failure
+
+ONNX_FILE = "model.onnx"
+AUTO_REPEATS = 3
+
+StageHook = Callable[[str, str], contextlib.AbstractContextManager]
+
+
+@dataclass
+class StageRecord:
+    component: str
+    stage: str  # export | optimize | engine | choose
+    status: str  # built | reused | rebuilt
+    key: str
+    seconds: float
+    detail: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class CompileReport:
+    model: str
+    precision: str
+    profile: dict
+    backends: dict[str, str] = field(default_factory=dict)  # component -> backend used
+    stages: list[StageRecord] = field(default_factory=list)
+    seconds: float = 0.0
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    def statuses(self) -> dict[tuple[str, str], str]:
+        return {(s.component, s.stage): s.status for s in self.stages}
+
+
+def _no_hook(component: str, stage: str) -> contextlib.AbstractContextManager:
+    return contextlib.nullcontext()
+
+
+class Compiler:
+    """Holds the cache, options and hooks for one compile; `compile()` is the entry point."""
+
+    def __init__(
+        self,
+        cache: Cache,
+        *,
+        precision: Precision = Precision.FP32,
+        exporter: str = DEFAULT_EXPORTER,
+        opset: int = DEFAULT_OPSET,
+        options: EngineOptions | None = None,
+        on_stage: StageHook = _no_hook,
+        describe_model: str = "?",
+    ):
+        self.cache = cache
+        self.precision = Precision(precision)
+        self.exporter = exporter
+        self.opset = opset
+        self.options = options or EngineOptions()
+        if self.options.timing_cache_dir is None:
+            self.options.timing_cache_dir = cache.root / "tensorrt"
+        self.on_stage = on_stage
+        self.model = describe_model
+        self.records: list[StageRecord] = []
+
+    # ---- one cache entry per stage -----------------------------------------------------------
+
+    def _stage(self, spec: ComponentSpec, stage: str, parts: dict, build) -> CacheEntry:
+        with self.on_stage(spec.name, stage):
+            start = time.perf_counter()
+            entry = self.cache.get_or_build(parts, build, describe={"model": self.model, "component": spec.name})
+            seconds = time.perf_counter() - start
+        status = next(event for _kind, key, event in reversed(self.cache.events) if key == entry.key)
+        self.records.append(StageRecord(spec.name, stage, status, entry.key, seconds, entry.meta))
+        return entry
+
+    def exported(self, spec: ComponentSpec) -> CacheEntry:
+        parts = {
+            "kind": "onnx", "component": spec.name, "weights": spec.fingerprint, "exporter": self.exporter,
+            "opset": self.opset, "torch": torch.__version__, "onnx": onnx.__version__,
+            "profile": spec.profile.to_dict(),
+        }
+
+        def build(tmp: Path) -> dict:
+            result = export_component(spec, tmp / ONNX_FILE, exporter=self.exporter, opset=self.opset)
+            return {"parity": [p.to_dict() for p in result.parity], "export_seconds": result.seconds}
+
+        return self._stage(spec, "export", parts, build)
+
+    def optimized(self, spec: ComponentSpec, backend: Backend, source: CacheEntry) -> CacheEntry:
+        passes = backend.optimization_passes(self.precision)
+        parts = {
+            "kind": "optimized", "component": spec.name, "source": source.key, "passes": passes,
+            "precision": self.precision.value, "onnx": onnx.__version__, "onnxruntime": onnxruntime.__version__,
+        }
+
+        def build(tmp: Path) -> dict:
+            report = optimize(source.file(ONNX_FILE), tmp / ONNX_FILE, passes, component=spec.name,
+                              precision=self.precision)
+            parity = check_onnx_parity(spec, tmp / ONNX_FILE, default_check_shapes(spec.profile),
+                                       stage="optimization", precision=self.precision)
+            return {"passes": report.to_dict()["passes"], "parity": [p.to_dict() for p in parity]}
+
+        return self._stage(spec, "optimize", parts, build)
+
+    def engine_entry(self, spec: ComponentSpec, backend: Backend, source: CacheEntry) -> CacheEntry:
+        parts = {
+            "kind": "engine", "component": spec.name, "source": source.key,
+            "profile": spec.profile.to_dict(), **backend.key(self.precision),
+        }
+
+        def build(tmp: Path) -> dict:
+            meta = backend.build(spec, source.file(ONNX_FILE), tmp, self.precision) or {}
+            engine = backend.load(spec, tmp, self.precision)
+            meta["parity"] = [p.to_dict() for p in engine_parity(spec, engine, self.precision)]
+            return meta
+
+        return self._stage(spec, "engine", parts, build)
+
+    def engine(self, spec: ComponentSpec, backend_name: str) -> Engine:
+        backend = get_backend(backend_name, EngineOptions(**vars(self.options)))
+        backend.require()
+        if not backend.needs_onnx:
+            return backend.load(spec, None, self.precision)
+        onnx_entry = self.exported(spec)
+        optimized = self.optimized(spec, backend, onnx_entry)
+        entry = self.engine_entry(spec, backend, optimized)
+        return backend.load(spec, entry.path, self.precision)
+
+    # ---- backend choice ------------------------------------------------------------------------
+
+    def choose(self, spec: ComponentSpec, backend: str) -> str:
+        if backend != "auto":
+            return backend
+        gpu = gpu_candidates()
+        if gpu:
+            return gpu[0]
+        candidates = cpu_candidates()
+        if len(candidates) == 1:
+            return candidates[0]
+        versions = {name: get_backend(name).availability().version for name in candidates}
+        parts = {
+            "kind": "auto-choice", "component": spec.name, "weights": spec.fingerprint,
+            "profile": spec.profile.to_dict(), "candidates": versions, "precision": self.precision.value,
+            "device": get_backend(candidates[0]).availability().devices, "threads": self.options.threads,
+        }
+
+        def build(tmp: Path) -> dict:
+            timings = {name: measure(self.engine(spec, name), spec) for name in candidates}
+            choice = min(timings, key=timings.get)
+            (tmp / "choice.txt").write_text(choice)
+            return {"choice": choice, "median_seconds": timings}
+
+        entry = self._stage(spec, "choose", parts, build)
+        return entry.meta["choice"]
+
+    def compile(self, specs: dict[str, ComponentSpec], backend: str = "auto") -> tuple[dict[str, Engine], dict]:
+        engines, chosen = {}, {}
+        for name, spec in specs.items():
+            chosen[name] = self.choose(spec, backend)
+            engines[name] = self.engine(spec, chosen[name])
+        return engines, chosen
+
+
+def measure(engine: Engine, spec: ComponentSpec, repeats: int = AUTO_REPEATS) -> float:
+    """Median seconds of `repeats` runs at the profile's optimum, after one warm-up run."""
+    feeds = spec.sample_inputs(spec.profile.opt)
+    engine.run(feeds)
+    samples = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        engine.run(feeds)
+        samples.append(time.perf_counter() - start)
+    return statistics.median(samples)
+
+
+def engine_parity(spec: ComponentSpec, engine: Engine, precision: Precision) -> list:
+    """The built engine against torch at the profile's optimum; raises on mismatch."""
+    shape = spec.profile.opt
+    inputs = {k: v.numpy() for k, v in spec.sample_inputs(shape, seed=2).items()}
+    results = compare_outputs(spec.name, str(shape), spec.run_torch(inputs), engine.run(inputs), precision)
+    raise_on_failure(results, f"{engine.backend} engine of {spec.name}")
+    return results
+
+
+def compile_components(
+    model,
+    *,
+    backend: str = "auto",
+    precision: Precision | str = Precision.FP32,
+    profile: ShapeProfile | None = None,
+    components: Iterable[str] = COMPONENT_NAMES,
+    cache: Cache | str | Path | None = None,
+    exporter: str = DEFAULT_EXPORTER,
+    opset: int = DEFAULT_OPSET,
+    options: EngineOptions | None = None,
+    on_stage: StageHook = _no_hook,
+) -> tuple[dict[str, Engine], CompileReport]:
+    """Fill the cache for the components of `model` and load their engines."""
+    from .loading import load_pipeline
+
+    start = time.perf_counter()
+    pipe = load_pipeline(model)
+    specs = component_specs(pipe, profile, components)
+    cache = cache if isinstance(cache, Cache) else Cache(cache)
+    label = str(model) if isinstance(model, (str, Path)) else type(model).__name__
+    compiler = Compiler(cache, precision=Precision(precision), exporter=exporter, opset=opset, options=options,
+                        on_stage=on_stage, describe_model=label)
+    engines, chosen = compiler.compile(specs, backend)
+    report = CompileReport(
+        model=label,
+        precision=Precision(precision).value,
+        profile=next(iter(specs.values())).profile.to_dict(),
+        backends=chosen,
+        stages=compiler.records,
+        seconds=time.perf_counter() - start,
+    )
+    return engines, report

@@ -1,0 +1,258 @@
+"""The content-addressed artefact cache.
+
+An entry is a folder named by the digest of everything that changes the artefact (its *key
+parts*: weights fingerprint and config, exporter and opset, passes, precision, backend and
+version, device, shape profile...). It is built in a temporary folder and renamed into place,
+carries a manifest with the SHA-256 of each of its files, and is verified before use: an
+entry whose manifest or files do not match is rebuilt with a warning, never loaded. Builders
+of the same key in several processes serialize on a file lock, so each entry is built once.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import hashlib
+import json
+import logging
+import os
+import shutil
+import time
+import uuid
+import warnings
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from .errors import KasokuError
+
+logger = logging.getLogger(__name__)
+
+MANIFEST = "kasoku-entry.json"
+ENTRIES = "entries"
+TMP_PREFIX = ".tmp-"
+FORMAT_VERSION = 1
+
+
+class CacheError(KasokuError):
+    """The cache folder cannot be used."""
+
+
+class CorruptEntryWarning(UserWarning):
+    """A cache entry failed verification and is being rebuilt."""
+
+
+def default_cache_dir() -> Path:
+    return Path(os.environ.get("KASOKU_CACHE") or Path.home() / ".cache" / "kasoku").expanduser()
+
+
+def digest_key(parts: dict[str, Any]) -> str:
+    """The entry name: SHA-256 of the key parts as canonical JSON."""
+    canonical = json.dumps({"format": FORMAT_VERSION, **parts}, sort_keys=True, default=str)
+    return hashlib.sha256(canonical.encode()).hexdigest()[:32]
+
+
+def file_sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 22), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+@dataclass
+class CacheEntry:
+    """A verified entry: its folder, its key parts, and whether this call built it."""
+
+    key: str
+    path: Path
+    parts: dict[str, Any]
+    built: bool
+    seconds: float = 0.0
+    meta: dict[str, Any] = field(default_factory=dict)
+
+    def file(self, name: str) -> Path:
+        return self.path / name
+
+
+@dataclass
+class EntryInfo:
+    key: str
+    kind: str
+    model: str
+    component: str
+    size_bytes: int
+    created: float
+    parts: dict[str, Any]
+
+
+class Cache:
+    """`$KASOKU_CACHE` (default `~/.cache/kasoku`), one folder per entry under `entries/`."""
+
+    def __init__(self, root: str | Path | None = None):
+        self.root = Path(root).expanduser() if root else default_cache_dir()
+        self.entries = self.root / ENTRIES
+        try:
+            self.entries.mkdir(parents=True, exist_ok=True)
+        except OSError as error:
+            raise CacheError(f"cannot create the cache folder {self.entries}: {error}. Set KASOKU_CACHE.") from None
+        self.events: list[tuple[str, str, str]] = []  # (kind, key, "built" | "reused" | "rebuilt")
+
+    # ---- the one public way in -----------------------------------------------------------------
+
+    def get_or_build(
+        self,
+        parts: dict[str, Any],
+        build: Callable[[Path], dict[str, Any] | None],
+        *,
+        describe: dict[str, str] | None = None,
+    ) -> CacheEntry:
+        """Return the verified entry for `parts`, building it with `build(tmp_dir)` if needed.
+
+        `build` writes the artefact's files into the folder it is given and may return metadata
+        (stored in the manifest). Nothing is visible under the key until it fully succeeded.
+        `describe` (model and component names) is shown by `kasoku cache ls`; it is not part of
+        the key, so the same weights in two folders share their entries.
+        """
+        key = digest_key(parts)
+        kind = str(parts.get("kind", "entry"))
+        final = self.entries / key
+        existing = self._load_verified(final, key)
+        if existing is not None:
+            self.events.append((kind, key, "reused"))
+            return existing
+        with self._lock(key):
+            existing = self._load_verified(final, key)  # built by another process while we waited
+            if existing is not None:
+                self.events.append((kind, key, "reused"))
+                return existing
+            rebuilt = final.exists()
+            if rebuilt:
+                shutil.rmtree(final)
+            entry = self._build(final, key, parts, build, describe or {})
+            self.events.append((kind, key, "rebuilt" if rebuilt else "built"))
+            return entry
+
+    def _build(self, final: Path, key: str, parts: dict, build, describe: dict) -> CacheEntry:
+        tmp = self.entries / f"{TMP_PREFIX}{key}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+        tmp.mkdir()
+        start = time.perf_counter()
+        try:
+            meta = build(tmp) or {}
+            seconds = time.perf_counter() - start
+            files = {
+                str(p.relative_to(tmp)): {"sha256": file_sha256(p), "size": p.stat().st_size}
+                for p in sorted(tmp.rglob("*"))
+                if p.is_file()
+            }
+            manifest = {
+                "format": FORMAT_VERSION,
+                "key": key,
+                "parts": parts,
+                "describe": describe,
+                "files": files,
+                "meta": meta,
+                "build_seconds": seconds,
+                "created": time.time(),
+                "built_by_pid": os.getpid(),
+            }
+            (tmp / MANIFEST).write_text(json.dumps(manifest, indent=2, sort_keys=True, default=str))
+            os.replace(tmp, final)
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
+        return CacheEntry(key=key, path=final, parts=parts, built=True, seconds=seconds, meta=meta)
+
+    # ---- verification ----------------------------------------------------------------------------
+
+    def verify(self, path: Path, key: str | None = None) -> str | None:
+        """None when the entry is intact, else what is wrong with it."""
+        manifest_path = path / MANIFEST
+        try:
+            manifest = json.loads(manifest_path.read_text())
+        except FileNotFoundError:
+            return "its manifest is missing"
+        except (json.JSONDecodeError, UnicodeDecodeError):
+            return "its manifest is not valid JSON"
+        if key is not None and manifest.get("key") != key:
+            return f"its manifest names key {manifest.get('key')!r}"
+        for name, info in manifest.get("files", {}).items():
+            file = path / name
+            if not file.is_file():
+                return f"{name} is missing"
+            if file.stat().st_size != info["size"]:
+                return f"{name} has {file.stat().st_size} bytes, the manifest says {info['size']}"
+            if file_sha256(file) != info["sha256"]:
+                return f"{name} does not match its checksum"
+        return None
+
+    def _load_verified(self, final: Path, key: str) -> CacheEntry | None:
+        if not final.exists():
+            return None
+        problem = self.verify(final, key)
+        if problem is not None:
+            warnings.warn(
+                f"cache entry {final} is corrupt ({problem}); rebuilding it.", CorruptEntryWarning, stacklevel=3
+            )
+            return None
+        manifest = json.loads((final / MANIFEST).read_text())
+        return CacheEntry(key=key, path=final, parts=manifest["parts"], built=False, meta=manifest.get("meta", {}))
+
+    # ---- locking and leftovers -----------------------------------------------------------------
+
+    @contextmanager
+    def _lock(self, key: str) -> Iterator[None]:
+        lock_path = self.entries / f".{key}.lock"
+        with open(lock_path, "a+") as handle:
+            fcntl.flock(handle, fcntl.LOCK_EX)  # waits while another process builds this key
+            try:
+                self._clean_leftovers(key)
+                yield
+            finally:
+                fcntl.flock(handle, fcntl.LOCK_UN)
+
+    def _clean_leftovers(self, key: str) -> None:
+        """Temporary folders of this key left by a killed build (we hold the key's lock, so no
+        live builder owns them)."""
+        for leftover in self.entries.glob(f"{TMP_PREFIX}{key}-*"):
+            logger.info("removing %s, left by an interrupted build", leftover)
+            shutil.rmtree(leftover, ignore_errors=True)
+
+    # ---- listing and clearing ------------------------------------------------------------------
+
+    def list(self) -> list[EntryInfo]:
+        out = []
+        for path in sorted(self.entries.iterdir()):
+            if path.name.startswith(".") or not path.is_dir():
+                continue
+            try:
+                manifest = json.loads((path / MANIFEST).read_text())
+            except (OSError, json.JSONDecodeError):
+                continue
+            parts = manifest.get("parts", {})
+            describe = manifest.get("describe", {})
+            out.append(
+                EntryInfo(
+                    key=path.name,
+                    kind=str(parts.get("kind", "?")),
+                    model=str(describe.get("model", "?")),
+                    component=str(describe.get("component", parts.get("component", "-"))),
+                    size_bytes=sum(f["size"] for f in manifest.get("files", {}).values()),
+                    created=float(manifest.get("created", 0.0)),
+                    parts=parts,
+                )
+            )
+        return out
+
+    def clear(self, model: str | None = None) -> int:
+        """Remove every entry (or those of one model); returns how many were removed."""
+        removed = 0
+        for info in self.list():
+            if model is None or info.model == model or Path(info.model).name == model:
+                shutil.rmtree(self.entries / info.key, ignore_errors=True)
+                removed += 1
+        if model is None:
+            for leftover in self.entries.glob(f"{TMP_PREFIX}*"):
+                shutil.rmtree(leftover, ignore_errors=True)
+        return removed

@@ -1,0 +1,182 @@
+"""Graph optimization passes over exported ONNX models, composed per backend.
+
+Each pass takes a ModelProto and returns one (so they chain, as onnx-graphsurgeon's do) and
+states what holds after it. :func:`optimize` runs a list of passes, reports the node count
+before and after each, and re-checks parity with torch on the result.
+"""
+
+from __future__ import annotations
+
+import tempfile
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import onnx
+
+from .components import ComponentSpec, Precision
+from .errors import KasokuError
+
+PROTO_LIMIT = 2 * 1024**3
+
+# ONNX Runtime's transformer optimizer knows these graph families.
+_ORT_MODEL_TYPES = {"text_encoder": "clip", "unet": "unet", "vae_decoder": "vae", "vae_encoder": "vae"}
+
+# Ops kept in fp32 when converting to fp16, per component. The VAE's normalization and
+# upsampling activations exceed fp16's range on real weights (diffusers upcasts it too).
+_FP16_KEEP_FP32 = {
+    "vae_decoder": ["GroupNormalization", "InstanceNormalization", "ReduceMean", "Pow", "Sqrt", "Div", "Softmax", "Resize"],
+    "vae_encoder": ["GroupNormalization", "InstanceNormalization", "ReduceMean", "Pow", "Sqrt", "Div", "Softmax"],
+}
+_FP16_ALWAYS_FP32 = ["Softmax", "LayerNormalization"]
+
+
+class OptimizationError(KasokuError):
+    """A graph pass failed."""
+
+
+@dataclass
+class PassContext:
+    component: str
+    precision: Precision = Precision.FP32
+
+
+@dataclass
+class PassReport:
+    name: str
+    nodes_before: int
+    nodes_after: int
+    seconds: float
+
+
+@dataclass
+class OptimizeReport:
+    component: str
+    passes: list[PassReport] = field(default_factory=list)
+
+    @property
+    def nodes_before(self) -> int:
+        return self.passes[0].nodes_before if self.passes else 0
+
+    @property
+    def nodes_after(self) -> int:
+        return self.passes[-1].nodes_after if self.passes else 0
+
+    def to_dict(self) -> dict:
+        return {"component": self.component, "passes": [asdict(p) for p in self.passes]}
+
+
+# ---- passes ----------------------------------------------------------------------------------
+
+
+def cleanup_toposort(model: onnx.ModelProto, ctx: PassContext) -> onnx.ModelProto:
+    """After: no node whose outputs are unused, nodes in topological order (onnx-graphsurgeon)."""
+    import onnx_graphsurgeon as gs
+
+    graph = gs.import_onnx(model)
+    graph.cleanup().toposort()
+    return gs.export_onnx(graph)
+
+
+def fold_constants(model: onnx.ModelProto, ctx: PassContext) -> onnx.ModelProto:
+    """After: every subgraph computable from initializers alone is one initializer
+    (onnx-graphsurgeon's folding, evaluated with ONNX Runtime), dead nodes removed."""
+    import onnx_graphsurgeon as gs
+
+    graph = gs.import_onnx(model)
+    graph.fold_constants(error_ok=True).cleanup().toposort()
+    return gs.export_onnx(graph)
+
+
+def infer_shapes(model: onnx.ModelProto, ctx: PassContext) -> onnx.ModelProto:
+    """After: value_info carries the shapes ONNX can infer (through a file for models over 2 GB)."""
+    if _initializer_bytes(model) < PROTO_LIMIT:
+        return onnx.shape_inference.infer_shapes(model)
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "model.onnx"
+        save_model(model, path)
+        onnx.shape_inference.infer_shapes_path(str(path), str(path))
+        return onnx.load(str(path))
+
+
+def ort_transformer_fusions(model: onnx.ModelProto, ctx: PassContext) -> onnx.ModelProto:
+    """After: attention, LayerNorm and GELU subgraphs are ONNX Runtime contrib ops (CPU-capable
+    fusions only). The result runs only in ONNX Runtime."""
+    from onnxruntime.transformers.fusion_options import FusionOptions
+    from onnxruntime.transformers.optimizer import optimize_model
+
+    model_type = _ORT_MODEL_TYPES[ctx.component]
+    options = FusionOptions(model_type)
+    # GroupNorm, NHWC conv, BiasSplitGelu and BiasAdd fusions produce CUDA-only kernels.
+    for flag in ("enable_group_norm", "enable_skip_group_norm", "enable_nhwc_conv", "enable_bias_splitgelu",
+                 "enable_bias_add", "enable_packed_kv", "enable_packed_qkv"):
+        if hasattr(options, flag):
+            setattr(options, flag, False)
+    optimized = optimize_model(model, model_type=model_type, num_heads=0, hidden_size=0,
+                               optimization_options=options, opt_level=0)
+    return optimized.model
+
+
+def to_fp16(model: onnx.ModelProto, ctx: PassContext) -> onnx.ModelProto:
+    """After: float tensors are fp16 except graph inputs/outputs and the component's fp32
+    keep-list (ops known to overflow)."""
+    if ctx.precision != Precision.FP16:
+        return model
+    from onnxruntime.transformers.float16 import convert_float_to_float16
+
+    keep = sorted(set(_FP16_ALWAYS_FP32 + _FP16_KEEP_FP32.get(ctx.component, [])))
+    return convert_float_to_float16(model, keep_io_types=True, op_block_list=keep, disable_shape_infer=True)
+
+
+PASSES: dict[str, Callable[[onnx.ModelProto, PassContext], onnx.ModelProto]] = {
+    "cleanup": cleanup_toposort,
+    "fold_constants": fold_constants,
+    "infer_shapes": infer_shapes,
+    "ort_fusions": ort_transformer_fusions,
+    "fp16": to_fp16,
+}
+
+
+# ---- running passes --------------------------------------------------------------------------
+
+
+def _initializer_bytes(model: onnx.ModelProto) -> int:
+    return sum(len(t.raw_data) for t in model.graph.initializer)
+
+
+def save_model(model: onnx.ModelProto, path: Path) -> None:
+    """Save, with weights in a side file when the protobuf would pass 2 GB."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    if _initializer_bytes(model) >= PROTO_LIMIT:
+        onnx.save_model(model, str(path), save_as_external_data=True, all_tensors_to_one_file=True,
+                        location=path.name + ".data", size_threshold=1024)
+    else:
+        onnx.save_model(model, str(path))
+
+
+def optimize(
+    source: Path,
+    target: Path,
+    passes: Sequence[str],
+    *,
+    component: str,
+    precision: Precision = Precision.FP32,
+) -> OptimizeReport:
+    """Run `passes` in order on the ONNX file `source` and write the result to `target`."""
+    unknown = [p for p in passes if p not in PASSES]
+    if unknown:
+        raise ValueError(f"unknown pass(es) {unknown}; known passes: {list(PASSES)}.")
+    ctx = PassContext(component=component, precision=Precision(precision))
+    model = onnx.load(str(source))
+    report = OptimizeReport(component=component)
+    for name in passes:
+        before = len(model.graph.node)
+        start = time.perf_counter()
+        try:
+            model = PASSES[name](model, ctx)
+        except Exception as error:  # passes call into several libraries; name the pass
+            raise OptimizationError(f"the {name} pass failed on {component}: {error}") from error
+        report.passes.append(PassReport(name, before, len(model.graph.node), time.perf_counter() - start))
+    save_model(model, target)
+    return report

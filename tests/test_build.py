@@ -1,0 +1,95 @@
+"""`kasoku compile`: every stage through the cache; reuse, new keys, corruption, concurrency."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from kasoku.build import compile_components
+from kasoku.cache import Cache, CorruptEntryWarning
+from kasoku.cli import main
+from kasoku.components import COMPONENT_NAMES, ShapeProfile
+
+
+def test_second_compile_reuses_every_entry(tiny_dir, tiny_cache, tiny_compiled):
+    _, first = tiny_compiled["onnxruntime"]
+    assert {s.stage for s in first.stages} == {"export", "optimize", "engine"}
+    _, again = compile_components(tiny_dir, backend="onnxruntime", cache=tiny_cache)
+    assert len(again.stages) == 3 * len(COMPONENT_NAMES)
+    assert {s.status for s in again.stages} == {"reused"}
+    assert [s.key for s in again.stages] == [s.key for s in first.stages]
+
+
+def test_backends_share_export_and_optimization_but_not_engines(tiny_compiled):
+    ort = {(s.component, s.stage): s.key for s in tiny_compiled["onnxruntime"][1].stages}
+    ov = {(s.component, s.stage): s.key for s in tiny_compiled["openvino"][1].stages}
+    for name in COMPONENT_NAMES:
+        assert ort[(name, "export")] == ov[(name, "export")]
+        assert ort[(name, "optimize")] == ov[(name, "optimize")]
+        assert ort[(name, "engine")] != ov[(name, "engine")]
+
+
+def test_precision_and_profile_make_new_entries(tiny_dir, tiny_cache, tiny_compiled):
+    base = {(s.component, s.stage): s.key for s in tiny_compiled["onnxruntime"][1].stages}
+    _, fp16 = compile_components(tiny_dir, backend="onnxruntime", precision="fp16", cache=tiny_cache,
+                                 components=["text_encoder"])
+    statuses = fp16.statuses()
+    assert statuses[("text_encoder", "export")] == "reused"
+    assert statuses[("text_encoder", "optimize")] == "built"  # the fp16 pass
+    assert statuses[("text_encoder", "engine")] == "built"
+    wider = ShapeProfile.from_ranges((1, 1, 2), (32, 64, 160), (32, 64, 160), 16)
+    _, other = compile_components(tiny_dir, backend="onnxruntime", profile=wider, cache=tiny_cache,
+                                  components=["text_encoder"])
+    keys = {s.stage: s.key for s in other.stages}
+    assert keys["engine"] != base[("text_encoder", "engine")]
+    assert other.statuses()[("text_encoder", "engine")] == "built"
+
+
+def test_corrupt_engine_entry_is_rebuilt(tiny_dir, tiny_cache, tiny_compiled):
+    record = next(s for s in tiny_compiled["onnxruntime"][1].stages if s.component == "vae_encoder"
+                  and s.stage == "engine")
+    model_file = tiny_cache.entries / record.key / "model.onnx"
+    model_file.write_bytes(model_file.read_bytes()[:100])  # truncated
+    with pytest.warns(CorruptEntryWarning, match="model.onnx has 100 bytes"):
+        engines, report = compile_components(tiny_dir, backend="onnxruntime", cache=tiny_cache,
+                                             components=["vae_encoder"])
+    assert report.statuses()[("vae_encoder", "engine")] == "rebuilt"
+    assert tiny_cache.verify(tiny_cache.entries / record.key) is None
+
+
+def test_two_processes_compile_the_same_model_once(tiny_dir, tmp_path):
+    env = {**os.environ, "KASOKU_CACHE": str(tmp_path / "cache")}
+    command = [sys.executable, "-m", "kasoku.cli", "compile", str(tiny_dir), "--backend", "onnxruntime",
+               "--components", "text_encoder", "vae_encoder"]
+    procs = [subprocess.Popen([*command, "--json", str(tmp_path / f"r{i}.json")], env=env,
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for i in range(2)]
+    for p in procs:
+        out, _ = p.communicate(timeout=600)
+        assert p.returncode == 0, out
+    reports = [json.loads((tmp_path / f"r{i}.json").read_text()) for i in range(2)]
+    stages = [{(s["component"], s["stage"]): s["status"] for s in r["stages"]} for r in reports]
+    assert stages[0].keys() == stages[1].keys() and len(stages[0]) == 6
+    for stage in stages[0]:
+        assert sorted([stages[0][stage], stages[1][stage]]) == ["built", "reused"], stage
+    assert len(Cache(tmp_path / "cache").list()) == 6
+
+
+def test_compile_cli_reports_stages(tiny_dir, tiny_cache, tiny_compiled, capsys):
+    assert main(["compile", str(tiny_dir), "--backend", "openvino", "--cache-dir", str(tiny_cache.root),
+                 "--components", "unet"]) == 0
+    out = capsys.readouterr().out
+    assert "0 built, 3 reused from the cache" in out and "unet=openvino" in out
+
+
+def test_compile_cli_profile_flags(tiny_dir, tmp_path, capsys):
+    assert main(["compile", str(tiny_dir), "--backend", "onnxruntime", "--cache-dir", str(tmp_path),
+                 "--components", "text_encoder", "--batch", "1:2", "--height", "32:64", "--width", "32:64",
+                 "--json", str(tmp_path / "r.json")]) == 0
+    profile = json.loads((tmp_path / "r.json").read_text())["profile"]
+    assert profile["max"] == {"batch": 2, "height": 64, "width": 64}
+    assert main(["compile", str(tiny_dir), "--height", "64:48"]) == 1
+    assert "1 <= min <= opt <= max" in capsys.readouterr().out

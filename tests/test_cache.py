@@ -1,0 +1,134 @@
+"""The content-addressed cache: atomic entries, verification, leftovers, locking."""
+
+from __future__ import annotations
+
+import json
+import multiprocessing
+import os
+import subprocess
+import sys
+
+import pytest
+
+from kasoku.cache import MANIFEST, TMP_PREFIX, Cache, CorruptEntryWarning, digest_key
+
+
+def write_files(tmp):
+    (tmp / "a.bin").write_bytes(b"x" * 1000)
+    (tmp / "sub").mkdir()
+    (tmp / "sub" / "b.txt").write_text("hello")
+    return {"note": "built"}
+
+
+def test_build_once_then_reuse(tmp_path):
+    cache = Cache(tmp_path)
+    first = cache.get_or_build({"kind": "t", "v": 1}, write_files)
+    second = cache.get_or_build({"kind": "t", "v": 1}, lambda tmp: pytest.fail("must not rebuild"))
+    assert first.built and not second.built and first.path == second.path
+    assert second.meta == {"note": "built"}
+    manifest = json.loads((first.path / MANIFEST).read_text())
+    assert set(manifest["files"]) == {"a.bin", "sub/b.txt"}
+    assert [e[2] for e in cache.events] == ["built", "reused"]
+
+
+def test_key_is_a_digest_of_every_part(tmp_path):
+    assert digest_key({"a": 1, "b": 2}) == digest_key({"b": 2, "a": 1})
+    assert digest_key({"a": 1}) != digest_key({"a": 2})
+    cache = Cache(tmp_path)
+    one = cache.get_or_build({"kind": "t", "precision": "fp32"}, write_files)
+    two = cache.get_or_build({"kind": "t", "precision": "fp16"}, write_files)
+    assert one.key != two.key and two.built
+
+
+@pytest.mark.parametrize("damage", ["truncate", "alter", "delete", "manifest"])
+def test_damaged_entry_is_rebuilt_with_a_warning(tmp_path, damage):
+    cache = Cache(tmp_path)
+    entry = cache.get_or_build({"kind": "t"}, write_files)
+    target = entry.path / "a.bin"
+    if damage == "truncate":
+        target.write_bytes(b"x" * 10)
+    elif damage == "alter":
+        target.write_bytes(b"y" * 1000)
+    elif damage == "delete":
+        target.unlink()
+    else:
+        (entry.path / MANIFEST).write_text("{not json")
+    with pytest.warns(CorruptEntryWarning, match="corrupt"):
+        again = cache.get_or_build({"kind": "t"}, write_files)
+    assert again.built and (again.path / "a.bin").read_bytes() == b"x" * 1000
+    assert cache.events[-1][2] == "rebuilt"
+    assert cache.verify(again.path) is None
+
+
+def test_failed_build_leaves_nothing(tmp_path):
+    cache = Cache(tmp_path)
+
+    def broken(tmp):
+        (tmp / "half").write_text("partial")
+        raise RuntimeError("builder died")
+
+    with pytest.raises(RuntimeError, match="builder died"):
+        cache.get_or_build({"kind": "t"}, broken)
+    assert list(cache.entries.iterdir()) == [cache.entries / f".{digest_key({'kind': 't'})}.lock"]
+
+
+def test_leftover_from_a_killed_build_is_ignored_and_cleaned(tmp_path):
+    cache = Cache(tmp_path)
+    key = digest_key({"kind": "t"})
+    leftover = cache.entries / f"{TMP_PREFIX}{key}-99999-deadbeef"
+    leftover.mkdir()
+    (leftover / "a.bin").write_bytes(b"garbage")
+    assert cache.list() == []
+    entry = cache.get_or_build({"kind": "t"}, write_files)
+    assert entry.built and not leftover.exists()
+
+
+def _slow_build_in_process(root, result_file):
+    import time
+
+    cache = Cache(root)
+
+    def build(tmp):
+        time.sleep(1.0)
+        write_files(tmp)
+        return {"pid": os.getpid()}
+
+    entry = cache.get_or_build({"kind": "t"}, build)
+    with open(result_file, "a") as f:
+        f.write(json.dumps({"pid": os.getpid(), "built": entry.built, "meta": entry.meta}) + "\n")
+
+
+def test_concurrent_builders_wait_on_the_lock(tmp_path):
+    result = tmp_path / "results.jsonl"
+    ctx = multiprocessing.get_context("spawn")
+    workers = [ctx.Process(target=_slow_build_in_process, args=(tmp_path / "cache", result)) for _ in range(2)]
+    for w in workers:
+        w.start()
+    for w in workers:
+        w.join(60)
+        assert w.exitcode == 0
+    rows = [json.loads(line) for line in result.read_text().splitlines()]
+    assert sorted(r["built"] for r in rows) == [False, True]
+    assert len({r["meta"]["pid"] for r in rows}) == 1  # both use the one build
+
+
+def test_list_and_clear(tmp_path):
+    cache = Cache(tmp_path)
+    cache.get_or_build({"kind": "a"}, write_files, describe={"model": "/m/one", "component": "unet"})
+    cache.get_or_build({"kind": "b"}, write_files, describe={"model": "/m/two", "component": "unet"})
+    assert {(e.model, e.kind) for e in cache.list()} == {("/m/one", "a"), ("/m/two", "b")}
+    assert cache.clear("one") == 1
+    assert [e.model for e in cache.list()] == ["/m/two"]
+    assert cache.clear() == 1 and cache.list() == []
+
+
+def test_cache_cli(tmp_path):
+    cache = Cache(tmp_path)
+    cache.get_or_build({"kind": "a"}, write_files, describe={"model": "/m/one", "component": "unet"})
+    env = {**os.environ, "KASOKU_CACHE": str(tmp_path)}
+    out = subprocess.run([sys.executable, "-m", "kasoku.cli", "cache", "ls"], env=env, capture_output=True,
+                         text=True, check=True).stdout
+    assert "/m/one" in out and "1 entries" in out
+    out = subprocess.run([sys.executable, "-m", "kasoku.cli", "cache", "clear"], env=env, capture_output=True,
+                         text=True, check=True).stdout
+    assert "removed 1 entry" in out and cache.list() == []
