@@ -66,3 +66,25 @@ def tiny_compiled(tiny_dir, tiny_cache):
         backend: compile_components(tiny_dir, backend=backend, cache=tiny_cache)
         for backend in ("onnxruntime", "openvino")
     }
+
+
+@pytest.fixture(scope="session")
+def tiny_kasoku(tiny_pipe, tiny_cache, tiny_compiled):
+    """KasokuPipeline over ONNX Runtime engines of the tiny pipeline (engines from the cache)."""
+    import kasoku
+
+    return kasoku.compile(tiny_pipe, backend="onnxruntime", cache_dir=tiny_cache.root)
+
+
+@pytest.fixture(scope="session")
+def tiny_inpaint_pipe():
+    from kasoku.tiny import tiny_pipeline
+
+    return tiny_pipeline(inpainting=True)
+
+
+@pytest.fixture(scope="session")
+def tiny_inpaint_kasoku(tiny_inpaint_pipe, tiny_cache, tiny_compiled):
+    import kasoku
+
+    return kasoku.compile(tiny_inpaint_pipe, backend="onnxruntime", cache_dir=tiny_cache.root)

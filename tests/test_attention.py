@@ -57,7 +57,7 @@ def block_keep(q_lens, k_lens, rule):
     keep = np.zeros((sum(q_lens), sum(k_lens)), dtype=bool)
     qs, ks = 0, 0
     for lq, lk in zip(q_lens, k_lens):
-        keep[qs : qs + lq, ks : ks + lk] = keep_loops(lq, lk, lambda i, j: rule(i, j, lq, lk))
+        keep[qs : qs + lq, ks : ks + lk] = keep_loops(lq, lk, lambda i, j, lq=lq, lk=lk: rule(i, j, lq, lk))
         qs, ks = qs + lq, ks + lk
     return keep
 
@@ -65,7 +65,9 @@ def block_keep(q_lens, k_lens, rule):
 SHIFT = MKV - MQ
 CAUSAL_KINDS = {
     "LowerTriangularMask": (lambda: ab.LowerTriangularMask(), lambda i, j: j <= i),
-    "LowerTriangularFromBottomRightMask": (lambda: ab.LowerTriangularFromBottomRightMask(), lambda i, j: j <= i + SHIFT),
+    "LowerTriangularFromBottomRightMask": (
+        lambda: ab.LowerTriangularFromBottomRightMask(), lambda i, j: j <= i + SHIFT
+    ),
     "LowerTriangularFromBottomRightLocalAttentionMask": (
         lambda: ab.LowerTriangularFromBottomRightLocalAttentionMask(3),
         lambda i, j: i + SHIFT - 2 <= j <= i + SHIFT,
@@ -79,7 +81,9 @@ CAUSAL_KINDS = {
 Q_LENS, K_LENS = [2, 3], [3, 4]
 BLOCK_KINDS = {
     "BlockDiagonalMask": (lambda: ab.BlockDiagonalMask.from_seqlens(Q_LENS, K_LENS), lambda i, j, lq, lk: True),
-    "BlockDiagonalCausalMask": (lambda: ab.BlockDiagonalCausalMask.from_seqlens(Q_LENS, K_LENS), lambda i, j, lq, lk: j <= i),
+    "BlockDiagonalCausalMask": (
+        lambda: ab.BlockDiagonalCausalMask.from_seqlens(Q_LENS, K_LENS), lambda i, j, lq, lk: j <= i
+    ),
     "BlockDiagonalCausalFromBottomRightMask": (
         lambda: ab.BlockDiagonalCausalFromBottomRightMask.from_seqlens(Q_LENS, K_LENS),
         lambda i, j, lq, lk: j <= i + lk - lq,

@@ -68,8 +68,8 @@ def test_torch_backend_is_the_reference(tiny_specs):
 def test_unknown_and_unavailable_backends_explain(monkeypatch):
     with pytest.raises(BackendUnavailable, match="unknown backend 'magic'; choose from auto, tensorrt"):
         get_backend("magic")
-    monkeypatch.setattr(BACKENDS["openvino"], "availability",
-                        classmethod(lambda cls: Availability("openvino", False, reason="the openvino package is not installed")))
+    missing = Availability("openvino", False, reason="the openvino package is not installed")
+    monkeypatch.setattr(BACKENDS["openvino"], "availability", classmethod(lambda cls: missing))
     with pytest.raises(BackendUnavailable, match=r"not installed\. Install it with `pip install kasoku\[openvino\]`"):
         get_backend("openvino").require()
 

@@ -34,7 +34,8 @@ def test_builder_options_mapping(tiny_specs, tmp_path):
         trt_build_options(tiny_specs["unet"], Precision.FP32, 9, None)
 
 
-@pytest.mark.skipif(importlib.util.find_spec("polygraphy") is None, reason="polygraphy (kasoku[tensorrt]) not installed")
+@pytest.mark.skipif(importlib.util.find_spec("polygraphy") is None,
+                    reason="polygraphy (kasoku[tensorrt]) not installed")
 def test_polygraphy_config_carries_the_options(tiny_specs):
     from kasoku.backends.tensorrt import polygraphy_config
 

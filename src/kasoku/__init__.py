@@ -19,6 +19,10 @@ _PUBLIC = {
     "ImageShape": "kasoku.components",
     "Precision": "kasoku.components",
     "export_pipeline": "kasoku.export",
+    "compile": "kasoku.pipeline",
+    "KasokuPipeline": "kasoku.pipeline",
+    "compile_components": "kasoku.build",
+    "Cache": "kasoku.cache",
     "write_tiny_pipeline": "kasoku.tiny",
 }
 

@@ -222,6 +222,7 @@ def compile_components(
     opset: int = DEFAULT_OPSET,
     options: EngineOptions | None = None,
     on_stage: StageHook = _no_hook,
+    label: str | None = None,
 ) -> tuple[dict[str, Engine], CompileReport]:
     """Fill the cache for the components of `model` and load their engines."""
     from .loading import load_pipeline
@@ -230,7 +231,7 @@ def compile_components(
     pipe = load_pipeline(model)
     specs = component_specs(pipe, profile, components)
     cache = cache if isinstance(cache, Cache) else Cache(cache)
-    label = str(model) if isinstance(model, (str, Path)) else type(model).__name__
+    label = label or (str(model) if isinstance(model, (str, Path)) else type(model).__name__)
     compiler = Compiler(cache, precision=Precision(precision), exporter=exporter, opset=opset, options=options,
                         on_stage=on_stage, describe_model=label)
     engines, chosen = compiler.compile(specs, backend)

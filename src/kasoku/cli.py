@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -171,6 +172,24 @@ def _profile_from_args(args: argparse.Namespace):
     return ShapeProfile.from_ranges(ranges["batch"], ranges["height"], ranges["width"], base.multiple)
 
 
+def _profile_for_generate(args: argparse.Namespace, image):
+    """The model's default profile, widened to serve the requested size and image count, so
+    `generate` compiles what it needs (a size that is not a multiple of 8 is left for the
+    pipeline's own check to explain)."""
+    from .components import ImageShape, ShapeProfile, default_profile
+    from .loading import load_pipeline
+
+    base = default_profile(load_pipeline(args.model))
+    height = args.height or (image.size[1] if image else base.opt.height)
+    width = args.width or (image.size[0] if image else base.opt.width)
+    if height % base.multiple or width % base.multiple:
+        return base
+    wanted = ImageShape(args.num_images, height, width)
+    low = ImageShape(*(min(getattr(base.min, d), getattr(wanted, d)) for d in ("batch", "height", "width")))
+    high = ImageShape(*(max(getattr(base.max, d), getattr(wanted, d)) for d in ("batch", "height", "width")))
+    return ShapeProfile(low, base.opt, high, base.multiple)
+
+
 def _engine_options(args: argparse.Namespace):
     from .backends import EngineOptions
 
@@ -179,15 +198,87 @@ def _engine_options(args: argparse.Namespace):
 
 @command("demo")
 def cmd_demo(args: argparse.Namespace) -> int:
-    """The main job on the built-in tiny pipeline, offline: export, prove parity, report."""
-    from .console import console, write_json
+    """The whole job on the built-in tiny pipeline, offline: compile, verify, time, generate."""
+    from .console import console, stage, write_json
     from .demo import print_demo_report, run_demo
 
-    report = run_demo(workdir=args.workdir)
+    def on_stage(component: str, name: str):
+        return stage(f"{component}: {name}")
+
+    report = run_demo(workdir=args.workdir, output=args.output, cache_dir=args.cache_dir, on_stage=on_stage)
     print_demo_report(report, console)
     if args.json:
         write_json(args.json, report)
+    return 0 if report.passed else 1
+
+
+@command("generate")
+def cmd_generate(args: argparse.Namespace) -> int:
+    """Generate images (txt2img, img2img with --image, inpaint with --image and --mask)."""
+    import torch
+
+    from .console import console, stage, steps_bar, table
+    from .pipeline import KasokuPipeline
+
+    output = Path(args.output)
+    if not output.parent.exists():
+        raise KasokuError(f"cannot write {output}: the folder {output.parent} does not exist.")
+    image = _open_image(args.image, "--image") if args.image else None
+    mask = _open_image(args.mask, "--mask").convert("L") if args.mask else None
+    if mask is not None and image is None:
+        raise KasokuError("--mask needs --image (the picture to inpaint).")
+
+    def on_stage(component: str, name: str):
+        return stage(f"compiling {component}: {name}")
+
+    start = time.perf_counter()
+    pipe = KasokuPipeline.from_pretrained(args.model, args.backend, precision=args.precision,
+                                          cache_dir=args.cache_dir, profile=_profile_for_generate(args, image),
+                                          options=_engine_options(args), on_stage=on_stage)
+    load_seconds = time.perf_counter() - start
+    if args.scheduler:
+        pipe.set_scheduler(args.scheduler)
+    kwargs = dict(negative_prompt=args.negative, num_inference_steps=args.steps, guidance_scale=args.guidance,
+                  num_images_per_prompt=args.num_images, height=args.height, width=args.width,
+                  generator=torch.Generator().manual_seed(args.seed))
+    if image is not None:
+        kwargs.update(image=image, strength=args.strength)
+    if mask is not None:
+        kwargs["mask_image"] = mask
+    pipe.times.reset()
+    with steps_bar(args.steps, "denoising") as bar:
+        task = bar.add_task("denoising", total=None)
+
+        def on_step(_pipe, step, _timestep, callback_kwargs):
+            bar.update(task, completed=step + 1, total=_pipe.num_timesteps)
+            return callback_kwargs
+
+        start = time.perf_counter()
+        images = pipe(args.prompt, callback_on_step_end=on_step, **kwargs).images
+        call_seconds = time.perf_counter() - start
+    paths = [output] if len(images) == 1 else [output.with_name(f"{output.stem}-{i}{output.suffix}")
+                                               for i in range(len(images))]
+    for img, path in zip(images, paths):
+        img.save(path)
+    rows = [["compile / load engines", f"{load_seconds:.2f} s", ""]]
+    rows += [[name, f"{pipe.times.seconds[name]:.2f} s", f"{pipe.times.calls[name]} calls"]
+             for name in pipe.times.seconds]
+    rows.append(["whole call", f"{call_seconds:.2f} s", pipe.task(image, mask)])
+    console.print(table("time per stage", ["stage", "time", ""], rows))
+    console.print("backends: " + ", ".join(f"{n}={e.backend}" for n, e in pipe.engines.items()))
+    console.print("wrote " + ", ".join(str(p) for p in paths))
     return 0
+
+
+def _open_image(path: Path, flag: str):
+    from PIL import Image, UnidentifiedImageError
+
+    try:
+        return Image.open(path).convert("RGB")
+    except FileNotFoundError:
+        raise KasokuError(f"{flag} {path} does not exist.") from None
+    except UnidentifiedImageError:
+        raise KasokuError(f"{flag} {path} is not an image PIL can read.") from None
 
 
 # ---- parser ----------------------------------------------------------------------------------
@@ -196,6 +287,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
 def build_parser() -> argparse.ArgumentParser:
     from .components import COMPONENT_NAMES
     from .export import DEFAULT_EXPORTER, DEFAULT_OPSET, EXPORTERS
+    from .schedulers import SCHEDULERS
 
     parser = argparse.ArgumentParser(
         prog="kasoku",
@@ -212,8 +304,29 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = add("demo")
     p.add_argument("--workdir", type=Path, default=None,
-                   help="keep the tiny model and its ONNX files here (default: a temporary folder)")
+                   help="keep the tiny model here (default: a temporary folder)")
+    p.add_argument("-o", "--output", type=Path, default=Path("kasoku-demo.png"), help="default kasoku-demo.png")
+    p.add_argument("--cache-dir", type=Path, default=None, help="default: $KASOKU_CACHE or ~/.cache/kasoku")
     p.add_argument("--json", type=Path, metavar="PATH", help="also write the report as JSON")
+
+    p = add("generate")
+    p.add_argument("model", help="a diffusers pipeline folder (or a hub id when online)")
+    p.add_argument("prompt", help="what to draw")
+    p.add_argument("-o", "--output", type=Path, default=Path("out.png"),
+                   help="image file (default out.png; out-0.png, out-1.png, ... for several)")
+    p.add_argument("--negative", default=None, help="negative prompt")
+    p.add_argument("--steps", type=int, default=30, help="denoising steps (default 30)")
+    p.add_argument("--guidance", type=float, default=7.5, help="classifier-free guidance scale (default 7.5)")
+    p.add_argument("--seed", type=int, default=0, help="generator seed (default 0)")
+    p.add_argument("--num-images", type=int, default=1, help="images per prompt (default 1)")
+    p.add_argument("--height", type=int, default=None, help="image height in pixels (default: the model's native)")
+    p.add_argument("--width", type=int, default=None, help="image width in pixels (default: the model's native)")
+    p.add_argument("--image", type=Path, help="img2img / inpaint: the input image")
+    p.add_argument("--strength", type=float, default=0.8, help="img2img / inpaint strength (default 0.8)")
+    p.add_argument("--mask", type=Path, help="inpaint: white where to paint")
+    p.add_argument("--scheduler", choices=list(SCHEDULERS), default=None,
+                   help="swap the model's scheduler (default: keep it)")
+    _add_engine_arguments(p, profile_flags=False)
 
     p = add("tiny")
     p.add_argument("dir", type=Path, help="an empty or new folder to write the pipeline into")
@@ -246,7 +359,7 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _add_engine_arguments(p: argparse.ArgumentParser) -> None:
+def _add_engine_arguments(p: argparse.ArgumentParser, profile_flags: bool = True) -> None:
     """The options that say which engines to build (compile, generate, verify, bench)."""
     from .backends import BACKEND_CHOICES
     from .components import COMPONENT_NAMES, Precision
@@ -256,9 +369,10 @@ def _add_engine_arguments(p: argparse.ArgumentParser) -> None:
                    help="auto (default): TensorRT then ONNX Runtime CUDA on a GPU; on a CPU the faster of "
                         "onnxruntime and openvino per component, measured once")
     p.add_argument("--precision", choices=[p.value for p in Precision], default="fp32", help="default fp32")
-    p.add_argument("--batch", type=_range, metavar="MIN:MAX", help="images per call the engines serve")
-    p.add_argument("--height", type=_range, metavar="MIN:MAX", help="image heights in pixels")
-    p.add_argument("--width", type=_range, metavar="MIN:MAX", help="image widths in pixels")
+    if profile_flags:
+        p.add_argument("--batch", type=_range, metavar="MIN:MAX", help="images per call the engines serve")
+        p.add_argument("--height", type=_range, metavar="MIN:MAX", help="image heights in pixels")
+        p.add_argument("--width", type=_range, metavar="MIN:MAX", help="image widths in pixels")
     p.add_argument("--components", nargs="+", choices=COMPONENT_NAMES, default=list(COMPONENT_NAMES),
                    metavar="NAME", help=f"which components (default all: {' '.join(COMPONENT_NAMES)})")
     p.add_argument("--exporter", choices=EXPORTERS, default=DEFAULT_EXPORTER, help=argparse.SUPPRESS)

@@ -25,7 +25,9 @@ def package_versions() -> dict[str, str]:
 def system_info() -> dict:
     import torch
 
-    gpus = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())] if torch.cuda.is_available() else []
+    gpus = []
+    if torch.cuda.is_available():
+        gpus = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
     return {
         "python": platform.python_version(),
         "machine": {"cpu": cpu_name(), "cores": torch.get_num_threads(), "gpus": gpus},

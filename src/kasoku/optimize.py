@@ -15,7 +15,7 @@ from pathlib import Path
 
 import onnx
 
-from .components import ComponentSpec, Precision
+from .components import Precision
 from .errors import KasokuError
 
 PROTO_LIMIT = 2 * 1024**3
@@ -26,7 +26,9 @@ _ORT_MODEL_TYPES = {"text_encoder": "clip", "unet": "unet", "vae_decoder": "vae"
 # Ops kept in fp32 when converting to fp16, per component. The VAE's normalization and
 # upsampling activations exceed fp16's range on real weights (diffusers upcasts it too).
 _FP16_KEEP_FP32 = {
-    "vae_decoder": ["GroupNormalization", "InstanceNormalization", "ReduceMean", "Pow", "Sqrt", "Div", "Softmax", "Resize"],
+    "vae_decoder": [
+        "GroupNormalization", "InstanceNormalization", "ReduceMean", "Pow", "Sqrt", "Div", "Softmax", "Resize",
+    ],
     "vae_encoder": ["GroupNormalization", "InstanceNormalization", "ReduceMean", "Pow", "Sqrt", "Div", "Softmax"],
 }
 _FP16_ALWAYS_FP32 = ["Softmax", "LayerNormalization"]

@@ -109,7 +109,9 @@ class OnnxRuntimeBackend(Backend):
                 options.add_session_config_entry(
                     "session.optimized_model_external_initializers_file_name", save_optimized.name + ".data"
                 )
-                options.add_session_config_entry("session.optimized_model_external_initializers_min_size_in_bytes", "1024")
+                options.add_session_config_entry(
+                    "session.optimized_model_external_initializers_min_size_in_bytes", "1024"
+                )
         providers = provider_options(spec, self.options.device, precision, cache_dir)
         return ort.InferenceSession(str(path), options, providers=providers)
 
