@@ -10,6 +10,7 @@ runs the component faster here, measured once and remembered in the cache.
 from __future__ import annotations
 
 import contextlib
+import shutil
 import statistics
 import time
 from collections.abc import Callable, Iterable
@@ -23,9 +24,17 @@ import torch
 
 from .backends import Engine, EngineOptions, cpu_candidates, get_backend, gpu_candidates
 from .backends.base import Backend
-from .cache import Cache, CacheEntry
+from .cache import Cache, CacheEntry, file_sha256
 from .components import COMPONENT_NAMES, ComponentSpec, Precision, ShapeProfile, component_specs
-from .export import DEFAULT_EXPORTER, DEFAULT_OPSET, check_onnx_parity, default_check_shapes, export_component
+from .errors import KasokuError
+from .export import (
+    DEFAULT_EXPORTER,
+    DEFAULT_OPSET,
+    check_onnx_parity,
+    default_check_shapes,
+    export_component,
+    onnx_files,
+)
 from .optimize import optimize
 from .parity import compare_outputs, raise_on_failure
 
@@ -78,6 +87,8 @@ class Compiler:
         options: EngineOptions | None = None,
         on_stage: StageHook = _no_hook,
         describe_model: str = "?",
+        check_parity: bool = True,
+        onnx_dir: Path | None = None,
     ):
         self.cache = cache
         self.precision = Precision(precision)
@@ -88,6 +99,8 @@ class Compiler:
             self.options.timing_cache_dir = cache.root / "tensorrt"
         self.on_stage = on_stage
         self.model = describe_model
+        self.check_parity = check_parity
+        self.onnx_dir = Path(onnx_dir) if onnx_dir else None
         self.records: list[StageRecord] = []
 
     # ---- one cache entry per stage -----------------------------------------------------------
@@ -102,6 +115,8 @@ class Compiler:
         return entry
 
     def exported(self, spec: ComponentSpec) -> CacheEntry:
+        if self.onnx_dir is not None:
+            return self.given_onnx(spec)
         parts = {
             "kind": "onnx", "component": spec.name, "weights": spec.fingerprint, "exporter": self.exporter,
             "opset": self.opset, "torch": torch.__version__, "onnx": onnx.__version__,
@@ -111,6 +126,21 @@ class Compiler:
         def build(tmp: Path) -> dict:
             result = export_component(spec, tmp / ONNX_FILE, exporter=self.exporter, opset=self.opset)
             return {"parity": [p.to_dict() for p in result.parity], "export_seconds": result.seconds}
+
+        return self._stage(spec, "export", parts, build)
+
+    def given_onnx(self, spec: ComponentSpec) -> CacheEntry:
+        """An ONNX file the user exported (and maybe edited): keyed by its bytes, not the weights."""
+        path = self.onnx_dir / spec.name / ONNX_FILE
+        if not path.is_file():
+            raise KasokuError(f"{path} does not exist; `kasoku export MODEL {self.onnx_dir}` writes it.")
+        files = onnx_files(path)
+        parts = {"kind": "onnx-file", "component": spec.name, "files": [file_sha256(f) for f in files]}
+
+        def build(tmp: Path) -> dict:
+            for file in files:
+                shutil.copy2(file, tmp / file.name)
+            return {"source": str(path)}
 
         return self._stage(spec, "export", parts, build)
 
@@ -124,8 +154,10 @@ class Compiler:
         def build(tmp: Path) -> dict:
             report = optimize(source.file(ONNX_FILE), tmp / ONNX_FILE, passes, component=spec.name,
                               precision=self.precision)
-            parity = check_onnx_parity(spec, tmp / ONNX_FILE, default_check_shapes(spec.profile),
-                                       stage="optimization", precision=self.precision)
+            parity = []
+            if self.check_parity:
+                parity = check_onnx_parity(spec, tmp / ONNX_FILE, default_check_shapes(spec.profile),
+                                           stage="optimization", precision=self.precision)
             return {"passes": report.to_dict()["passes"], "parity": [p.to_dict() for p in parity]}
 
         return self._stage(spec, "optimize", parts, build)
@@ -138,8 +170,9 @@ class Compiler:
 
         def build(tmp: Path) -> dict:
             meta = backend.build(spec, source.file(ONNX_FILE), tmp, self.precision) or {}
-            engine = backend.load(spec, tmp, self.precision)
-            meta["parity"] = [p.to_dict() for p in engine_parity(spec, engine, self.precision)]
+            if self.check_parity:
+                engine = backend.load(spec, tmp, self.precision)
+                meta["parity"] = [p.to_dict() for p in engine_parity(spec, engine, self.precision)]
             return meta
 
         return self._stage(spec, "engine", parts, build)
@@ -223,6 +256,8 @@ def compile_components(
     options: EngineOptions | None = None,
     on_stage: StageHook = _no_hook,
     label: str | None = None,
+    check_parity: bool = True,
+    onnx_dir: str | Path | None = None,
 ) -> tuple[dict[str, Engine], CompileReport]:
     """Fill the cache for the components of `model` and load their engines."""
     from .loading import load_pipeline
@@ -233,7 +268,7 @@ def compile_components(
     cache = cache if isinstance(cache, Cache) else Cache(cache)
     label = label or (str(model) if isinstance(model, (str, Path)) else type(model).__name__)
     compiler = Compiler(cache, precision=Precision(precision), exporter=exporter, opset=opset, options=options,
-                        on_stage=on_stage, describe_model=label)
+                        on_stage=on_stage, describe_model=label, check_parity=check_parity, onnx_dir=onnx_dir)
     engines, chosen = compiler.compile(specs, backend)
     report = CompileReport(
         model=label,

@@ -196,6 +196,54 @@ def _engine_options(args: argparse.Namespace):
     return EngineOptions(threads=args.threads, builder_optimization_level=args.trt_opt_level)
 
 
+@command("verify")
+def cmd_verify(args: argparse.Namespace) -> int:
+    """Compare every engine with torch at three shapes and an image with diffusers; exit 1 on failure."""
+    from rich.markdown import Markdown
+
+    from .console import console, stage, write_json
+    from .verify import markdown, verify
+
+    def on_stage(component: str, name: str):
+        return stage(f"compiling {component}: {name}")
+
+    with stage("verifying"):
+        report = verify(args.model, args.backend, precision=args.precision, cache_dir=args.cache_dir,
+                        profile=_profile_from_args(args), onnx_dir=args.onnx, options=_engine_options(args),
+                        image=not args.no_image, on_stage=on_stage)
+    console.print(Markdown(markdown(report)))
+    for line in (c.line() for c in report.components if not c.passed):
+        console.print(line, markup=False)
+    if args.json:
+        write_json(args.json, report)
+    if not report.passed:
+        console.print(f"verify FAILED for {', '.join(report.failed_components) or 'the image'}: rebuild with "
+                      "`kasoku cache clear MODEL` and `kasoku compile MODEL`, or report the lines above.",
+                      markup=False)
+    return 0 if report.passed else 1
+
+
+@command("bench")
+def cmd_bench(args: argparse.Namespace) -> int:
+    """Time each component and the whole pipeline per backend against torch eager (BENCHMARK.md)."""
+    from rich.markdown import Markdown
+
+    from .bench import bench, markdown, plot
+    from .console import console, stage, write_json
+
+    with stage("benchmarking"):
+        report = bench(args.model, [b.strip() for b in args.backends.split(",") if b.strip()], steps=args.steps,
+                       repeats=args.repeats, profile=_profile_from_args(args), components=args.components,
+                       cache_dir=args.cache_dir, threads=args.threads, end_to_end=not args.components_only,
+                       log=lambda message: console.log(message))
+    console.print(Markdown(markdown(report)))
+    if args.json:
+        write_json(args.json, report)
+    if args.plot:
+        console.print(f"chart: {plot(report, args.plot)}")
+    return 0
+
+
 @command("demo")
 def cmd_demo(args: argparse.Namespace) -> int:
     """The whole job on the built-in tiny pipeline, offline: compile, verify, time, generate."""
@@ -353,6 +401,26 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("model", nargs="?", help="with clear: only the entries of this model (folder or name)")
     p.add_argument("--cache-dir", type=Path, default=None, help="default: $KASOKU_CACHE or ~/.cache/kasoku")
     p.add_argument("--json", type=Path, metavar="PATH", help="with ls: also write the list as JSON")
+
+    p = add("verify")
+    p.add_argument("model", help="a diffusers pipeline folder (or a hub id when online)")
+    _add_engine_arguments(p)
+    p.add_argument("--onnx", type=Path, default=None, metavar="DIR",
+                   help="build the engines from these ONNX files (a `kasoku export` folder) instead of exporting")
+    p.add_argument("--no-image", action="store_true", help="components only, skip the image comparison")
+    p.add_argument("--json", type=Path, metavar="PATH", help="also write the report as JSON")
+
+    p = add("bench")
+    p.add_argument("model", help="a diffusers pipeline folder (or a hub id when online)")
+    p.add_argument("--backends", default="onnxruntime,openvino",
+                   help="comma-separated kasoku backends and peers (torch.compile, onnxruntime-defaults, "
+                        "openvino-defaults); torch eager is always timed. Default: onnxruntime,openvino")
+    p.add_argument("--steps", type=int, default=4, help="denoising steps of the end-to-end image (default 4)")
+    p.add_argument("--repeats", type=int, default=3, help="timed repeats after warm-up, at least 3 (default 3)")
+    p.add_argument("--components-only", action="store_true", help="skip the end-to-end image")
+    p.add_argument("--plot", type=Path, metavar="PATH", help="also draw a PNG bar chart")
+    p.add_argument("--json", type=Path, metavar="PATH", help="also write the report as JSON")
+    _add_engine_arguments(p)
 
     p = add("info")
     p.add_argument("--json", type=Path, metavar="PATH", help="also write the report as JSON")

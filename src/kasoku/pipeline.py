@@ -282,6 +282,8 @@ def compile(
     options: EngineOptions | None = None,
     on_stage=None,
     label: str | None = None,
+    check_parity: bool = True,
+    onnx_dir: str | Path | None = None,
 ) -> KasokuPipeline:
     """A live diffusers Stable Diffusion pipeline in (txt2img, img2img or inpaint, also one with
     xFormers attention processors), an accelerated KasokuPipeline out."""
@@ -293,5 +295,5 @@ def compile(
     kwargs: dict[str, Any] = {"on_stage": on_stage} if on_stage else {}
     engines, report = compile_components(pipe, backend=backend, precision=precision, profile=profile,
                                          components=components, cache=cache_dir, options=options, label=label,
-                                         **kwargs)
+                                         check_parity=check_parity, onnx_dir=onnx_dir, **kwargs)
     return KasokuPipeline(pipe, engines, profile, report)

@@ -1,0 +1,396 @@
+"""`kasoku bench`: side-by-side timings that follow BENCHMARK.md.
+
+In one process run: the machine's fp32 matmul rate (median of 5 torch 4096^3 matmuls), then per
+component torch eager and every requested contender on the same inputs, warm-up first, then
+min / median / max of the repeats, max|Δ| against torch beside each time, the FLOP floor
+(FLOPs ÷ matmul rate) and time ÷ floor, cold compile and warm load times, memory; then the
+whole pipeline (seconds per image, steps per second) against diffusers' torch pipeline.
+"""
+
+from __future__ import annotations
+
+import datetime
+import platform
+import statistics
+import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from .backends import EngineOptions
+from .backends.base import cpu_name
+from .components import COMPONENT_NAMES, ComponentSpec, ImageShape, ShapeProfile, component_specs
+from .errors import KasokuError
+
+# Peers that are not kasoku backends: the runtime's own defaults on kasoku's exported ONNX file.
+PEERS = ("torch.compile", "onnxruntime-defaults", "openvino-defaults")
+MATMUL_SIZE = 4096
+
+
+@dataclass
+class Stats:
+    min: float
+    median: float
+    max: float
+
+    @classmethod
+    def of(cls, samples: list[float]) -> Stats:
+        return cls(min(samples), statistics.median(samples), max(samples))
+
+
+@dataclass
+class ContenderResult:
+    seconds: Stats
+    max_abs_vs_torch: float | None
+    speedup_vs_torch: float | None = None
+    time_over_floor: float | None = None
+    cold_compile_s: float | None = None
+    warm_load_s: float | None = None
+    rss_mb: float | None = None
+
+
+@dataclass
+class ComponentBench:
+    component: str
+    shape: str
+    gflop: float
+    floor_s: float
+    results: dict[str, ContenderResult] = field(default_factory=dict)
+
+
+@dataclass
+class EndToEndBench:
+    shape: str
+    steps: int
+    guidance: float
+    results: dict[str, dict] = field(default_factory=dict)  # contender -> seconds/image stats, steps/s
+
+
+@dataclass
+class BenchReport:
+    model: str
+    date: str
+    machine: dict
+    threads: int
+    repeats: int
+    matmul_gflops: float
+    kasoku_backends: list[str] = field(default_factory=list)
+    components: list[ComponentBench] = field(default_factory=list)
+    end_to_end: EndToEndBench | None = None
+    peak_rss_mb: float = 0.0
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+# ---- measurement helpers -------------------------------------------------------------------
+
+
+def rss_mb(field_name: str = "VmRSS") -> float:
+    """Resident memory of this process (VmRSS now, VmHWM: its peak), in MB."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith(field_name + ":"):
+                return int(line.split()[1]) / 1024
+    except OSError:
+        pass
+    return float("nan")
+
+
+def repeat(fn: Callable[[], object], repeats: int, warmup: int = 1) -> list[float]:
+    """Seconds of `repeats` calls after `warmup` calls (first calls allocate and compile)."""
+    for _ in range(warmup):
+        fn()
+    samples = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        samples.append(time.perf_counter() - start)
+    return samples
+
+
+def matmul_gflops(size: int = MATMUL_SIZE, repeats: int = 5) -> float:
+    """This machine's fp32 matmul rate: median of `repeats` torch size^3 matmuls."""
+    a, b = torch.randn(size, size), torch.randn(size, size)
+    samples = repeat(lambda: a @ b, repeats)
+    return 2 * size**3 / statistics.median(samples) / 1e9
+
+
+def count_flops(spec: ComponentSpec, inputs: dict[str, torch.Tensor]) -> float:
+    """FLOPs of one call, counted by torch's FlopCounterMode. It runs the call for real, so it
+    doubles as the torch warm-up (a meta-device run would need a second copy of the weights)."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    with FlopCounterMode(display=False) as counter:
+        spec.run_torch(inputs)
+    return float(counter.get_total_flops())
+
+
+def _max_abs(reference: dict[str, np.ndarray], actual: dict[str, np.ndarray]) -> float:
+    return max(float(np.abs(np.asarray(actual[k], np.float64) - reference[k]).max()) for k in reference)
+
+
+# ---- peers ---------------------------------------------------------------------------------
+
+
+def _peer_runner(peer: str, spec: ComponentSpec, onnx_path: Path | None, threads: int):
+    """(run(inputs) -> outputs dict, load seconds) for a non-kasoku contender."""
+    start = time.perf_counter()
+    if peer == "torch.compile":
+        compiled = torch.compile(spec.module)
+
+        def run(inputs):
+            with torch.no_grad():
+                out = compiled(*(torch.as_tensor(inputs[n]) for n in spec.input_names))
+            return {n: o.numpy() for n, o in zip(spec.outputs, out)}
+    elif peer == "onnxruntime-defaults":
+        import onnxruntime as ort
+
+        options = ort.SessionOptions()
+        options.intra_op_num_threads = threads
+        session = ort.InferenceSession(str(onnx_path), options, providers=["CPUExecutionProvider"])
+
+        def run(inputs):
+            feeds = {k: np.asarray(v) for k, v in inputs.items()}
+            return dict(zip(spec.outputs, session.run(list(spec.outputs), feeds)))
+    elif peer == "openvino-defaults":
+        import openvino as ov
+
+        compiled = ov.Core().compile_model(str(onnx_path), "CPU", {"INFERENCE_NUM_THREADS": threads})
+        request = compiled.create_infer_request()
+
+        def run(inputs):
+            request.infer({k: np.asarray(v) for k, v in inputs.items()})
+            return {n: request.get_tensor(n).data.copy() for n in spec.outputs}
+    else:
+        raise ValueError(f"unknown peer {peer!r}; peers are {PEERS}")
+    return run, time.perf_counter() - start
+
+
+# ---- the benchmark -------------------------------------------------------------------------
+
+
+def bench(
+    model,
+    backends: list[str] = ("onnxruntime", "openvino"),
+    *,
+    steps: int = 4,
+    repeats: int = 3,
+    guidance: float = 7.5,
+    shape: ImageShape | None = None,
+    profile: ShapeProfile | None = None,
+    components: list[str] = COMPONENT_NAMES,
+    cache_dir: str | Path | None = None,
+    threads: int | None = None,
+    end_to_end: bool = True,
+    log: Callable[[str], None] = lambda message: None,
+) -> BenchReport:
+    """Time torch eager and each contender side by side; see the module docstring."""
+    from .build import compile_components
+    from .cache import Cache
+    from .loading import load_pipeline
+
+    if repeats < 3:
+        raise KasokuError(f"--repeats must be at least 3 (a median of repeats) but is {repeats}.")
+    threads = threads or torch.get_num_threads()
+    torch.set_num_threads(threads)
+    pipe = load_pipeline(model)
+    label = str(model) if isinstance(model, (str, Path)) else type(model).__name__
+    specs = component_specs(pipe, profile, components)
+    profile = next(iter(specs.values())).profile
+    shape = shape or ImageShape(1, profile.opt.height, profile.opt.width)
+    profile.check(shape)
+    kasoku_backends = [b for b in backends if b not in PEERS]
+    peers = [b for b in backends if b in PEERS]
+    tmp_cache = None
+    if cache_dir is None:  # an empty cache, so that the compile times are cold ones
+        tmp_cache = tempfile.TemporaryDirectory(prefix="kasoku-bench-cache-")
+        cache_dir = tmp_cache.name
+    cache = Cache(cache_dir)
+    log("measuring the fp32 matmul rate")
+    rate = matmul_gflops()
+    report = BenchReport(model=label, date=datetime.date.today().isoformat(),
+                         machine={"cpu": cpu_name(), "python": platform.python_version(), "torch": torch.__version__},
+                         threads=threads, repeats=repeats, matmul_gflops=rate, kasoku_backends=kasoku_backends)
+    options = EngineOptions(threads=threads)
+    compile_seconds: dict[str, dict[str, float]] = {}
+    for backend in kasoku_backends:
+        log(f"compiling with {backend} (cold)")
+        _, compiled = compile_components(pipe, backend=backend, profile=profile, components=components,
+                                                        cache=cache, options=options, label=label)
+        compile_seconds[backend] = {}
+        for record in compiled.stages:
+            if record.status != "reused":
+                compile_seconds[backend][record.component] = (
+                    compile_seconds[backend].get(record.component, 0.0) + record.seconds)
+    for name, spec in specs.items():
+        inputs = spec.sample_inputs(shape, seed=3)
+        log(f"{name}: counting FLOPs (torch warm-up)")
+        flops = count_flops(spec, inputs)
+        floor = flops / (rate * 1e9)
+        entry = ComponentBench(name, str({k: tuple(v.shape) for k, v in inputs.items()}), flops / 1e9, floor)
+        log(f"{name}: torch eager")
+        reference = spec.run_torch(inputs)
+        torch_samples = repeat(lambda: spec.run_torch(inputs), repeats, warmup=0)  # noqa: B023 - warmed by FLOPs
+        entry.results["torch"] = ContenderResult(Stats.of(torch_samples), 0.0, 1.0,
+                                                 statistics.median(torch_samples) / floor, rss_mb=rss_mb())
+        base = statistics.median(torch_samples)
+        for backend in kasoku_backends:
+            log(f"{name}: {backend}")
+            start = time.perf_counter()
+            warm, _ = compile_components(pipe, backend=backend, profile=profile, components=[name], cache=cache,
+                                         options=options, label=label)
+            warm_load = time.perf_counter() - start
+            engine = warm[name]
+            samples = repeat(lambda: engine.run(inputs), repeats)  # noqa: B023
+            median = statistics.median(samples)
+            entry.results[backend] = ContenderResult(
+                Stats.of(samples), _max_abs(reference, engine.run(inputs)), base / median, median / floor,
+                cold_compile_s=compile_seconds[backend].get(name), warm_load_s=warm_load, rss_mb=rss_mb())
+        for peer in peers:
+            log(f"{name}: {peer}")
+            onnx_path = _exported_onnx(cache, name)
+            run, load = _peer_runner(peer, spec, onnx_path, threads)
+            samples = repeat(lambda: run(inputs), repeats)  # noqa: B023
+            median = statistics.median(samples)
+            entry.results[peer] = ContenderResult(Stats.of(samples), _max_abs(reference, run(inputs)), base / median,
+                                                  median / floor, warm_load_s=load, rss_mb=rss_mb())
+        report.components.append(entry)
+    if end_to_end and kasoku_backends:
+        report.end_to_end = _bench_end_to_end(pipe, report, cache, profile, shape, steps, guidance, repeats,
+                                              options, label, log)
+    report.peak_rss_mb = rss_mb("VmHWM")
+    if tmp_cache is not None:
+        tmp_cache.cleanup()
+    return report
+
+
+def _exported_onnx(cache, component: str) -> Path | None:
+    for info in cache.list():
+        if info.kind == "onnx" and info.component == component:
+            return cache.entries / info.key / "model.onnx"
+    return None
+
+
+def _bench_end_to_end(pipe, report, cache, profile, shape, steps, guidance, repeats, options, label, log):
+    """diffusers' torch pipeline against kasoku with, per component, the backend that was fastest
+    in this run (what `auto` does on a CPU), and every backend alone when there are several."""
+    from diffusers import StableDiffusionPipeline
+
+    from .build import compile_components
+    from .pipeline import KasokuPipeline
+
+    result = EndToEndBench(shape=str(shape), steps=steps, guidance=guidance)
+    prompt = "a beautiful photograph of mt fuji during cherry blossom"
+
+    def runner(p, outputs: list):
+        def run():
+            outputs[:] = [p(prompt, num_inference_steps=steps, guidance_scale=guidance, height=shape.height,
+                            width=shape.width, num_images_per_prompt=shape.batch,
+                            generator=torch.Generator().manual_seed(0), output_type="np").images]
+        return run
+
+    torch_pipe = StableDiffusionPipeline(**pipe.components)
+    torch_pipe.set_progress_bar_config(disable=True)
+    fastest = {c.component: min((n for n in c.results if n in report.kasoku_backends),
+                                key=lambda n, c=c: c.results[n].seconds.median) for c in report.components}
+    needed = [n for n in COMPONENT_NAMES if n != "vae_encoder"]
+    engines = {}
+    for name in needed:
+        backend = fastest.get(name, report.kasoku_backends[0])
+        loaded, _ = compile_components(pipe, backend=backend, profile=profile, components=[name], cache=cache,
+                                       options=options, label=label)
+        engines[name] = loaded[name]
+    choice = ", ".join(f"{n}={e.backend}" for n, e in engines.items())
+    contenders = {"diffusers (torch eager)": torch_pipe,
+                  f"kasoku ({choice})": KasokuPipeline(pipe, engines, profile)}
+    base, reference = None, None
+    for name, contender in contenders.items():
+        log(f"end to end: {name}")
+        outputs: list = []
+        samples = repeat(runner(contender, outputs), repeats)
+        median = statistics.median(samples)
+        base = base or median
+        reference = outputs[0] if reference is None else reference
+        result.results[name] = {
+            "seconds_per_image": asdict(Stats.of([s / shape.batch for s in samples])),
+            "steps_per_s": steps / median,
+            "speedup_vs_diffusers": base / median,
+            "max_abs_vs_diffusers": float(np.abs(outputs[0] - reference).max()),
+        }
+    return result
+
+
+# ---- reporting -----------------------------------------------------------------------------
+
+
+def markdown(report: BenchReport) -> str:
+    lines = [
+        f"# kasoku bench: {report.model}",
+        "",
+        f"{report.date} · {report.machine['cpu']} · {report.threads} threads · torch {report.machine['torch']} · "
+        f"fp32 matmul {report.matmul_gflops:.0f} GFLOP/s · median of {report.repeats} after warm-up",
+        "",
+        "| component | contender | median s | min–max s | speed-up vs torch | FLOP floor s | time ÷ floor "
+        "| max abs vs torch | cold compile s | warm load s | RSS MB |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+    ]
+
+    def fmt(value, spec=".2f"):
+        return "-" if value is None else format(value, spec)
+
+    for c in report.components:
+        for name, r in c.results.items():
+            lines.append(
+                f"| {c.component} ({c.gflop:.4g} GFLOP) | {name} | {r.seconds.median:.4g} | "
+                f"{r.seconds.min:.4g}–{r.seconds.max:.4g} | {fmt(r.speedup_vs_torch)}x | {c.floor_s:.3g} | "
+                f"{fmt(r.time_over_floor)} | {fmt(r.max_abs_vs_torch, '.1e')} | {fmt(r.cold_compile_s, '.1f')} | "
+                f"{fmt(r.warm_load_s, '.2f')} | {fmt(r.rss_mb, '.0f')} |"
+            )
+    if report.end_to_end:
+        e = report.end_to_end
+        lines += ["", f"End to end: {e.shape}, {e.steps} steps, guidance {e.guidance}", "",
+                  "| pipeline | s / image (median) | min–max | steps/s | speed-up | max abs vs diffusers |",
+                  "| --- | --- | --- | --- | --- | --- |"]
+        for name, r in e.results.items():
+            s = r["seconds_per_image"]
+            lines.append(f"| {name} | {s['median']:.4g} | {s['min']:.4g}–{s['max']:.4g} | {r['steps_per_s']:.3g} | "
+                         f"{r['speedup_vs_diffusers']:.2f}x | {r['max_abs_vs_diffusers']:.1e} |")
+    lines += ["", f"Peak resident memory of the run: {report.peak_rss_mb:.0f} MB"]
+    return "\n".join(lines)
+
+
+def plot(report: BenchReport, path: str | Path) -> Path:
+    """A PNG bar chart: median seconds per component and contender, with the FLOP floor."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    panels = [*report.components, *([report.end_to_end] if report.end_to_end else [])]
+    fig, axes = plt.subplots(1, len(panels), figsize=(4 * len(panels), 4), squeeze=False)
+    for ax, panel in zip(axes[0], panels):
+        if isinstance(panel, ComponentBench):
+            names = list(panel.results)
+            values = [panel.results[n].seconds.median for n in names]
+            ax.axhline(panel.floor_s, color="black", linestyle="--", label="FLOP floor")
+            ax.set_title(panel.component)
+        else:
+            names = list(panel.results)
+            values = [panel.results[n]["seconds_per_image"]["median"] for n in names]
+            ax.set_title(f"end to end, {panel.steps} steps")
+        ax.bar(range(len(names)), values, color="tab:blue")
+        ax.set_xticks(range(len(names)), names, rotation=30, ha="right", fontsize=8)
+        ax.set_ylabel("seconds (median)")
+        if isinstance(panel, ComponentBench):
+            ax.legend(fontsize=8)
+    fig.suptitle(f"kasoku bench · {report.machine['cpu']} · {report.threads} threads")
+    fig.tight_layout()
+    path = Path(path)
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return path

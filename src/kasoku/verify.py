@@ -1,0 +1,148 @@
+"""`kasoku verify`: does every engine still compute what torch computes?
+
+Each component's engine runs at the smallest, typical and largest shape of its profile on
+random inputs and is compared with the torch component (max abs / rel error, cosine, NaN and
+Inf counts); then an image from the accelerated pipeline is compared with diffusers' torch
+pipeline (PSNR, max pixel difference). Tolerances come from the one table in kasoku.parity.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from .backends import EngineOptions
+from .components import ImageShape, Precision, ShapeProfile, component_specs
+from .parity import TOLERANCES, OutputParity, compare_outputs, psnr
+
+VERIFY_PROMPT = "a photo of an astronaut riding a horse on mars"
+VERIFY_STEPS = 4
+VERIFY_SEED = 0
+
+
+@dataclass
+class ImageParity:
+    psnr_db: float
+    max_abs: float
+    bound_db: float
+    nan: int
+    passed: bool
+    shape: str
+
+
+@dataclass
+class VerifyReport:
+    model: str
+    precision: str
+    backends: dict[str, str]
+    components: list[OutputParity] = field(default_factory=list)
+    image: ImageParity | None = None
+
+    @property
+    def passed(self) -> bool:
+        return all(c.passed for c in self.components) and (self.image is None or self.image.passed)
+
+    @property
+    def failed_components(self) -> list[str]:
+        return sorted({c.component for c in self.components if not c.passed})
+
+    def to_dict(self) -> dict:
+        data = asdict(self)
+        data["passed"] = self.passed
+        data["failed_components"] = self.failed_components
+        return data
+
+
+def verification_shapes(profile: ShapeProfile) -> dict[str, ImageShape]:
+    return {"smallest": profile.min, "typical": profile.opt, "largest": profile.max}
+
+
+def verify(
+    model,
+    backend: str = "auto",
+    *,
+    precision: Precision | str = Precision.FP32,
+    cache_dir: str | Path | None = None,
+    profile: ShapeProfile | None = None,
+    onnx_dir: str | Path | None = None,
+    options: EngineOptions | None = None,
+    image: bool = True,
+    on_stage=None,
+) -> VerifyReport:
+    """Compare every engine with torch at three shapes, and an image with diffusers."""
+    from .loading import load_pipeline
+    from .pipeline import KasokuPipeline, compile
+
+    precision = Precision(precision)
+    reference = load_pipeline(model)
+    label = str(model) if isinstance(model, (str, Path)) else type(model).__name__
+    kwargs = {"on_stage": on_stage} if on_stage else {}
+    pipe: KasokuPipeline = compile(reference, backend, precision=precision, cache_dir=cache_dir, profile=profile,
+                                   options=options, label=label, check_parity=False, onnx_dir=onnx_dir, **kwargs)
+    specs = component_specs(reference, pipe.profile)
+    report = VerifyReport(model=label, precision=precision.value,
+                          backends={n: e.backend for n, e in pipe.engines.items()})
+    for name, engine in pipe.engines.items():
+        for shape in dict.fromkeys(verification_shapes(pipe.profile).values()):
+            inputs = {k: v.numpy() for k, v in specs[name].sample_inputs(shape, seed=11).items()}
+            report.components += compare_outputs(name, str(shape), specs[name].run_torch(inputs),
+                                                 engine.run(inputs), precision)
+    if image:
+        report.image = image_parity(reference, pipe, precision)
+    return report
+
+
+def image_parity(reference, pipe, precision: Precision) -> ImageParity:
+    from diffusers import StableDiffusionInpaintPipeline, StableDiffusionPipeline
+
+    if reference.unet.config.in_channels == 9:  # an inpainting model: inpaint a square
+        size = pipe.profile.opt.height, pipe.profile.opt.width
+        rng = np.random.default_rng(VERIFY_SEED)
+        from PIL import Image
+
+        image = Image.fromarray(rng.integers(0, 255, (*size, 3), dtype=np.uint8))
+        mask = np.zeros(size, dtype=np.uint8)
+        mask[size[0] // 4: 3 * size[0] // 4, size[1] // 4: 3 * size[1] // 4] = 255
+        extra = {"image": image, "mask_image": Image.fromarray(mask)}
+        torch_pipe = StableDiffusionInpaintPipeline(**reference.components)
+    else:
+        extra = {}
+        torch_pipe = StableDiffusionPipeline(**reference.components)
+    torch_pipe.set_progress_bar_config(disable=True)
+    shape = pipe.profile.opt
+
+    def run(p):
+        return p(VERIFY_PROMPT, num_inference_steps=VERIFY_STEPS, height=shape.height, width=shape.width,
+                 generator=torch.Generator().manual_seed(VERIFY_SEED), output_type="np", **extra).images
+
+    expected, actual = run(torch_pipe), run(pipe)
+    value = float(psnr(expected, actual))
+    bound = TOLERANCES[precision].image_psnr_db
+    nan = int(np.isnan(actual).sum())
+    return ImageParity(psnr_db=value, max_abs=float(np.abs(np.nan_to_num(actual) - expected).max()),
+                       bound_db=bound, nan=nan, passed=nan == 0 and value >= bound,
+                       shape=f"1x{shape.height}x{shape.width}, {VERIFY_STEPS} steps")
+
+
+def markdown(report: VerifyReport) -> str:
+    """The report as a markdown table (what the terminal shows)."""
+    lines = [
+        f"# kasoku verify: {report.model} ({report.precision})",
+        "",
+        "| status | component | output | shape | max abs | max rel | cosine | NaN | Inf | tolerance |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+    ]
+    for c in report.components:
+        lines.append(f"| {'PASSED' if c.passed else 'FAILED'} | {c.component} ({report.backends[c.component]}) | "
+                     f"{c.output} | {c.shape} | {c.max_abs:.2e} | {c.max_rel:.2e} | {c.cosine:.6f} | {c.nan} | "
+                     f"{c.inf} | {c.limit:.1e} |")
+    if report.image:
+        i = report.image
+        lines += ["", f"Image vs diffusers ({i.shape}): PSNR {i.psnr_db:.1f} dB (bound {i.bound_db:.0f} dB), "
+                      f"max pixel difference {i.max_abs:.2e}, NaN {i.nan}: {'PASSED' if i.passed else 'FAILED'}"]
+    verdict = "PASSED" if report.passed else f"FAILED: {', '.join(report.failed_components) or 'image'}"
+    lines += ["", f"**{verdict}**"]
+    return "\n".join(lines)
