@@ -26,6 +26,8 @@ def test_bench_reports_every_field(tiny_dir, tmp_path, capsys):
             assert 0 < s["min"] <= s["median"] <= s["max"], name
             assert r["speedup_vs_torch"] > 0 and r["time_over_floor"] > 0 and r["rss_mb"] > 0
             assert r["max_abs_vs_torch"] < 1e-3, name  # checked while timing
+            if name != "torch":
+                assert r["first_call_s"] > 0 and r["warm_load_s"] >= 0
         for name in ("onnxruntime", "openvino"):
             assert results[name]["cold_compile_s"] > 0 and results[name]["warm_load_s"] > 0
     e2e = report["end_to_end"]
@@ -35,7 +37,7 @@ def test_bench_reports_every_field(tiny_dir, tmp_path, capsys):
         assert r["max_abs_vs_diffusers"] < 1e-3, name
     assert chart.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     text = capsys.readouterr().out
-    assert "End to end" in text and "FLOP floor" in text
+    assert "End to end" in text and "Peak resident memory" in text
 
 
 def test_bench_refuses_fewer_than_three_repeats(tiny_dir, capsys):

@@ -50,6 +50,7 @@ class ContenderResult:
     time_over_floor: float | None = None
     cold_compile_s: float | None = None
     warm_load_s: float | None = None
+    first_call_s: float | None = None  # the untimed warm-up call: torch.compile compiles here
     rss_mb: float | None = None
 
 
@@ -103,14 +104,21 @@ def rss_mb(field_name: str = "VmRSS") -> float:
 
 def repeat(fn: Callable[[], object], repeats: int, warmup: int = 1) -> list[float]:
     """Seconds of `repeats` calls after `warmup` calls (first calls allocate and compile)."""
+    return timed_runs(fn, repeats, warmup)[1]
+
+
+def timed_runs(fn: Callable[[], object], repeats: int, warmup: int = 1) -> tuple[float, list[float]]:
+    """(seconds of the warm-up calls, seconds of each of the `repeats` calls after them)."""
+    start = time.perf_counter()
     for _ in range(warmup):
         fn()
+    first = time.perf_counter() - start
     samples = []
     for _ in range(repeats):
         start = time.perf_counter()
         fn()
         samples.append(time.perf_counter() - start)
-    return samples
+    return first, samples
 
 
 def matmul_gflops(size: int = MATMUL_SIZE, repeats: int = 5) -> float:
@@ -246,19 +254,21 @@ def bench(
                                          options=options, label=label)
             warm_load = time.perf_counter() - start
             engine = warm[name]
-            samples = repeat(lambda: engine.run(inputs), repeats)  # noqa: B023
+            first, samples = timed_runs(lambda: engine.run(inputs), repeats)  # noqa: B023
             median = statistics.median(samples)
             entry.results[backend] = ContenderResult(
                 Stats.of(samples), _max_abs(reference, engine.run(inputs)), base / median, median / floor,
-                cold_compile_s=compile_seconds[backend].get(name), warm_load_s=warm_load, rss_mb=rss_mb())
+                cold_compile_s=compile_seconds[backend].get(name), warm_load_s=warm_load, first_call_s=first,
+                rss_mb=rss_mb())
         for peer in peers:
             log(f"{name}: {peer}")
             onnx_path = _exported_onnx(cache, name)
             run, load = _peer_runner(peer, spec, onnx_path, threads)
-            samples = repeat(lambda: run(inputs), repeats)  # noqa: B023
+            first, samples = timed_runs(lambda: run(inputs), repeats)  # noqa: B023
             median = statistics.median(samples)
             entry.results[peer] = ContenderResult(Stats.of(samples), _max_abs(reference, run(inputs)), base / median,
-                                                  median / floor, warm_load_s=load, rss_mb=rss_mb())
+                                                  median / floor, warm_load_s=load, first_call_s=first,
+                                                  rss_mb=rss_mb())
         report.components.append(entry)
     if end_to_end and kasoku_backends:
         report.end_to_end = _bench_end_to_end(pipe, report, cache, profile, shape, steps, guidance, repeats,
@@ -336,8 +346,8 @@ def markdown(report: BenchReport) -> str:
         f"fp32 matmul {report.matmul_gflops:.0f} GFLOP/s · median of {report.repeats} after warm-up",
         "",
         "| component | contender | median s | min–max s | speed-up vs torch | FLOP floor s | time ÷ floor "
-        "| max abs vs torch | cold compile s | warm load s | RSS MB |",
-        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+        "| max abs vs torch | cold compile s | warm load s | first call s | RSS MB |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
 
     def fmt(value, spec=".2f"):
@@ -349,7 +359,7 @@ def markdown(report: BenchReport) -> str:
                 f"| {c.component} ({c.gflop:.4g} GFLOP) | {name} | {r.seconds.median:.4g} | "
                 f"{r.seconds.min:.4g}–{r.seconds.max:.4g} | {fmt(r.speedup_vs_torch)}x | {c.floor_s:.3g} | "
                 f"{fmt(r.time_over_floor)} | {fmt(r.max_abs_vs_torch, '.1e')} | {fmt(r.cold_compile_s, '.1f')} | "
-                f"{fmt(r.warm_load_s, '.2f')} | {fmt(r.rss_mb, '.0f')} |"
+                f"{fmt(r.warm_load_s, '.2f')} | {fmt(r.first_call_s, '.2f')} | {fmt(r.rss_mb, '.0f')} |"
             )
     if report.end_to_end:
         e = report.end_to_end

@@ -46,11 +46,6 @@ def cmd_export(args: argparse.Namespace) -> int:
     from .console import console, stage, table, write_json
     from .export import export_pipeline
 
-    current = {}
-
-    def on_component(name: str) -> None:
-        current["name"] = name
-
     with stage(f"exporting {args.model} ({args.exporter}, opset {args.opset})"):
         manifest = export_pipeline(
             args.model,
@@ -58,7 +53,6 @@ def cmd_export(args: argparse.Namespace) -> int:
             components=args.components,
             exporter=args.exporter,
             opset=args.opset,
-            on_component=on_component,
         )
     rows = []
     for c in manifest.components:
@@ -80,15 +74,13 @@ def cmd_export(args: argparse.Namespace) -> int:
 def cmd_compile(args: argparse.Namespace) -> int:
     """Build the engines of every component into the cache (export, optimize, engine)."""
     from .build import compile_components
-    from .console import console, stage, table, write_json
+    from .console import console, table, write_json
 
-    def on_stage(component: str, name: str):
-        return stage(f"{component}: {name}")
 
     _, report = compile_components(
         args.model, backend=args.backend, precision=args.precision, profile=_profile_from_args(args),
         components=args.components, cache=args.cache_dir, exporter=args.exporter, opset=args.opset,
-        options=_engine_options(args), on_stage=on_stage,
+        options=_engine_options(args), on_stage=_show_stage,
     )
     rows = [[s.component, s.stage, s.status, f"{s.seconds:.1f} s", s.key[:12]] for s in report.stages]
     console.print(table(f"compile {report.model} ({report.precision})",
@@ -141,6 +133,13 @@ def cmd_info(args: argparse.Namespace) -> int:
     if args.json:
         write_json(args.json, info)
     return 0
+
+
+def _show_stage(component: str, name: str):
+    """A spinner while one compile stage of one component runs."""
+    from .console import stage
+
+    return stage(f"{component}: {name}")
 
 
 def _range(text: str) -> tuple[int, ...]:
@@ -204,13 +203,11 @@ def cmd_verify(args: argparse.Namespace) -> int:
     from .console import console, stage, write_json
     from .verify import markdown, verify
 
-    def on_stage(component: str, name: str):
-        return stage(f"compiling {component}: {name}")
 
     with stage("verifying"):
         report = verify(args.model, args.backend, precision=args.precision, cache_dir=args.cache_dir,
                         profile=_profile_from_args(args), onnx_dir=args.onnx, options=_engine_options(args),
-                        image=not args.no_image, on_stage=on_stage)
+                        image=not args.no_image, on_stage=_show_stage)
     console.print(Markdown(markdown(report)))
     for line in (c.line() for c in report.components if not c.passed):
         console.print(line, markup=False)
@@ -247,13 +244,11 @@ def cmd_bench(args: argparse.Namespace) -> int:
 @command("demo")
 def cmd_demo(args: argparse.Namespace) -> int:
     """The whole job on the built-in tiny pipeline, offline: compile, verify, time, generate."""
-    from .console import console, stage, write_json
+    from .console import console, write_json
     from .demo import print_demo_report, run_demo
 
-    def on_stage(component: str, name: str):
-        return stage(f"{component}: {name}")
 
-    report = run_demo(workdir=args.workdir, output=args.output, cache_dir=args.cache_dir, on_stage=on_stage)
+    report = run_demo(workdir=args.workdir, output=args.output, cache_dir=args.cache_dir, on_stage=_show_stage)
     print_demo_report(report, console)
     if args.json:
         write_json(args.json, report)
@@ -265,7 +260,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     """Generate images (txt2img, img2img with --image, inpaint with --image and --mask)."""
     import torch
 
-    from .console import console, stage, steps_bar, table
+    from .console import console, steps_bar, table
     from .pipeline import KasokuPipeline
 
     output = Path(args.output)
@@ -276,13 +271,11 @@ def cmd_generate(args: argparse.Namespace) -> int:
     if mask is not None and image is None:
         raise KasokuError("--mask needs --image (the picture to inpaint).")
 
-    def on_stage(component: str, name: str):
-        return stage(f"compiling {component}: {name}")
 
     start = time.perf_counter()
     pipe = KasokuPipeline.from_pretrained(args.model, args.backend, precision=args.precision,
                                           cache_dir=args.cache_dir, profile=_profile_for_generate(args, image),
-                                          options=_engine_options(args), on_stage=on_stage)
+                                          options=_engine_options(args), on_stage=_show_stage)
     load_seconds = time.perf_counter() - start
     if args.scheduler:
         pipe.set_scheduler(args.scheduler)
@@ -294,7 +287,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     if mask is not None:
         kwargs["mask_image"] = mask
     pipe.times.reset()
-    with steps_bar(args.steps, "denoising") as bar:
+    with steps_bar() as bar:
         task = bar.add_task("denoising", total=None)
 
         def on_step(_pipe, step, _timestep, callback_kwargs):

@@ -50,7 +50,8 @@ def stage(description: str) -> Iterator[None]:
         yield
 
 
-def steps_bar(total: int, description: str) -> Progress:
+def steps_bar() -> Progress:
+    """A bar for a loop whose length is known once it starts (denoising steps)."""
     return Progress(
         TextColumn("{task.description}"),
         BarColumn(),
