@@ -60,12 +60,13 @@ class ExportedComponent:
 
 
 def default_check_shapes(profile: ShapeProfile) -> list[ImageShape]:
-    """Two shapes inside the profile with different resolutions and, where allowed, batch sizes."""
+    """Two shapes inside the profile with different resolutions and, where allowed, batch sizes
+    (one when the profile is a single shape)."""
     opt, low, high = profile.opt, profile.min, profile.max
     second = ImageShape(batch=min(opt.batch + 1, high.batch), height=low.height, width=low.width)
     if second == opt:
         second = high
-    return [opt, second]
+    return list(dict.fromkeys([opt, second]))
 
 
 def _export_shape(profile: ShapeProfile) -> ImageShape:
