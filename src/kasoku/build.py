@@ -36,7 +36,7 @@ from .export import (
     onnx_files,
 )
 from .optimize import optimize
-from .parity import compare_outputs, raise_on_failure
+from .parity import parity_against_torch, raise_on_failure
 
 ONNX_FILE = "model.onnx"
 AUTO_REPEATS = 3
@@ -236,9 +236,7 @@ def measure(engine: Engine, spec: ComponentSpec, repeats: int = AUTO_REPEATS) ->
 
 def engine_parity(spec: ComponentSpec, engine: Engine, precision: Precision) -> list:
     """The built engine against torch at the profile's optimum; raises on mismatch."""
-    shape = spec.profile.opt
-    inputs = {k: v.numpy() for k, v in spec.sample_inputs(shape, seed=2).items()}
-    results = compare_outputs(spec.name, str(shape), spec.run_torch(inputs), engine.run(inputs), precision)
+    results = parity_against_torch(spec, engine.run, [spec.profile.opt], precision, seed=2)
     raise_on_failure(results, f"{engine.backend} engine of {spec.name}")
     return results
 

@@ -24,7 +24,7 @@ from . import __version__
 from .attention import exportable_attention
 from .components import COMPONENT_NAMES, ComponentSpec, ImageShape, Precision, ShapeProfile, component_specs
 from .errors import KasokuError
-from .parity import OutputParity, compare_outputs, raise_on_failure
+from .parity import OutputParity, parity_against_torch, raise_on_failure
 
 logger = logging.getLogger(__name__)
 
@@ -170,12 +170,11 @@ def check_onnx_parity(
 ) -> list[OutputParity]:
     """Run the ONNX file in ONNX Runtime at each shape and compare with torch; raise on mismatch."""
     session = session or ort_session(path)
-    results: list[OutputParity] = []
-    for shape in shapes:
-        inputs = {k: v.numpy() for k, v in spec.sample_inputs(shape, seed=1).items()}
-        reference = spec.run_torch(inputs)
-        actual = dict(zip(spec.outputs, session.run(list(spec.outputs), inputs)))
-        results += compare_outputs(spec.name, str(shape), reference, actual, precision)
+
+    def run(feeds):
+        return dict(zip(spec.outputs, session.run(list(spec.outputs), feeds)))
+
+    results = parity_against_torch(spec, run, shapes, precision, seed=1)
     raise_on_failure(results, f"{stage} of {spec.name}")
     return results
 

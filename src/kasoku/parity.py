@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass
-from typing import Mapping
 
 import numpy as np
 
@@ -103,6 +103,22 @@ def compare_outputs(
         compare_output(component, name, shape, reference[name], actual[name], precision)
         for name in reference
     ]
+
+
+def parity_against_torch(
+    spec,
+    run: Callable[[dict[str, np.ndarray]], Mapping[str, np.ndarray]],
+    shapes,
+    precision: Precision = Precision.FP32,
+    seed: int = 0,
+) -> list[OutputParity]:
+    """`run` (named numpy inputs -> named outputs) against the torch component of `spec` on the
+    same random inputs, at each image shape."""
+    results: list[OutputParity] = []
+    for shape in shapes:
+        inputs = {k: v.numpy() for k, v in spec.sample_inputs(shape, seed=seed).items()}
+        results += compare_outputs(spec.name, str(shape), spec.run_torch(inputs), run(inputs), precision)
+    return results
 
 
 def raise_on_failure(results: list[OutputParity], stage: str) -> None:

@@ -16,7 +16,7 @@ import torch
 
 from .backends import EngineOptions
 from .components import ImageShape, Precision, ShapeProfile, component_specs
-from .parity import TOLERANCES, OutputParity, compare_outputs, psnr
+from .parity import TOLERANCES, OutputParity, parity_against_torch, psnr
 
 VERIFY_PROMPT = "a photo of an astronaut riding a horse on mars"
 VERIFY_STEPS = 4
@@ -86,10 +86,8 @@ def verify(
     report = VerifyReport(model=label, precision=precision.value,
                           backends={n: e.backend for n, e in pipe.engines.items()})
     for name, engine in pipe.engines.items():
-        for shape in dict.fromkeys(verification_shapes(pipe.profile).values()):
-            inputs = {k: v.numpy() for k, v in specs[name].sample_inputs(shape, seed=11).items()}
-            report.components += compare_outputs(name, str(shape), specs[name].run_torch(inputs),
-                                                 engine.run(inputs), precision)
+        shapes = dict.fromkeys(verification_shapes(pipe.profile).values())
+        report.components += parity_against_torch(specs[name], engine.run, shapes, precision, seed=11)
     if image:
         report.image = image_parity(reference, pipe, precision)
     return report
