@@ -228,8 +228,8 @@ def bench(
     compile_seconds: dict[str, dict[str, float]] = {}
     for backend in kasoku_backends:
         log(f"compiling with {backend} (cold)")
-        _, compiled = compile_components(pipe, backend=backend, profile=profile, components=components,
-                                                        cache=cache, options=options, label=label)
+        _, compiled = compile_components(pipe, backend=backend, specs=specs, cache=cache, options=options,
+                                         label=label)
         compile_seconds[backend] = {}
         for record in compiled.stages:
             if record.status != "reused":
@@ -250,7 +250,7 @@ def bench(
         for backend in kasoku_backends:
             log(f"{name}: {backend}")
             start = time.perf_counter()
-            warm, _ = compile_components(pipe, backend=backend, profile=profile, components=[name], cache=cache,
+            warm, _ = compile_components(pipe, backend=backend, specs={name: spec}, cache=cache,
                                          options=options, label=label)
             warm_load = time.perf_counter() - start
             engine = warm[name]
@@ -271,7 +271,7 @@ def bench(
                                                   rss_mb=rss_mb())
         report.components.append(entry)
     if end_to_end and kasoku_backends:
-        report.end_to_end = _bench_end_to_end(pipe, report, cache, profile, shape, steps, guidance, repeats,
+        report.end_to_end = _bench_end_to_end(pipe, report, specs, cache, profile, shape, steps, guidance, repeats,
                                               options, label, log)
     report.peak_rss_mb = rss_mb("VmHWM")
     if tmp_cache is not None:
@@ -286,7 +286,7 @@ def _exported_onnx(cache, component: str) -> Path | None:
     return None
 
 
-def _bench_end_to_end(pipe, report, cache, profile, shape, steps, guidance, repeats, options, label, log):
+def _bench_end_to_end(pipe, report, specs, cache, profile, shape, steps, guidance, repeats, options, label, log):
     """diffusers' torch pipeline against kasoku with, per component, the backend that was fastest
     in this run (what `auto` does on a CPU), and every backend alone when there are several."""
     from diffusers import StableDiffusionPipeline
@@ -312,7 +312,8 @@ def _bench_end_to_end(pipe, report, cache, profile, shape, steps, guidance, repe
     engines = {}
     for name in needed:
         backend = fastest.get(name, report.kasoku_backends[0])
-        loaded, _ = compile_components(pipe, backend=backend, profile=profile, components=[name], cache=cache,
+        spec = specs[name] if name in specs else component_specs(pipe, profile, [name])[name]
+        loaded, _ = compile_components(pipe, backend=backend, specs={name: spec}, cache=cache,
                                        options=options, label=label)
         engines[name] = loaded[name]
     choice = ", ".join(f"{n}={e.backend}" for n, e in engines.items())

@@ -256,13 +256,17 @@ def compile_components(
     label: str | None = None,
     check_parity: bool = True,
     onnx_dir: str | Path | None = None,
+    specs: dict[str, ComponentSpec] | None = None,
 ) -> tuple[dict[str, Engine], CompileReport]:
-    """Fill the cache for the components of `model` and load their engines."""
+    """Fill the cache for the components of `model` and load their engines.
+
+    `specs` (from `component_specs`) lets a caller that compiles repeatedly reuse them, so the
+    weights are fingerprinted once rather than on every call."""
     from .loading import load_pipeline
 
     start = time.perf_counter()
     pipe = load_pipeline(model)
-    specs = component_specs(pipe, profile, components)
+    specs = specs or component_specs(pipe, profile, components)
     cache = cache if isinstance(cache, Cache) else Cache(cache)
     label = label or (str(model) if isinstance(model, (str, Path)) else type(model).__name__)
     compiler = Compiler(cache, precision=Precision(precision), exporter=exporter, opset=opset, options=options,
