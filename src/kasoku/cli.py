@@ -171,14 +171,13 @@ def _profile_from_args(args: argparse.Namespace):
     return ShapeProfile.from_ranges(ranges["batch"], ranges["height"], ranges["width"], base.multiple)
 
 
-def _profile_for_generate(args: argparse.Namespace, image):
+def _profile_for_generate(args: argparse.Namespace, image, pipe):
     """The model's default profile, widened to serve the requested size and image count, so
     `generate` compiles what it needs (a size that is not a multiple of 8 is left for the
     pipeline's own check to explain)."""
     from .components import ImageShape, ShapeProfile, default_profile
-    from .loading import load_pipeline
 
-    base = default_profile(load_pipeline(args.model))
+    base = default_profile(pipe)
     height = args.height or (image.size[1] if image else base.opt.height)
     width = args.width or (image.size[0] if image else base.opt.width)
     if height % base.multiple or width % base.multiple:
@@ -261,7 +260,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
     import torch
 
     from .console import console, steps_bar, table
-    from .pipeline import KasokuPipeline
+    from .loading import load_pipeline
+    from .pipeline import compile
 
     output = Path(args.output)
     if not output.parent.exists():
@@ -271,11 +271,11 @@ def cmd_generate(args: argparse.Namespace) -> int:
     if mask is not None and image is None:
         raise KasokuError("--mask needs --image (the picture to inpaint).")
 
-
     start = time.perf_counter()
-    pipe = KasokuPipeline.from_pretrained(args.model, args.backend, precision=args.precision,
-                                          cache_dir=args.cache_dir, profile=_profile_for_generate(args, image),
-                                          options=_engine_options(args), on_stage=_show_stage)
+    reference = load_pipeline(args.model)  # loaded once: the profile and the engines both need it
+    pipe = compile(reference, args.backend, precision=args.precision, cache_dir=args.cache_dir,
+                   profile=_profile_for_generate(args, image, reference), options=_engine_options(args),
+                   on_stage=_show_stage, label=str(args.model))
     load_seconds = time.perf_counter() - start
     if args.scheduler:
         pipe.set_scheduler(args.scheduler)
