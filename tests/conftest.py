@@ -13,6 +13,9 @@ from kasoku.console import quiet_third_party_logs  # noqa: E402
 
 quiet_third_party_logs()
 
+# The components of an SD 1.x / 2.x pipeline (SDXL adds text_encoder_2).
+SD_COMPONENTS = ("text_encoder", "unet", "vae_decoder", "vae_encoder")
+
 # Two resolutions and two batch sizes inside the tiny profile (32..128 px, 1..4 images).
 TINY_CHECK_SHAPES = [ImageShape(1, 64, 64), ImageShape(2, 32, 48)]
 

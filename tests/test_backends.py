@@ -8,9 +8,10 @@ import pytest
 from kasoku.backends import BACKENDS, BackendUnavailable, get_backend
 from kasoku.backends.base import Availability
 from kasoku.cli import main
-from kasoku.components import COMPONENT_NAMES, ImageShape, ShapeOutOfProfile
+from kasoku.components import ImageShape, ShapeOutOfProfile
 from kasoku.errors import KasokuError
 from kasoku.parity import compare_outputs
+from tests.conftest import SD_COMPONENTS
 
 SHAPES = [ImageShape(1, 64, 64), ImageShape(2, 96, 48)]
 
@@ -18,8 +19,8 @@ SHAPES = [ImageShape(1, 64, 64), ImageShape(2, 96, 48)]
 @pytest.mark.parametrize("backend", ["onnxruntime", "openvino"])
 def test_engines_match_torch_at_two_shapes(tiny_compiled, tiny_specs, backend):
     engines, report = tiny_compiled[backend]
-    assert report.backends == {name: backend for name in COMPONENT_NAMES}
-    for name in COMPONENT_NAMES:
+    assert report.backends == {name: backend for name in SD_COMPONENTS}
+    for name in SD_COMPONENTS:
         spec, engine = tiny_specs[name], engines[name]
         assert engine.backend == backend
         for shape in SHAPES:

@@ -12,14 +12,15 @@ import pytest
 from kasoku.build import compile_components
 from kasoku.cache import Cache, CorruptEntryWarning
 from kasoku.cli import main
-from kasoku.components import COMPONENT_NAMES, ShapeProfile
+from kasoku.components import ShapeProfile
+from tests.conftest import SD_COMPONENTS
 
 
 def test_second_compile_reuses_every_entry(tiny_dir, tiny_cache, tiny_compiled):
     _, first = tiny_compiled["onnxruntime"]
     assert {s.stage for s in first.stages} == {"export", "optimize", "engine"}
     _, again = compile_components(tiny_dir, backend="onnxruntime", cache=tiny_cache)
-    assert len(again.stages) == 3 * len(COMPONENT_NAMES)
+    assert len(again.stages) == 3 * len(SD_COMPONENTS)
     assert {s.status for s in again.stages} == {"reused"}
     assert [s.key for s in again.stages] == [s.key for s in first.stages]
 
@@ -27,7 +28,7 @@ def test_second_compile_reuses_every_entry(tiny_dir, tiny_cache, tiny_compiled):
 def test_backends_share_export_and_optimization_but_not_engines(tiny_compiled):
     ort = {(s.component, s.stage): s.key for s in tiny_compiled["onnxruntime"][1].stages}
     ov = {(s.component, s.stage): s.key for s in tiny_compiled["openvino"][1].stages}
-    for name in COMPONENT_NAMES:
+    for name in SD_COMPONENTS:
         assert ort[(name, "export")] == ov[(name, "export")]
         assert ort[(name, "optimize")] == ov[(name, "optimize")]
         assert ort[(name, "engine")] != ov[(name, "engine")]

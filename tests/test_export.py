@@ -10,15 +10,15 @@ import pytest
 import torch
 
 from kasoku.cli import main
-from kasoku.components import COMPONENT_NAMES, ImageShape, ShapeOutOfProfile
+from kasoku.components import ImageShape, ShapeOutOfProfile
 from kasoku.export import check_onnx_parity, export_component, export_pipeline, ort_session
 from kasoku.loading import ModelNotFound, NotADiffusersPipeline
 from kasoku.parity import ParityError
-from tests.conftest import TINY_CHECK_SHAPES
+from tests.conftest import SD_COMPONENTS, TINY_CHECK_SHAPES
 
 
 def test_all_components_export_with_dynamic_shapes(tiny_onnx, tiny_specs):
-    assert set(tiny_onnx) == set(COMPONENT_NAMES)
+    assert set(tiny_onnx) == set(SD_COMPONENTS)
     for name, exported in tiny_onnx.items():
         model = onnx.load(str(exported.path))
         dims = {i.name: [d.dim_param or d.dim_value for d in i.type.tensor_type.shape.dim] for i in model.graph.input}

@@ -5,15 +5,16 @@ from __future__ import annotations
 import onnx
 import pytest
 
-from kasoku.components import COMPONENT_NAMES, Precision
+from kasoku.components import Precision
 from kasoku.export import check_onnx_parity, default_check_shapes
 from kasoku.optimize import PASSES, optimize
+from tests.conftest import SD_COMPONENTS
 
 
 def test_optimized_components_are_smaller_and_still_match(tiny_compiled):
     _, report = tiny_compiled["onnxruntime"]
     optimized = {s.component: s for s in report.stages if s.stage == "optimize"}
-    assert set(optimized) == set(COMPONENT_NAMES)
+    assert set(optimized) == set(SD_COMPONENTS)
     for name, record in optimized.items():
         passes = record.detail["passes"]
         assert [p["name"] for p in passes] == ["cleanup", "fold_constants", "infer_shapes"]

@@ -23,7 +23,7 @@ import torch
 
 from .backends import EngineOptions
 from .backends.base import cpu_name
-from .components import COMPONENT_NAMES, ComponentSpec, ImageShape, ShapeProfile, component_specs
+from .components import ComponentSpec, ImageShape, ShapeProfile, component_specs, model_components
 from .errors import KasokuError
 
 # Peers that are not kasoku backends: the runtime's own defaults on kasoku's exported ONNX file.
@@ -83,6 +83,7 @@ class BenchReport:
     components: list[ComponentBench] = field(default_factory=list)
     end_to_end: EndToEndBench | None = None
     peak_rss_mb: float = 0.0
+    family: str = ""
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -191,7 +192,7 @@ def bench(
     guidance: float = 7.5,
     shape: ImageShape | None = None,
     profile: ShapeProfile | None = None,
-    components: list[str] = COMPONENT_NAMES,
+    components: list[str] | None = None,
     cache_dir: str | Path | None = None,
     threads: int | None = None,
     end_to_end: bool = True,
@@ -200,6 +201,7 @@ def bench(
     """Time torch eager and each contender side by side; see the module docstring."""
     from .build import compile_components
     from .cache import Cache
+    from .families import family_of
     from .loading import load_pipeline
 
     if repeats < 3:
@@ -223,7 +225,8 @@ def bench(
     rate = matmul_gflops()
     report = BenchReport(model=label, date=datetime.date.today().isoformat(),
                          machine={"cpu": cpu_name(), "python": platform.python_version(), "torch": torch.__version__},
-                         threads=threads, repeats=repeats, matmul_gflops=rate, kasoku_backends=kasoku_backends)
+                         threads=threads, repeats=repeats, matmul_gflops=rate, kasoku_backends=kasoku_backends,
+                         family=family_of(pipe).title)
     options = EngineOptions(threads=threads)
     compile_seconds: dict[str, dict[str, float]] = {}
     for backend in kasoku_backends:
@@ -289,9 +292,8 @@ def _exported_onnx(cache, component: str) -> Path | None:
 def _bench_end_to_end(pipe, report, specs, cache, profile, shape, steps, guidance, repeats, options, label, log):
     """diffusers' torch pipeline against kasoku with, per component, the backend that was fastest
     in this run (what `auto` does on a CPU), and every backend alone when there are several."""
-    from diffusers import StableDiffusionPipeline
-
     from .build import compile_components
+    from .families import family_of
     from .pipeline import KasokuPipeline
 
     result = EndToEndBench(shape=str(shape), steps=steps, guidance=guidance)
@@ -304,11 +306,10 @@ def _bench_end_to_end(pipe, report, specs, cache, profile, shape, steps, guidanc
                             generator=torch.Generator().manual_seed(0), output_type="np").images]
         return run
 
-    torch_pipe = StableDiffusionPipeline(**pipe.components)
-    torch_pipe.set_progress_bar_config(disable=True)
+    torch_pipe = family_of(pipe).task_pipeline(pipe, "txt2img")
     fastest = {c.component: min((n for n in c.results if n in report.kasoku_backends),
                                 key=lambda n, c=c: c.results[n].seconds.median) for c in report.components}
-    needed = [n for n in COMPONENT_NAMES if n != "vae_encoder"]
+    needed = [n for n in model_components(pipe) if n != "vae_encoder"]
     engines = {}
     for name in needed:
         backend = fastest.get(name, report.kasoku_backends[0])
@@ -341,7 +342,7 @@ def _bench_end_to_end(pipe, report, specs, cache, profile, shape, steps, guidanc
 
 def markdown(report: BenchReport) -> str:
     lines = [
-        f"# kasoku bench: {report.model}",
+        f"# kasoku bench: {report.model}" + (f" ({report.family})" if report.family else ""),
         "",
         f"{report.date} · {report.machine['cpu']} · {report.threads} threads · torch {report.machine['torch']} · "
         f"fp32 matmul {report.matmul_gflops:.0f} GFLOP/s · median of {report.repeats} after warm-up",

@@ -25,7 +25,7 @@ import torch
 from .backends import Engine, EngineOptions, cpu_candidates, get_backend, gpu_candidates
 from .backends.base import Backend
 from .cache import Cache, CacheEntry, file_sha256
-from .components import COMPONENT_NAMES, ComponentSpec, Precision, ShapeProfile, component_specs
+from .components import ComponentSpec, Precision, ShapeProfile, component_specs
 from .errors import KasokuError
 from .export import (
     DEFAULT_EXPORTER,
@@ -35,6 +35,7 @@ from .export import (
     export_component,
     onnx_files,
 )
+from .families import family_of
 from .optimize import optimize
 from .parity import parity_against_torch, raise_on_failure
 
@@ -62,6 +63,9 @@ class CompileReport:
     backends: dict[str, str] = field(default_factory=dict)  # component -> backend used
     stages: list[StageRecord] = field(default_factory=list)
     seconds: float = 0.0
+    family: str = ""
+    precisions: dict[str, str] = field(default_factory=dict)  # component -> precision it was built in
+    notes: list[str] = field(default_factory=list)  # what the user should know (a component kept fp32, ...)
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -145,34 +149,36 @@ class Compiler:
         return self._stage(spec, "export", parts, build)
 
     def optimized(self, spec: ComponentSpec, backend: Backend, source: CacheEntry) -> CacheEntry:
-        passes = backend.optimization_passes(self.precision)
+        precision = spec.precision_for(self.precision)
+        passes = backend.optimization_passes(precision)
         parts = {
             "kind": "optimized", "component": spec.name, "source": source.key, "passes": passes,
-            "precision": self.precision.value, "onnx": onnx.__version__, "onnxruntime": onnxruntime.__version__,
+            "precision": precision.value, "onnx": onnx.__version__, "onnxruntime": onnxruntime.__version__,
         }
 
         def build(tmp: Path) -> dict:
             report = optimize(source.file(ONNX_FILE), tmp / ONNX_FILE, passes, component=spec.name,
-                              precision=self.precision)
+                              precision=precision)
             parity = []
             if self.check_parity:
                 parity = check_onnx_parity(spec, tmp / ONNX_FILE, default_check_shapes(spec.profile),
-                                           stage="optimization", precision=self.precision)
+                                           stage="optimization", precision=precision)
             return {"passes": report.to_dict()["passes"], "parity": [p.to_dict() for p in parity]}
 
         return self._stage(spec, "optimize", parts, build)
 
     def engine_entry(self, spec: ComponentSpec, backend: Backend, source: CacheEntry) -> CacheEntry:
+        precision = spec.precision_for(self.precision)
         parts = {
             "kind": "engine", "component": spec.name, "source": source.key,
-            "profile": spec.profile.to_dict(), **backend.key(self.precision),
+            "profile": spec.profile.to_dict(), **backend.key(precision),
         }
 
         def build(tmp: Path) -> dict:
-            meta = backend.build(spec, source.file(ONNX_FILE), tmp, self.precision) or {}
+            meta = backend.build(spec, source.file(ONNX_FILE), tmp, precision) or {}
             if self.check_parity:
-                engine = backend.load(spec, tmp, self.precision)
-                meta["parity"] = [p.to_dict() for p in engine_parity(spec, engine, self.precision)]
+                engine = backend.load(spec, tmp, precision)
+                meta["parity"] = [p.to_dict() for p in engine_parity(spec, engine, precision)]
             return meta
 
         return self._stage(spec, "engine", parts, build)
@@ -181,11 +187,11 @@ class Compiler:
         backend = get_backend(backend_name, EngineOptions(**vars(self.options)))
         backend.require()
         if not backend.needs_onnx:
-            return backend.load(spec, None, self.precision)
+            return backend.load(spec, None, spec.precision_for(self.precision))
         onnx_entry = self.exported(spec)
         optimized = self.optimized(spec, backend, onnx_entry)
         entry = self.engine_entry(spec, backend, optimized)
-        return backend.load(spec, entry.path, self.precision)
+        return backend.load(spec, entry.path, spec.precision_for(self.precision))
 
     # ---- backend choice ------------------------------------------------------------------------
 
@@ -201,7 +207,8 @@ class Compiler:
         versions = {name: get_backend(name).availability().version for name in candidates}
         parts = {
             "kind": "auto-choice", "component": spec.name, "weights": spec.fingerprint,
-            "profile": spec.profile.to_dict(), "candidates": versions, "precision": self.precision.value,
+            "profile": spec.profile.to_dict(), "candidates": versions,
+            "precision": spec.precision_for(self.precision).value,
             "device": get_backend(candidates[0]).availability().devices, "threads": self.options.threads,
         }
 
@@ -247,7 +254,7 @@ def compile_components(
     backend: str = "auto",
     precision: Precision | str = Precision.FP32,
     profile: ShapeProfile | None = None,
-    components: Iterable[str] = COMPONENT_NAMES,
+    components: Iterable[str] | None = None,
     cache: Cache | str | Path | None = None,
     exporter: str = DEFAULT_EXPORTER,
     opset: int = DEFAULT_OPSET,
@@ -279,5 +286,14 @@ def compile_components(
         backends=chosen,
         stages=compiler.records,
         seconds=time.perf_counter() - start,
+        family=family_of(pipe).name,
+        precisions={name: spec.precision_for(precision).value for name, spec in specs.items()},
+        notes=precision_notes(specs, Precision(precision)),
     )
     return engines, report
+
+
+def precision_notes(specs: dict[str, ComponentSpec], precision: Precision) -> list[str]:
+    """One line per component built in another precision than asked, saying why."""
+    return [f"{name}: {spec.keep_fp32}." for name, spec in specs.items()
+            if spec.precision_for(precision) != precision]

@@ -30,13 +30,16 @@ def command(name: str):
 
 @command("tiny")
 def cmd_tiny(args: argparse.Namespace) -> int:
-    """Write the built-in tiny Stable Diffusion pipeline as a diffusers folder."""
+    """Write a built-in tiny Stable Diffusion pipeline (SD 1.x, 2.x or XL) as a diffusers folder."""
     from .console import console
+    from .families import FAMILIES
     from .tiny import write_tiny_pipeline
 
-    path = write_tiny_pipeline(args.dir, inpainting=args.inpainting, seed=args.seed)
+    path = write_tiny_pipeline(args.dir, family=args.family, inpainting=args.inpainting,
+                               prediction=args.prediction, seed=args.seed)
     kind = "inpainting " if args.inpainting else ""
-    console.print(f"wrote the tiny Stable Diffusion 1.x {kind}pipeline (seed {args.seed}) to {path}")
+    console.print(f"wrote the tiny {FAMILIES[args.family].title} {kind}pipeline ({args.prediction}, seed {args.seed}) "
+                  f"to {path}")
     return 0
 
 
@@ -75,6 +78,7 @@ def cmd_compile(args: argparse.Namespace) -> int:
     """Build the engines of every component into the cache (export, optimize, engine)."""
     from .build import compile_components
     from .console import console, table, write_json
+    from .families import FAMILIES
 
 
     _, report = compile_components(
@@ -83,8 +87,10 @@ def cmd_compile(args: argparse.Namespace) -> int:
         options=_engine_options(args), on_stage=_show_stage,
     )
     rows = [[s.component, s.stage, s.status, f"{s.seconds:.1f} s", s.key[:12]] for s in report.stages]
-    console.print(table(f"compile {report.model} ({report.precision})",
+    console.print(table(f"compile {report.model} ({FAMILIES[report.family].title}, {report.precision})",
                         ["component", "stage", "cache", "time", "entry"], rows))
+    for note in report.notes:
+        console.print(f"note: {note}", markup=False)
     console.print("backends: " + ", ".join(f"{c}={b}" for c, b in report.backends.items()))
     built = sum(s.status != "reused" for s in report.stages)
     console.print(f"{built} built, {len(report.stages) - built} reused from the cache, {report.seconds:.1f} s in all")
@@ -282,6 +288,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     kwargs = dict(negative_prompt=args.negative, num_inference_steps=args.steps, guidance_scale=args.guidance,
                   num_images_per_prompt=args.num_images, height=args.height, width=args.width,
                   generator=torch.Generator().manual_seed(args.seed))
+    kwargs.update({k: v for k, v in (("prompt_2", args.prompt_2), ("negative_prompt_2", args.negative_2)) if v})
     if image is not None:
         kwargs.update(image=image, strength=args.strength)
     if mask is not None:
@@ -329,11 +336,12 @@ def build_parser() -> argparse.ArgumentParser:
     from .components import COMPONENT_NAMES
     from .export import DEFAULT_EXPORTER, DEFAULT_OPSET, EXPORTERS
     from .schedulers import SCHEDULERS
+    from .tiny import FAMILY_NAMES, PREDICTION_TYPES
 
     parser = argparse.ArgumentParser(
         prog="kasoku",
         description=(
-            "kasoku (加速) compiles diffusers Stable Diffusion pipelines into ONNX Runtime, OpenVINO "
+            "kasoku (加速) compiles diffusers Stable Diffusion 1.x, 2.x and XL pipelines into ONNX Runtime, OpenVINO "
             "and TensorRT engines and proves they compute the same thing. Start with `kasoku demo`."
         ),
     )
@@ -356,6 +364,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("-o", "--output", type=Path, default=Path("out.png"),
                    help="image file (default out.png; out-0.png, out-1.png, ... for several)")
     p.add_argument("--negative", default=None, help="negative prompt")
+    p.add_argument("--prompt-2", default=None, help="SDXL: the prompt for the second text encoder (default: PROMPT)")
+    p.add_argument("--negative-2", default=None, help="SDXL: the negative prompt for the second text encoder")
     p.add_argument("--steps", type=int, default=30, help="denoising steps (default 30)")
     p.add_argument("--guidance", type=float, default=7.5, help="classifier-free guidance scale (default 7.5)")
     p.add_argument("--seed", type=int, default=0, help="generator seed (default 0)")
@@ -371,6 +381,12 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = add("tiny")
     p.add_argument("dir", type=Path, help="an empty or new folder to write the pipeline into")
+    p.add_argument("--family", choices=FAMILY_NAMES, default="sd1",
+                   help="sd1 (default): SD 1.x; sd2: SD 2.x (OpenCLIP-style text encoder, per-block heads, linear "
+                        "projections); sdxl: SDXL (two text encoders, added size/crop conditioning)")
+    p.add_argument("--prediction", choices=PREDICTION_TYPES, default="epsilon",
+                   help="the scheduler's prediction type: epsilon (default; SD 2 base at 512) or v_prediction "
+                        "(SD 2 at 768)")
     p.add_argument("--inpainting", action="store_true", help="the 9-input-channel inpainting U-Net variant")
     p.add_argument("--seed", type=int, default=0, help="seed of the deterministic weights (default 0)")
 
@@ -380,8 +396,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--exporter", choices=EXPORTERS, default=DEFAULT_EXPORTER,
                    help=f"torch.onnx exporter (default {DEFAULT_EXPORTER})")
     p.add_argument("--opset", type=int, default=DEFAULT_OPSET, help=f"ONNX opset (default {DEFAULT_OPSET})")
-    p.add_argument("--components", nargs="+", choices=COMPONENT_NAMES, default=list(COMPONENT_NAMES),
-                   metavar="NAME", help=f"which components (default all: {' '.join(COMPONENT_NAMES)})")
+    p.add_argument("--components", nargs="+", choices=COMPONENT_NAMES, default=None,
+                   metavar="NAME", help=f"which of {' '.join(COMPONENT_NAMES)} (default: all the model has)")
     p.add_argument("--json", type=Path, metavar="PATH", help="also write the manifest to PATH")
 
     p = add("compile")
@@ -434,8 +450,8 @@ def _add_engine_arguments(p: argparse.ArgumentParser, profile_flags: bool = True
         p.add_argument("--batch", type=_range, metavar="MIN:MAX", help="images per call the engines serve")
         p.add_argument("--height", type=_range, metavar="MIN:MAX", help="image heights in pixels")
         p.add_argument("--width", type=_range, metavar="MIN:MAX", help="image widths in pixels")
-    p.add_argument("--components", nargs="+", choices=COMPONENT_NAMES, default=list(COMPONENT_NAMES),
-                   metavar="NAME", help=f"which components (default all: {' '.join(COMPONENT_NAMES)})")
+    p.add_argument("--components", nargs="+", choices=COMPONENT_NAMES, default=None,
+                   metavar="NAME", help=f"which of {' '.join(COMPONENT_NAMES)} (default: all the model has)")
     p.add_argument("--exporter", choices=EXPORTERS, default=DEFAULT_EXPORTER, help=argparse.SUPPRESS)
     p.add_argument("--opset", type=int, default=DEFAULT_OPSET, help=argparse.SUPPRESS)
     p.add_argument("--threads", type=int, default=None, help="CPU threads per engine (default: the runtime's)")

@@ -1,6 +1,6 @@
 """One description per component: what export, optimization, engines and verification read.
 
-A component (text_encoder, unet, vae_decoder, vae_encoder) is a torch module with named
+A component (text_encoder, text_encoder_2 for SDXL, unet, vae_decoder, vae_encoder) is a torch module with named
 inputs and outputs. Each input dimension is either fixed or an :class:`Axis` derived from
 the pipeline-level :class:`ImageShape` (images per call, height, width in pixels); the
 :class:`ShapeProfile` gives the min/opt/max image shape a compiled pipeline serves. Every
@@ -22,7 +22,7 @@ import torch
 
 from .errors import KasokuError
 
-COMPONENT_NAMES = ("text_encoder", "unet", "vae_decoder", "vae_encoder")
+COMPONENT_NAMES = ("text_encoder", "text_encoder_2", "unet", "vae_decoder", "vae_encoder")
 
 
 class Precision(str, Enum):
@@ -164,6 +164,12 @@ class ComponentSpec:
     sample_input: Callable[[TensorSpec, tuple[int, ...], torch.Generator], torch.Tensor] = field(
         default=None, repr=False, compare=False
     )
+    keep_fp32: str | None = None  # why this component stays fp32 when fp16 is asked for
+
+    def precision_for(self, requested: Precision | str) -> Precision:
+        """The precision this component is built in when `requested` is asked for."""
+        requested = Precision(requested)
+        return Precision.FP32 if requested == Precision.FP16 and self.keep_fp32 else requested
 
     @property
     def input_names(self) -> tuple[str, ...]:
@@ -241,13 +247,21 @@ def _jsonable(value):
 
 
 class TextEncoderModule(torch.nn.Module):
-    def __init__(self, text_encoder: torch.nn.Module):
+    """A CLIP text encoder returning the named outputs the family's pipeline reads.
+
+    SD 1.x/2.x read the last hidden state (and the pooled output); SDXL reads the penultimate
+    hidden state of both encoders and the projected pooled embedding of the second."""
+
+    def __init__(self, text_encoder: torch.nn.Module, outputs: tuple[str, ...]):
         super().__init__()
         self.text_encoder = text_encoder
+        self.output_names = outputs
 
     def forward(self, input_ids: torch.Tensor):
-        out = self.text_encoder(input_ids, return_dict=True)
-        return out.last_hidden_state, out.pooler_output
+        hidden_states = "penultimate_hidden_state" in self.output_names
+        out = self.text_encoder(input_ids, output_hidden_states=hidden_states, return_dict=True)
+        values = {"penultimate_hidden_state": lambda: out.hidden_states[-2]}
+        return tuple(values[name]() if name in values else getattr(out, name) for name in self.output_names)
 
 
 class UNetModule(torch.nn.Module):
@@ -257,6 +271,14 @@ class UNetModule(torch.nn.Module):
 
     def forward(self, sample, timestep, encoder_hidden_states):
         return (self.unet(sample, timestep, encoder_hidden_states, return_dict=False)[0],)
+
+
+class SDXLUNetModule(UNetModule):
+    """SDXL's U-Net: the pooled text embedding and the size/crop ids as two more inputs."""
+
+    def forward(self, sample, timestep, encoder_hidden_states, text_embeds, time_ids):
+        added = {"text_embeds": text_embeds, "time_ids": time_ids}
+        return (self.unet(sample, timestep, encoder_hidden_states, added_cond_kwargs=added, return_dict=False)[0],)
 
 
 class VaeDecoderModule(torch.nn.Module):
@@ -285,6 +307,8 @@ def _sample_input(tensor: TensorSpec, shape: tuple[int, ...], generator: torch.G
         return torch.randint(0, tensor.high or 2, shape, generator=generator, dtype=tensor.dtype)
     if tensor.name == "timestep":
         return torch.rand(shape, generator=generator) * 999.0
+    if tensor.name == "time_ids":  # original size, crop top-left, target size in pixels
+        return torch.randint(0, 1025, shape, generator=generator).to(torch.float32)
     if tensor.name == "sample" and len(shape) == 4 and shape[1] == 3:
         return torch.rand(shape, generator=generator) * 2.0 - 1.0  # an image in [-1, 1]
     return torch.randn(shape, generator=generator)
@@ -314,19 +338,50 @@ def default_profile(pipe, max_batch: int = 4) -> ShapeProfile:
     return ShapeProfile.from_ranges((1, 1, max_batch), (low, native, high), (low, native, high), multiple)
 
 
+SDXL_VAE_FP32 = (
+    "SDXL's VAE overflows in fp16 (its config sets force_upcast), so it is built in fp32; give the pipeline "
+    "a fp16-safe VAE (force_upcast false, such as madebyollin/sdxl-vae-fp16-fix) to build it in fp16"
+)
+
+
+def model_components(pipe) -> tuple[str, ...]:
+    """The components this pipeline has, in COMPONENT_NAMES order."""
+    from .families import family_of
+
+    text_encoders = family_of(pipe).text_encoders
+    return tuple(n for n in COMPONENT_NAMES if not n.startswith("text_encoder") or n in text_encoders)
+
+
+def text_encoder_outputs(pipe, name: str) -> tuple[str, ...]:
+    """What the family's pipeline reads from text encoder `name`."""
+    from .families import family_of
+
+    if family_of(pipe).name != "sdxl":
+        return ("last_hidden_state", "pooler_output")
+    return ("text_embeds", "penultimate_hidden_state") if name == "text_encoder_2" else ("penultimate_hidden_state",)
+
+
 def component_specs(
-    pipe, profile: ShapeProfile | None = None, names: Iterable[str] = COMPONENT_NAMES
+    pipe, profile: ShapeProfile | None = None, names: Iterable[str] | None = None
 ) -> dict[str, ComponentSpec]:
-    """The component specs of a live diffusers Stable Diffusion pipeline."""
+    """The component specs of a live diffusers pipeline (all it has, or `names`)."""
+    from .families import family_of
+
     profile = profile or default_profile(pipe)
-    names = list(names)
+    available = model_components(pipe)
+    names = list(available if names is None else names)
     unknown = sorted(set(names) - set(COMPONENT_NAMES))
     if unknown:
-        raise ValueError(f"unknown component(s) {unknown}; choose from {list(COMPONENT_NAMES)}.")
+        raise KasokuError(f"unknown component(s) {unknown}; choose from {list(COMPONENT_NAMES)}.")
+    absent = [n for n in names if n not in available]
+    if absent:
+        raise KasokuError(f"this {family_of(pipe).title} model has no {', '.join(absent)}; "
+                          f"its components are {', '.join(available)}.")
+    xl = family_of(pipe).name == "sdxl"
     vae_scale = Fraction(1, _vae_scale_factor(pipe.vae))
     text_length = pipe.tokenizer.model_max_length
-    text_hidden = pipe.text_encoder.config.hidden_size
     latent_channels = pipe.vae.config.latent_channels
+    unet_config = pipe.unet.config
 
     images = Axis("batch", "batch")
     guided = Axis("batch", "batch", Fraction(2), min_scale=Fraction(1))  # prompt + negative
@@ -336,35 +391,51 @@ def component_specs(
     pixel_w = Axis("width", "width")
 
     make = dict(profile=profile, sample_input=_sample_input)
-    builders = {
-        "text_encoder": lambda: ComponentSpec(
-            name="text_encoder",
-            module=TextEncoderModule(pipe.text_encoder).eval(),
-            inputs=(TensorSpec(
-                    "input_ids", (guided, text_length), torch.int64, high=pipe.text_encoder.config.vocab_size
-                ),),
-            outputs=("last_hidden_state", "pooler_output"),
-            config=pipe.text_encoder.config.to_dict(),
+
+    def text_encoder(name: str) -> ComponentSpec:
+        encoder = getattr(pipe, name)
+        outputs = text_encoder_outputs(pipe, name)
+        return ComponentSpec(
+            name=name,
+            module=TextEncoderModule(encoder, outputs).eval(),
+            inputs=(TensorSpec("input_ids", (guided, text_length), torch.int64, high=encoder.config.vocab_size),),
+            outputs=outputs,
+            config={**encoder.config.to_dict(), "kasoku_outputs": outputs},
             **make,
-        ),
-        "unet": lambda: ComponentSpec(
+        )
+
+    def unet() -> ComponentSpec:
+        inputs = (
+            TensorSpec("sample", (guided, unet_config.in_channels, latent_h, latent_w)),
+            TensorSpec("timestep", (guided,)),
+            TensorSpec("encoder_hidden_states", (guided, text_length, unet_config.cross_attention_dim)),
+        )
+        if xl:
+            pooled = pipe.text_encoder_2.config.projection_dim
+            id_width = unet_config.projection_class_embeddings_input_dim - pooled
+            time_ids = id_width // unet_config.addition_time_embed_dim
+            inputs += (TensorSpec("text_embeds", (guided, pooled)), TensorSpec("time_ids", (guided, time_ids)))
+        return ComponentSpec(
             name="unet",
-            module=UNetModule(pipe.unet).eval(),
-            inputs=(
-                TensorSpec("sample", (guided, pipe.unet.config.in_channels, latent_h, latent_w)),
-                TensorSpec("timestep", (guided,)),
-                TensorSpec("encoder_hidden_states", (guided, text_length, text_hidden)),
-            ),
+            module=(SDXLUNetModule if xl else UNetModule)(pipe.unet).eval(),
+            inputs=inputs,
             outputs=("out_sample",),
-            config=dict(pipe.unet.config),
+            config=dict(unet_config),
             **make,
-        ),
+        )
+
+    vae_fp32 = SDXL_VAE_FP32 if xl and pipe.vae.config.get("force_upcast", True) else None
+    builders = {
+        "text_encoder": lambda: text_encoder("text_encoder"),
+        "text_encoder_2": lambda: text_encoder("text_encoder_2"),
+        "unet": unet,
         "vae_decoder": lambda: ComponentSpec(
             name="vae_decoder",
             module=VaeDecoderModule(pipe.vae).eval(),
             inputs=(TensorSpec("latent_sample", (images, latent_channels, latent_h, latent_w)),),
             outputs=("sample",),
             config=dict(pipe.vae.config),
+            keep_fp32=vae_fp32,
             **make,
         ),
         "vae_encoder": lambda: ComponentSpec(
@@ -373,6 +444,7 @@ def component_specs(
             inputs=(TensorSpec("sample", (images, 3, pixel_h, pixel_w)),),
             outputs=("latent_parameters",),
             config=dict(pipe.vae.config),
+            keep_fp32=vae_fp32,
             **make,
         ),
     }

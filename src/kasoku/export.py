@@ -22,7 +22,7 @@ import torch
 
 from . import __version__
 from .attention import exportable_attention
-from .components import COMPONENT_NAMES, ComponentSpec, ImageShape, Precision, ShapeProfile, component_specs
+from .components import ComponentSpec, ImageShape, Precision, ShapeProfile, component_specs
 from .errors import KasokuError
 from .parity import OutputParity, parity_against_torch, raise_on_failure
 
@@ -250,7 +250,7 @@ def export_pipeline(
     model,
     outdir: str | Path,
     *,
-    components: Iterable[str] = COMPONENT_NAMES,
+    components: Iterable[str] | None = None,
     exporter: str = DEFAULT_EXPORTER,
     opset: int = DEFAULT_OPSET,
     profile: ShapeProfile | None = None,

@@ -1,9 +1,9 @@
 """KasokuPipeline: diffusers' own Stable Diffusion recipes, with engines in place of torch.
 
 The seed needed a custom pipeline per task (stable_diffusion_tensorrt_txt2img, ...). kasoku
-does not re-write the recipe: the text encoder, U-Net and VAE of a diffusers pipeline are
-replaced by small modules that call compiled engines, and diffusers' StableDiffusion /
-Img2Img / Inpaint pipelines run unchanged on top of them. Call signature, schedulers, image
+does not re-write the recipe: the text encoder(s), U-Net and VAE of a diffusers pipeline are
+replaced by small modules that call compiled engines, and diffusers' own StableDiffusion(XL)
+txt2img / Img2Img / Inpaint pipelines run unchanged on top of them. Call signature, schedulers, image
 processing, callbacks and outputs are therefore diffusers' own, and the same seed gives the
 same image. kasoku adds what an engine needs first: every input is checked against the
 compiled profile before anything runs.
@@ -15,6 +15,7 @@ import time
 from collections import defaultdict
 from dataclasses import dataclass, field
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import numpy as np
@@ -22,13 +23,21 @@ import torch
 
 from .backends import Engine, EngineOptions
 from .build import CompileReport, compile_components
-from .components import COMPONENT_NAMES, ImageShape, Precision, ShapeProfile, default_profile
+from .components import ImageShape, Precision, ShapeProfile, default_profile
 from .errors import KasokuError
+from .families import TASKS, family_of
 from .schedulers import SCHEDULERS
 
 
 class InvalidInput(KasokuError, ValueError):
     """A pipeline argument that cannot be served; raised before any engine runs."""
+
+
+# SDXL's size/crop conditioning: (height, width) or (top, left) pairs in pixels.
+SDXL_SIZE_IDS = ("original_size", "target_size", "crops_coords_top_left", "negative_original_size",
+                 "negative_target_size", "negative_crops_coords_top_left")
+SDXL_ARGUMENTS = ("prompt_2", "negative_prompt_2", "pooled_prompt_embeds", "negative_pooled_prompt_embeds",
+                  *SDXL_SIZE_IDS, "aesthetic_score", "negative_aesthetic_score")
 
 
 @dataclass
@@ -71,24 +80,64 @@ class _EngineModule(torch.nn.Module):
         return {name: torch.from_numpy(np.asarray(value)) for name, value in outputs.items()}
 
 
+class _PenultimateOnly(tuple):
+    """The hidden states an SDXL pipeline reads: only the penultimate layer (index -2) is there."""
+
+    def __getitem__(self, index):
+        if index != -2:
+            raise InvalidInput("`clip_skip` needs more hidden states than the compiled text encoders return "
+                               "(the penultimate layer only); call without clip_skip.")
+        return tuple.__getitem__(self, 0)
+
+
+class _TextEncoderOutput(tuple):
+    """What diffusers indexes: out[0] (last state, or SDXL's projected pooled embedding) and .hidden_states."""
+
+    hidden_states = None
+
+
 class EngineTextEncoder(_EngineModule):
+    def __init__(self, original: torch.nn.Module, engines: dict[str, Engine], times: EngineTimes, component: str):
+        super().__init__(original, engines, times)
+        self._component = component
+
     def forward(self, input_ids, attention_mask=None, output_hidden_states=None, return_dict=None, **kwargs):
+        out = self._run(self._component, input_ids=input_ids.to(torch.int64))
+        if "penultimate_hidden_state" in out:  # SDXL: both encoders, always with output_hidden_states
+            first = out["text_embeds"] if "text_embeds" in out else out["penultimate_hidden_state"]
+            result = _TextEncoderOutput((first,))
+            result.hidden_states = _PenultimateOnly((out["penultimate_hidden_state"],))
+            return result
         if output_hidden_states:
             raise InvalidInput("`clip_skip` needs the text encoder's hidden states, which compiled engines do not "
                                "return; call without clip_skip.")
-        out = self._run("text_encoder", input_ids=input_ids.to(torch.int64))
         return (out["last_hidden_state"], out["pooler_output"])
 
 
 class EngineUNet(_EngineModule):
+    def __init__(self, original: torch.nn.Module, engines: dict[str, Engine], times: EngineTimes):
+        super().__init__(original, engines, times)
+        self._added = [t.name for t in engines["unet"].spec.inputs if t.name in ("text_embeds", "time_ids")]
+        if getattr(original, "add_embedding", None) is not None:
+            # SDXL pipelines check the ids' width against the embedding's input size.
+            self.add_embedding = SimpleNamespace(linear_1=SimpleNamespace(
+                in_features=original.add_embedding.linear_1.in_features))
+
     def forward(self, sample, timestep, encoder_hidden_states, timestep_cond=None, cross_attention_kwargs=None,
                 added_cond_kwargs=None, return_dict=True, **kwargs):
-        if timestep_cond is not None or cross_attention_kwargs or added_cond_kwargs:
-            raise InvalidInput("the compiled U-Net takes sample, timestep and encoder_hidden_states only "
-                               "(no IP-Adapter, LoRA scale or guidance embedding).")
+        added_cond_kwargs = dict(added_cond_kwargs or {})
+        extra = sorted(set(added_cond_kwargs) - set(self._added))
+        if timestep_cond is not None or cross_attention_kwargs or extra:
+            raise InvalidInput("the compiled U-Net takes sample, timestep, encoder_hidden_states"
+                               + (" and SDXL's text_embeds and time_ids" if self._added else "")
+                               + " only (no IP-Adapter, LoRA scale or guidance embedding).")
+        missing = [name for name in self._added if name not in added_cond_kwargs]
+        if missing:
+            raise InvalidInput(f"the compiled SDXL U-Net needs {', '.join(missing)} in added_cond_kwargs.")
         timesteps = torch.as_tensor(timestep, dtype=torch.float32).reshape(-1).expand(sample.shape[0])
+        added = {name: added_cond_kwargs[name].to(torch.float32) for name in self._added}
         out = self._run("unet", sample=sample, timestep=timesteps.contiguous(),
-                        encoder_hidden_states=encoder_hidden_states)["out_sample"]
+                        encoder_hidden_states=encoder_hidden_states, **added)["out_sample"]
         if not return_dict:
             return (out,)
         from diffusers.models.unets.unet_2d_condition import UNet2DConditionOutput
@@ -135,39 +184,31 @@ def _image_size(image) -> tuple[int, int]:
 
 
 class KasokuPipeline:
-    """Stable Diffusion txt2img / img2img / inpaint on compiled engines.
+    """Stable Diffusion 1.x / 2.x / XL txt2img, img2img and inpaint on compiled engines.
 
     ``pipe(prompt)`` runs text-to-image; ``pipe(prompt, image=..., strength=...)`` image-to-image;
     ``pipe(prompt, image=..., mask_image=...)`` inpainting (9-channel inpainting U-Nets, and
-    4-channel ones through diffusers' latent mask blending). Every other argument is diffusers'.
+    4-channel ones through diffusers' latent mask blending). Every other argument is diffusers'
+    (for SDXL: prompt_2, negative_prompt_2, original_size, target_size, crops_coords_top_left, ...).
     """
 
     def __init__(self, diffusers_pipe, engines: dict[str, Engine], profile: ShapeProfile,
                  report: CompileReport | None = None):
-        from diffusers import StableDiffusionImg2ImgPipeline, StableDiffusionInpaintPipeline, StableDiffusionPipeline
-
+        self.family = family_of(diffusers_pipe)
         self.profile = profile
         self.engines = engines
         self.compile_report = report
         self.times = EngineTimes()
         self._source = diffusers_pipe
-        components = dict(
+        stand_ins = dict(
             vae=EngineVAE(diffusers_pipe.vae, engines, self.times),
-            text_encoder=EngineTextEncoder(diffusers_pipe.text_encoder, engines, self.times),
-            tokenizer=diffusers_pipe.tokenizer,
             unet=EngineUNet(diffusers_pipe.unet, engines, self.times),
-            scheduler=diffusers_pipe.scheduler,
-            safety_checker=None,
-            feature_extractor=None,
-            requires_safety_checker=False,
         )
-        self._pipes = {
-            "txt2img": StableDiffusionPipeline(**components),
-            "img2img": StableDiffusionImg2ImgPipeline(**components),
-            "inpaint": StableDiffusionInpaintPipeline(**components),
-        }
-        for pipe in self._pipes.values():
-            pipe.set_progress_bar_config(disable=True)
+        for name in self.family.text_encoders:
+            stand_ins[name] = EngineTextEncoder(getattr(diffusers_pipe, name), engines, self.times, name)
+        if self.family.name != "sdxl":  # engines replace torch; so does the check that ran on torch images
+            stand_ins.update(safety_checker=None, feature_extractor=None, requires_safety_checker=False)
+        self._pipes = {task: self.family.task_pipeline(diffusers_pipe, task, **stand_ins) for task in TASKS}
 
     # ---- construction --------------------------------------------------------------------------
 
@@ -254,21 +295,40 @@ class KasokuPipeline:
                 width = width or image_width // 8 * 8
             else:
                 height, width = height or image_height, width or image_width
-        native = self._source.unet.config.sample_size * self.vae_scale_factor
+        native = self._source.unet.config.sample_size * self.vae_scale_factor  # diffusers' default size
         height, width = height or native, width or native
         if height % 8 or width % 8:
             raise InvalidInput(f"`height` and `width` have to be divisible by 8 but are {height} and {width}.")
         prompts = 1 if isinstance(prompt, str) or prompt is None else len(prompt)
+        for name in ("prompt_2", "negative_prompt_2"):
+            second = kwargs.get(name)
+            count = 1 if isinstance(second, str) else len(second or ())
+            if second is not None and count != prompts:
+                raise InvalidInput(f"`{name}` must give one text per prompt: {prompts} prompt(s) but {count} "
+                                   f"{name}(s); pass a list of {prompts}.")
         batch = prompts * int(kwargs.get("num_images_per_prompt") or 1)
         self.profile.check(ImageShape(batch=batch, height=int(height), width=int(width)))
+        self._check_family_arguments(kwargs)
         if task != "txt2img" and "vae_encoder" not in self.engines:
             raise InvalidInput(f"{task} needs the vae_encoder engine; compile with the vae_encoder component.")
         if self._source.unet.config.in_channels == 9 and task != "inpaint":
             raise InvalidInput("this is an inpainting model (9-channel U-Net): give `image` and `mask_image`.")
 
+    def _check_family_arguments(self, kwargs) -> None:
+        given = [name for name in SDXL_ARGUMENTS if kwargs.get(name) is not None]
+        if given and self.family.name != "sdxl":
+            raise InvalidInput(f"{', '.join(given)}: only SDXL pipelines take "
+                               f"{'this argument' if len(given) == 1 else 'these arguments'}; "
+                               f"this is a {self.family.title} model.")
+        for name in SDXL_SIZE_IDS:
+            value = kwargs.get(name)
+            if value is not None and (len(tuple(value)) != 2 or any(int(v) < 0 for v in value)):
+                raise InvalidInput(f"`{name}` must be a pair of non-negative ints (height, width) or "
+                                   f"(top, left) but is {value!r}.")
+
     def __repr__(self) -> str:
         backends = {name: engine.backend for name, engine in self.engines.items()}
-        return f"KasokuPipeline(backends={backends}, profile={self.profile})"
+        return f"KasokuPipeline({self.family.title}, backends={backends}, profile={self.profile})"
 
 
 def compile(
@@ -278,19 +338,16 @@ def compile(
     precision: Precision | str = Precision.FP32,
     cache_dir: str | Path | None = None,
     profile: ShapeProfile | None = None,
-    components=COMPONENT_NAMES,
+    components=None,
     options: EngineOptions | None = None,
     on_stage=None,
     label: str | None = None,
     check_parity: bool = True,
     onnx_dir: str | Path | None = None,
 ) -> KasokuPipeline:
-    """A live diffusers Stable Diffusion pipeline in (txt2img, img2img or inpaint, also one with
-    xFormers attention processors), an accelerated KasokuPipeline out."""
-    from .loading import SUPPORTED_PIPELINES
-
-    if type(pipe).__name__ not in SUPPORTED_PIPELINES:
-        raise KasokuError(f"kasoku.compile takes one of {', '.join(SUPPORTED_PIPELINES)}, not {type(pipe).__name__}.")
+    """A live diffusers Stable Diffusion 1.x / 2.x / XL pipeline in (txt2img, img2img or inpaint,
+    also one with xFormers attention processors), an accelerated KasokuPipeline out."""
+    family_of(pipe)  # an unsupported pipeline fails here, naming the supported ones
     profile = profile or default_profile(pipe)
     kwargs: dict[str, Any] = {"on_stage": on_stage} if on_stage else {}
     engines, report = compile_components(pipe, backend=backend, precision=precision, profile=profile,

@@ -16,6 +16,7 @@ import torch
 
 from .backends import EngineOptions
 from .components import ImageShape, Precision, ShapeProfile, component_specs
+from .families import family_of
 from .parity import TOLERANCES, OutputParity, parity_against_torch, psnr
 
 VERIFY_PROMPT = "a photo of an astronaut riding a horse on mars"
@@ -40,6 +41,8 @@ class VerifyReport:
     backends: dict[str, str]
     components: list[OutputParity] = field(default_factory=list)
     image: ImageParity | None = None
+    family: str = ""
+    notes: list[str] = field(default_factory=list)
 
     @property
     def passed(self) -> bool:
@@ -84,18 +87,19 @@ def verify(
                                    options=options, label=label, check_parity=False, onnx_dir=onnx_dir, **kwargs)
     specs = component_specs(reference, pipe.profile)
     report = VerifyReport(model=label, precision=precision.value,
-                          backends={n: e.backend for n, e in pipe.engines.items()})
+                          backends={n: e.backend for n, e in pipe.engines.items()},
+                          family=family_of(reference).title, notes=pipe.compile_report.notes)
     for name, engine in pipe.engines.items():
         shapes = dict.fromkeys(verification_shapes(pipe.profile).values())
-        report.components += parity_against_torch(specs[name], engine.run, shapes, precision, seed=11)
+        built_in = specs[name].precision_for(precision)  # an SDXL VAE stays fp32: hold it to fp32's bound
+        report.components += parity_against_torch(specs[name], engine.run, shapes, built_in, seed=11)
     if image:
         report.image = image_parity(reference, pipe, precision)
     return report
 
 
 def image_parity(reference, pipe, precision: Precision) -> ImageParity:
-    from diffusers import StableDiffusionInpaintPipeline, StableDiffusionPipeline
-
+    family = family_of(reference)
     if reference.unet.config.in_channels == 9:  # an inpainting model: inpaint a square
         size = pipe.profile.opt.height, pipe.profile.opt.width
         rng = np.random.default_rng(VERIFY_SEED)
@@ -105,11 +109,10 @@ def image_parity(reference, pipe, precision: Precision) -> ImageParity:
         mask = np.zeros(size, dtype=np.uint8)
         mask[size[0] // 4: 3 * size[0] // 4, size[1] // 4: 3 * size[1] // 4] = 255
         extra = {"image": image, "mask_image": Image.fromarray(mask)}
-        torch_pipe = StableDiffusionInpaintPipeline(**reference.components)
+        torch_pipe = family.task_pipeline(reference, "inpaint")
     else:
         extra = {}
-        torch_pipe = StableDiffusionPipeline(**reference.components)
-    torch_pipe.set_progress_bar_config(disable=True)
+        torch_pipe = family.task_pipeline(reference, "txt2img")
     shape = pipe.profile.opt
 
     def run(p):
@@ -128,7 +131,7 @@ def image_parity(reference, pipe, precision: Precision) -> ImageParity:
 def markdown(report: VerifyReport) -> str:
     """The report as a markdown table (what the terminal shows)."""
     lines = [
-        f"# kasoku verify: {report.model} ({report.precision})",
+        f"# kasoku verify: {report.model} ({', '.join(filter(None, (report.family, report.precision)))})",
         "",
         "| status | component | output | shape | max abs | max rel | cosine | NaN | Inf | tolerance |",
         "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
@@ -141,6 +144,7 @@ def markdown(report: VerifyReport) -> str:
         i = report.image
         lines += ["", f"Image vs diffusers ({i.shape}): PSNR {i.psnr_db:.1f} dB (bound {i.bound_db:.0f} dB), "
                       f"max pixel difference {i.max_abs:.2e}, NaN {i.nan}: {'PASSED' if i.passed else 'FAILED'}"]
+    lines += [""] + [f"Note: {note}" for note in report.notes] if report.notes else []
     verdict = "PASSED" if report.passed else f"FAILED: {', '.join(report.failed_components) or 'image'}"
     lines += ["", f"**{verdict}**"]
     return "\n".join(lines)
