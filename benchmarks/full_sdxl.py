@@ -1,0 +1,286 @@
+"""SDXL at full size, random weights, fp32: U-Net step and VAE decode at 1024x1024.
+
+    python benchmarks/full_sdxl.py [--repeats 3] [--threads 2] [--components unet,vae_decoder]
+                                   [--backends onnxruntime,openvino]
+
+The SDXL base architecture (2.6B-parameter U-Net with added size/crop conditioning, the
+SDXL VAE) cannot sit in 24 GiB twice: torch's U-Net is 10.3 GB in fp32, and so is every
+runtime's copy. So each contender runs in its own process, one after the other, in one run:
+
+1. `torch` (per component): builds the component with seeded random weights, times torch
+   eager (FLOPs counted on the warm-up call), saves the inputs and outputs, then exports the
+   ONNX file with kasoku (parity is checked against the saved outputs in step 2 instead of
+   holding torch and ONNX Runtime at once);
+2. `engine` (per component and backend): kasoku compiles that ONNX file through the cache
+   (optimize, engine build) with every torch module on the meta device, times the engine
+   after a warm-up and compares with torch's outputs.
+
+The matmul rate for the FLOP floor is measured once at the start, in the parent. Each stage
+reports its peak resident memory (VmHWM); the largest is the run's peak. BENCHMARK.md's
+rules otherwise hold: same inputs, threads and precision, median of repeats after warm-up.
+Writes benchmarks/results/<date>-<host>-full_sdxl.md and .json. About an hour on 2 cores.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import shutil
+import socket
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+HERE = Path(__file__).resolve().parent
+WORK = HERE / ".models" / "sdxl-work"
+RESULTS = HERE / "results"
+SIZE = 1024
+SEEDS = {"text_encoder": 1, "text_encoder_2": 2, "unet": 3, "vae": 4}
+
+# stabilityai/stable-diffusion-xl-base-1.0's configurations.
+UNET = dict(
+    sample_size=128, in_channels=4, out_channels=4, layers_per_block=2, block_out_channels=(320, 640, 1280),
+    down_block_types=("DownBlock2D", "CrossAttnDownBlock2D", "CrossAttnDownBlock2D"),
+    up_block_types=("CrossAttnUpBlock2D", "CrossAttnUpBlock2D", "UpBlock2D"),
+    transformer_layers_per_block=(1, 2, 10), attention_head_dim=(5, 10, 20), cross_attention_dim=2048,
+    use_linear_projection=True, addition_embed_type="text_time", addition_time_embed_dim=256,
+    projection_class_embeddings_input_dim=2816,
+)
+VAE = dict(
+    in_channels=3, out_channels=3, latent_channels=4, layers_per_block=2, sample_size=1024,
+    block_out_channels=(128, 256, 512, 512), down_block_types=("DownEncoderBlock2D",) * 4,
+    up_block_types=("UpDecoderBlock2D",) * 4, scaling_factor=0.13025, force_upcast=True,
+)
+TEXT = dict(vocab_size=49408, hidden_size=768, intermediate_size=3072, num_hidden_layers=12, num_attention_heads=12,
+            max_position_embeddings=77, projection_dim=768, hidden_act="quick_gelu")
+TEXT_2 = dict(vocab_size=49408, hidden_size=1280, intermediate_size=5120, num_hidden_layers=32,
+              num_attention_heads=20, max_position_embeddings=77, projection_dim=1280, hidden_act="gelu")
+
+
+def _module(name: str, real: bool, build):
+    """Seeded random weights when `real`, else the architecture on the meta device (no memory)."""
+    if not real:
+        with torch.device("meta"):
+            return build()
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(SEEDS[name])
+        return build()
+
+
+def sdxl_pipeline(real: tuple[str, ...] = ()):
+    """The SDXL base pipeline at full size; only the modules named in `real` hold weights."""
+    from diffusers import AutoencoderKL, StableDiffusionXLPipeline, UNet2DConditionModel
+    from transformers import CLIPTextConfig, CLIPTextModel, CLIPTextModelWithProjection
+
+    from kasoku.tiny import tiny_scheduler, tiny_tokenizer
+
+    tokenizer, tokenizer_2 = tiny_tokenizer(), tiny_tokenizer("!")  # real CLIP BPE; ids inside the full vocab
+
+    def text(config, cls, tok):
+        return cls(CLIPTextConfig(**config, bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
+                                  pad_token_id=tok.pad_token_id))
+
+    return StableDiffusionXLPipeline(
+        vae=_module("vae", "vae" in real, lambda: AutoencoderKL(**VAE)),
+        text_encoder=_module("text_encoder", "text_encoder" in real, lambda: text(TEXT, CLIPTextModel, tokenizer)),
+        text_encoder_2=_module("text_encoder_2", "text_encoder_2" in real,
+                               lambda: text(TEXT_2, CLIPTextModelWithProjection, tokenizer_2)),
+        tokenizer=tokenizer, tokenizer_2=tokenizer_2,
+        unet=_module("unet", "unet" in real, lambda: UNet2DConditionModel(**UNET)),
+        scheduler=tiny_scheduler("sdxl"), add_watermarker=False,
+    )
+
+
+def _spec(pipe, component: str, size: int):
+    from kasoku.components import ShapeProfile, component_specs
+
+    profile = ShapeProfile.from_ranges((1, 1, 1), (size,) * 3, (size,) * 3, 32)  # one image, with guidance
+    return component_specs(pipe, profile, [component])[component]
+
+
+def _peak_mb() -> float:
+    from kasoku.bench import rss_mb
+
+    return rss_mb("VmHWM")
+
+
+def _repeat(fn, repeats: int) -> tuple[list[float], dict]:
+    """Seconds of each of `repeats` calls, and the last call's outputs."""
+    samples, out = [], None
+    for _ in range(repeats):
+        start = time.perf_counter()
+        out = fn()
+        samples.append(time.perf_counter() - start)
+    return samples, out
+
+
+# ---- stages (each in its own process) --------------------------------------------------------------
+
+
+def stage_torch(component: str, size: int, repeats: int, work: Path) -> dict:
+    from kasoku.bench import count_flops
+    from kasoku.components import ImageShape
+    from kasoku.export import export_component
+
+    start = time.perf_counter()
+    pipe = sdxl_pipeline(real=("vae",) if component.startswith("vae") else (component,))
+    spec = _spec(pipe, component, size)
+    build_s = time.perf_counter() - start
+    inputs = spec.sample_inputs(ImageShape(1, size, size), seed=3)
+    start = time.perf_counter()
+    flops = count_flops(spec, inputs)  # runs the call: the torch warm-up
+    first = time.perf_counter() - start
+    samples, reference = _repeat(lambda: spec.run_torch(inputs), repeats)
+    np.savez(work / f"{component}-io.npz", **{f"in.{k}": v.numpy() for k, v in inputs.items()},
+             **{f"out.{k}": v for k, v in reference.items()})
+    torch_peak = _peak_mb()
+    exported = export_component(spec, work / "onnx" / component / "model.onnx", check_shapes=[])
+    return {"stage": "torch", "component": component, "build_s": build_s, "gflop": flops / 1e9,
+            "shapes": {k: list(v.shape) for k, v in inputs.items()}, "first_call_s": first, "seconds": samples,
+            "export_s": exported.seconds, "onnx_bytes": exported.size_bytes, "peak_mb_torch": torch_peak,
+            "peak_mb": _peak_mb()}
+
+
+def stage_engine(component: str, backend: str, size: int, repeats: int, threads: int, work: Path) -> dict:
+    from kasoku.backends import EngineOptions
+    from kasoku.build import compile_components
+    from kasoku.parity import compare_output
+
+    spec = _spec(sdxl_pipeline(), component, size)
+    io = np.load(work / f"{component}-io.npz")
+    inputs = {k[3:]: io[k] for k in io.files if k.startswith("in.")}
+    reference = {k[4:]: io[k] for k in io.files if k.startswith("out.")}
+    start = time.perf_counter()
+    engines, report = compile_components(
+        sdxl_pipeline(), backend=backend, specs={component: spec}, cache=work / "cache", onnx_dir=work / "onnx",
+        check_parity=False, options=EngineOptions(threads=threads), label="sdxl-random")
+    compile_s = time.perf_counter() - start
+    engine = engines[component]
+    start = time.perf_counter()
+    engine.run(inputs)
+    first = time.perf_counter() - start
+    samples, out = _repeat(lambda: engine.run(inputs), repeats)
+    parity = [compare_output(component, name, f"1x{size}x{size}", reference[name], out[name]) for name in reference]
+    worst = max(parity, key=lambda p: p.max_abs / p.limit)
+    return {"stage": "engine", "component": component, "backend": backend, "compile_s": compile_s,
+            "stages": {s.stage: s.seconds for s in report.stages}, "first_call_s": first, "seconds": samples,
+            "max_abs_vs_torch": worst.max_abs, "tolerance": worst.limit, "parity_passed": worst.passed,
+            "peak_mb": _peak_mb()}
+
+
+# ---- the run ---------------------------------------------------------------------------------------
+
+
+def _run_stage(stage: str, component: str, backend: str | None, common: list[str], work: Path, log) -> dict:
+    """One stage in a fresh process, so that no two copies of the weights share the memory."""
+    name = "-".join(filter(None, (stage, component, backend)))
+    out = work / f"stage-{name}.json"
+    args = ["--stage", stage, "--component", component, *(["--backend", backend] if backend else []), *common]
+    log(f"stage {name}")
+    result = subprocess.run([sys.executable, __file__, "--stage-json", str(out), *args])
+    if result.returncode != 0:  # e.g. killed for memory: reported, and the run goes on
+        return {"failed": True, "returncode": result.returncode}
+    return json.loads(out.read_text())
+
+
+def markdown(report: dict) -> str:
+    lines = [f"# kasoku full_sdxl: SDXL base architecture, random weights, fp32, {report['size']}x{report['size']}",
+             "",
+             f"{report['date']} · {report['cpu']} · {report['threads']} threads · torch {report['torch']} · "
+             f"fp32 matmul {report['matmul_gflops']:.0f} GFLOP/s · median of {report['repeats']} after warm-up · "
+             f"each contender in its own process", "",
+             "| component | contender | median s | min–max s | speed-up vs torch | FLOP floor s | time ÷ floor | "
+             "max abs vs torch (tol) | cold compile s | first call s | peak RSS MB |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+    for component, entry in report["components"].items():
+        torch_run = entry["torch"]
+        if torch_run.get("failed"):
+            lines.append(f"| {component} | torch | failed (exit {torch_run['returncode']}) | | | | | | | | |")
+            continue
+        floor = torch_run["gflop"] / report["matmul_gflops"]
+        base = statistics.median(torch_run["seconds"])
+        for name, run in [("torch eager", torch_run), *entry["engines"].items()]:
+            if run.get("failed"):
+                lines.append(f"| {component} | kasoku {name} | failed (exit {run['returncode']}) | | | | | | | | |")
+                continue
+            median = statistics.median(run["seconds"])
+            check = "—" if name == "torch eager" else f"{run['max_abs_vs_torch']:.1e} ({run['tolerance']:.0e})"
+            compile_s = f"{run['compile_s']:.0f}" if "compile_s" in run else f"export {run['export_s']:.0f}"
+            label = name if name == "torch eager" else f"kasoku {name}"
+            lines.append(f"| {component} | {label} | {median:.2f} | {min(run['seconds']):.2f}–{max(run['seconds']):.2f}"
+                         f" | {base / median:.2f}× | {floor:.2f} | {median / floor:.2f} | {check} | {compile_s} | "
+                         f"{run['first_call_s']:.1f} | {run['peak_mb']:.0f} |")
+        lines.append(f"| {component} | shapes | {torch_run['shapes']} | {torch_run['gflop']:.0f} GFLOP | | | | | | | |")
+    lines += ["", f"Peak resident memory of the run (largest stage): {report['peak_mb'] / 1024:.1f} GiB."]
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--threads", type=int, default=torch.get_num_threads())
+    parser.add_argument("--size", type=int, default=SIZE, help=f"image height and width (default {SIZE})")
+    parser.add_argument("--components", default="unet,vae_decoder")
+    parser.add_argument("--backends", default="onnxruntime,openvino")
+    parser.add_argument("--work", type=Path, default=WORK, help="scratch folder (~50 GB free disk for the U-Net)")
+    parser.add_argument("--stage", choices=("torch", "engine"), help=argparse.SUPPRESS)
+    parser.add_argument("--component", help=argparse.SUPPRESS)
+    parser.add_argument("--backend", help=argparse.SUPPRESS)
+    parser.add_argument("--stage-json", type=Path, help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+
+    from kasoku.console import console, quiet_third_party_logs
+
+    quiet_third_party_logs()
+    torch.set_num_threads(args.threads)
+    if args.stage:
+        args.work.mkdir(parents=True, exist_ok=True)
+        if args.stage == "torch":
+            result = stage_torch(args.component, args.size, args.repeats, args.work)
+        else:
+            result = stage_engine(args.component, args.backend, args.size, args.repeats, args.threads, args.work)
+        args.stage_json.write_text(json.dumps(result, indent=2))
+        return 0
+
+    from kasoku.backends.base import cpu_name
+    from kasoku.bench import matmul_gflops
+
+    def log(message: str) -> None:
+        console.log(message, markup=False)
+
+    shutil.rmtree(args.work, ignore_errors=True)
+    args.work.mkdir(parents=True)
+    log("measuring the fp32 matmul rate")
+    report = {"date": datetime.date.today().isoformat(), "host": socket.gethostname(), "cpu": cpu_name(),
+              "threads": args.threads, "torch": torch.__version__, "repeats": args.repeats, "size": args.size,
+              "matmul_gflops": matmul_gflops(), "components": {}}
+    common = ["--repeats", str(args.repeats), "--threads", str(args.threads), "--work", str(args.work),
+              "--size", str(args.size)]
+    for component in args.components.split(","):
+        entry = report["components"][component] = {"engines": {}}
+        entry["torch"] = _run_stage("torch", component, None, common, args.work, log)
+        if not entry["torch"].get("failed"):
+            for backend in args.backends.split(","):
+                entry["engines"][backend] = _run_stage("engine", component, backend, common, args.work, log)
+        shutil.rmtree(args.work / "onnx", ignore_errors=True)  # free the disk before the next component
+        shutil.rmtree(args.work / "cache", ignore_errors=True)
+    runs = [r for e in report["components"].values() for r in [e["torch"], *e["engines"].values()]]
+    report["peak_mb"] = max((r["peak_mb"] for r in runs if "peak_mb" in r), default=0.0)
+    RESULTS.mkdir(exist_ok=True)
+    suffix = "" if args.size == SIZE else f"-{args.size}px"
+    stem = RESULTS / f"{report['date']}-{report['host']}-full_sdxl{suffix}"
+    stem.with_suffix(".md").write_text(markdown(report) + "\n")
+    stem.with_suffix(".json").write_text(json.dumps(report, indent=2))
+    console.print(markdown(report), markup=False)
+    console.print(f"wrote {stem}.md and .json")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
