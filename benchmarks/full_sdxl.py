@@ -229,6 +229,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--components", default="unet,vae_decoder")
     parser.add_argument("--backends", default="onnxruntime,openvino")
     parser.add_argument("--work", type=Path, default=WORK, help="scratch folder (~50 GB free disk for the U-Net)")
+    parser.add_argument("--resume", action="store_true",
+                        help="keep the torch stage (timings, outputs, ONNX file) a stopped run left in --work")
     parser.add_argument("--stage", choices=("torch", "engine"), help=argparse.SUPPRESS)
     parser.add_argument("--component", help=argparse.SUPPRESS)
     parser.add_argument("--backend", help=argparse.SUPPRESS)
@@ -254,8 +256,9 @@ def main(argv: list[str] | None = None) -> int:
     def log(message: str) -> None:
         console.log(message, markup=False)
 
-    shutil.rmtree(args.work, ignore_errors=True)
-    args.work.mkdir(parents=True)
+    if not args.resume:
+        shutil.rmtree(args.work, ignore_errors=True)
+    args.work.mkdir(parents=True, exist_ok=True)
     log("measuring the fp32 matmul rate")
     report = {"date": datetime.date.today().isoformat(), "host": socket.gethostname(), "cpu": cpu_name(),
               "threads": args.threads, "torch": torch.__version__, "repeats": args.repeats, "size": args.size,
@@ -264,7 +267,12 @@ def main(argv: list[str] | None = None) -> int:
               "--size", str(args.size)]
     for component in args.components.split(","):
         entry = report["components"][component] = {"engines": {}}
-        entry["torch"] = _run_stage("torch", component, None, common, args.work, log)
+        done = args.work / f"stage-torch-{component}.json"
+        if args.resume and done.exists() and (args.work / "onnx" / component / "model.onnx").exists():
+            log(f"stage torch-{component}: kept from the stopped run")
+            entry["torch"] = json.loads(done.read_text())
+        else:
+            entry["torch"] = _run_stage("torch", component, None, common, args.work, log)
         if not entry["torch"].get("failed"):
             for backend in args.backends.split(","):
                 entry["engines"][backend] = _run_stage("engine", component, backend, common, args.work, log)

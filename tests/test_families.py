@@ -156,6 +156,23 @@ def test_sdxl_without_guidance_and_with_zeroed_negative(family_pipes, family_kas
     assert calls["text_encoder"] > 0 and calls["text_encoder_2"] > 0
 
 
+def test_compile_takes_sdxl_img2img_and_inpaint_pipelines(family_pipes, family_kasoku, tiny_cache):
+    """Any of the three SDXL pipeline classes goes in; the engines come from the cache (same weights)."""
+    for task in ("img2img", "inpaint"):
+        source = FAMILIES["sdxl"].task_pipeline(family_pipes["sdxl"], task)
+        fast = kasoku.compile(source, "onnxruntime", cache_dir=tiny_cache.root)
+        assert fast.family.name == "sdxl"
+        assert {s.status for s in fast.compile_report.stages} == {"reused"}
+        image, mask = _inputs()
+        kwargs = dict(image=image, strength=0.6, num_inference_steps=2, output_type="np",
+                      generator=torch.Generator().manual_seed(0))
+        if task == "inpaint":
+            kwargs["mask_image"] = mask
+        expected = source("a bird", **kwargs).images
+        kwargs["generator"] = torch.Generator().manual_seed(0)
+        assert psnr(expected, fast("a bird", **kwargs).images) >= 40.0
+
+
 def test_family_arguments_are_checked_first(family_kasoku):
     sd2, sdxl = family_kasoku["sd2"], family_kasoku["sdxl"]
     sd2.times.reset()

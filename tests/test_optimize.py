@@ -60,3 +60,28 @@ def test_unknown_pass_is_named(tiny_onnx, tmp_path):
     with pytest.raises(ValueError, match=r"unknown pass\(es\) \['magic'\]"):
         optimize(tiny_onnx["unet"].path, tmp_path / "x.onnx", ["magic"], component="unet")
     assert "fold_constants" in PASSES
+
+
+def test_models_over_the_protobuf_limit_are_optimized_graph_only(tiny_specs, tmp_path, monkeypatch):
+    """Over 2 GB (here: a limit of 0 bytes), the passes run on the graph while the weights stay in
+    their file, and the result carries its own weights file (the source can go away)."""
+    import shutil
+
+    import kasoku.optimize
+    from kasoku.export import export_component
+
+    spec = tiny_specs["unet"]
+    source = export_component(spec, tmp_path / "src" / "model.onnx", check_shapes=[], external_data_threshold=0).path
+    monkeypatch.setattr(kasoku.optimize, "PROTO_LIMIT", 0)
+    graph = kasoku.optimize.load_graph(source)
+    in_memory = sum(len(t.raw_data) for t in graph.graph.initializer)  # small constants only
+    assert in_memory < 0.1 * (source.parent / "model.onnx.data").stat().st_size
+    target = tmp_path / "dst" / "model.onnx"
+    report = optimize(source, target, ["cleanup", "fold_constants", "infer_shapes"], component="unet")
+    assert report.nodes_after < report.nodes_before  # folding still read the values it needed
+    locations = {e.value for t in onnx.load(str(target), load_external_data=False).graph.initializer
+                 for e in t.external_data if e.key == "location"}
+    assert locations == {"model.onnx.data"}  # relative, next to the target
+    shutil.rmtree(source.parent)
+    results = check_onnx_parity(spec, target, default_check_shapes(spec.profile), stage="optimization")
+    assert all(r.passed for r in results)

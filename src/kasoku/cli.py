@@ -314,6 +314,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
     rows.append(["whole call", f"{call_seconds:.2f} s", pipe.task(image, mask)])
     console.print(table("time per stage", ["stage", "time", ""], rows))
     console.print("backends: " + ", ".join(f"{n}={e.backend}" for n, e in pipe.engines.items()))
+    for note in pipe.compile_report.notes:
+        console.print(f"note: {note}", markup=False)
     console.print("wrote " + ", ".join(str(p) for p in paths))
     return 0
 

@@ -63,8 +63,7 @@ def _timed(fn, repeats: int) -> dict[str, float]:
 
 def run_demo(workdir: str | Path | None = None, output: str | Path = "kasoku-demo.png",
              cache_dir: str | Path | None = None, backend: str = "auto", on_stage=None) -> DemoReport:
-    from diffusers import StableDiffusionPipeline
-
+    from .families import family_of
     from .loading import load_pipeline
     from .pipeline import compile
     from .tiny import write_tiny_pipeline
@@ -94,8 +93,7 @@ def run_demo(workdir: str | Path | None = None, output: str | Path = "kasoku-dem
     report.seconds["component parity"] = time.perf_counter() - start
 
     start = time.perf_counter()
-    diffusers_pipe = StableDiffusionPipeline(**reference.components)
-    diffusers_pipe.set_progress_bar_config(disable=True)
+    diffusers_pipe = family_of(reference).task_pipeline(reference, "txt2img")
 
     def run(p, output_type="np"):
         return p(DEMO_PROMPT, num_inference_steps=DEMO_STEPS, guidance_scale=DEMO_GUIDANCE,

@@ -14,6 +14,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import onnx
+from onnx.external_data_helper import uses_external_data
 
 from .components import Precision
 from .errors import KasokuError
@@ -148,13 +149,63 @@ def _initializer_bytes(model: onnx.ModelProto) -> int:
 
 
 def save_model(model: onnx.ModelProto, path: Path) -> None:
-    """Save, with weights in a side file when the protobuf would pass 2 GB."""
+    """Save, with weights in a side file when the protobuf would pass 2 GB or already has one."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    if _initializer_bytes(model) >= PROTO_LIMIT:
+    if any(uses_external_data(t) for t in model.graph.initializer):
+        _save_streaming(model, path)
+    elif _initializer_bytes(model) >= PROTO_LIMIT:
         onnx.save_model(model, str(path), save_as_external_data=True, all_tensors_to_one_file=True,
                         location=path.name + ".data", size_threshold=1024)
     else:
         onnx.save_model(model, str(path))
+
+
+def _read_external(tensor: onnx.TensorProto) -> bytes:
+    info = {entry.key: entry.value for entry in tensor.external_data}
+    with open(info["location"], "rb") as source:
+        source.seek(int(info.get("offset", 0)))
+        return source.read(int(info["length"])) if "length" in info else source.read()
+
+
+def _save_streaming(model: onnx.ModelProto, path: Path) -> None:
+    """Write every weight into `path`.data one tensor at a time: weights still in the source file
+    (graph-only mode, absolute locations) are copied from it, new ones (folded, converted) come
+    from memory. Memory stays at one tensor, whatever the model's size."""
+    location = path.name + ".data"
+    with open(path.parent / location, "wb") as data:
+        for tensor in model.graph.initializer:
+            if uses_external_data(tensor):
+                payload = _read_external(tensor)
+            elif len(tensor.raw_data) >= 1024:
+                payload, tensor.raw_data = tensor.raw_data, b""
+            else:
+                continue
+            offset = data.tell()
+            data.write(payload)
+            data.write(b"\0" * (-len(payload) % 64))  # aligned, as onnx writes them
+            del tensor.external_data[:]
+            tensor.data_location = onnx.TensorProto.EXTERNAL
+            for key, value in (("location", location), ("offset", str(offset)), ("length", str(len(payload)))):
+                entry = tensor.external_data.add()
+                entry.key, entry.value = key, value
+    onnx.save_model(model, str(path))
+
+
+def load_graph(source: Path) -> onnx.ModelProto:
+    """The model with its weights in memory when they fit a protobuf; over 2 GB, the graph only:
+    weights stay in their file, referenced by absolute path so that a pass can still read one
+    tensor when it needs its values, and are copied tensor by tensor when saved."""
+    model = onnx.load(str(source), load_external_data=False)
+    external = [t for t in model.graph.initializer if uses_external_data(t)]
+    if not external:
+        return model
+    if sum(int({e.key: e.value for e in t.external_data}.get("length", 0)) for t in external) < PROTO_LIMIT:
+        return onnx.load(str(source))
+    for tensor in external:
+        for entry in tensor.external_data:
+            if entry.key == "location":
+                entry.value = str((source.parent / entry.value).resolve())
+    return model
 
 
 def optimize(
@@ -170,7 +221,7 @@ def optimize(
     if unknown:
         raise ValueError(f"unknown pass(es) {unknown}; known passes: {list(PASSES)}.")
     ctx = PassContext(component=component, precision=Precision(precision))
-    model = onnx.load(str(source))
+    model = load_graph(Path(source))
     report = OptimizeReport(component=component)
     for name in passes:
         before = len(model.graph.node)
