@@ -320,6 +320,86 @@ def cmd_generate(args: argparse.Namespace) -> int:
     return 0
 
 
+@command("batch")
+def cmd_batch(args: argparse.Namespace) -> int:
+    """Generate one image per line of a JSONL file, in this process or on a Ray cluster (--ray).
+
+    Each line is one job: {"prompt": "...", "negative_prompt": "...", "seed": 1, "steps": 30, "guidance": 7.5,
+    "height": 512, "width": 512, "id": "cat-1"}; only prompt is required (seed and id default to the line
+    number, the size to the model's). DIR gets <id>.png per job and results.jsonl (one line per job). Every
+    line and size is checked before any work starts; running the same command again after an interruption
+    does only the jobs that are not done.
+    """
+    from .batch import import_ray, prepare, read_jobs, run_local, run_ray
+    from .console import console, table, write_json
+
+    if args.ray is None and (args.workers not in (None, 1) or args.gpus_per_worker):
+        raise KasokuError("--workers and --gpus-per-worker need --ray (without it, the jobs run in this process).")
+    if args.ray is not None:
+        import_ray()  # a missing extra is the first thing to say
+    jobs = read_jobs(args.prompts)
+    threads = args.threads or (1 if args.ray is not None else None)  # Ray: one CPU per worker unless asked
+    plan = prepare(args.model, jobs, args.out, batch_size=args.batch_size, backend=args.backend,
+                   precision=args.precision, cache_dir=args.cache_dir, threads=threads, height=args.height,
+                   width=args.width)
+    bar = _batch_bar()
+    task = bar.add_task("generating", total=None, start=False)
+
+    def on_start(todo: int, skipped: int) -> None:
+        if skipped:
+            console.print(f"{skipped} of {len(plan.jobs)} jobs already done in {plan.out_dir}; doing the other {todo}")
+        bar.update(task, total=todo)
+        bar.start()
+        bar.start_task(task)
+
+    hooks = dict(on_start=on_start, on_result=lambda _result: bar.advance(task), on_stage=_show_stage)
+    try:
+        if args.ray is None:
+            result = run_local(plan, **hooks)
+        else:
+            result = run_ray(plan, address=args.ray, workers=args.workers, gpus_per_worker=args.gpus_per_worker,
+                             **hooks)
+    finally:
+        bar.stop()
+    rows = [["jobs", f"{result.jobs} ({result.skipped} already done, {result.generated} generated)"],
+            ["time generating", f"{result.seconds:.2f} s"],
+            ["images/s", f"{result.images_per_second:.2f}"],
+            ["backend", result.backend or "-"],
+            ["batch size", result.batch_size]]
+    rows += [[f"worker {w.name}", _worker_startup(w)] for w in result.workers]
+    if result.retried_batches:
+        rows.append(["retried", f"{result.retried_batches} batches whose worker died; "
+                                f"{len(result.worker_restarts)} workers restarted"])
+    console.print(table(f"batch ({result.mode})", ["", "value"], rows))
+    console.print(f"images and {Path(result.results_file).name} in {result.out_dir}")
+    if args.json:
+        write_json(args.json, result)
+    return 0
+
+
+def _worker_startup(worker) -> str:
+    ready = f"ready in {worker.startup_seconds:.1f} s: " if worker.startup_seconds is not None else ""
+    return (f"{ready}imports {worker.import_seconds:.1f} s, model {worker.model_seconds:.1f} s, "
+            f"engines from the cache {worker.engine_seconds:.1f} s")
+
+
+def _batch_bar():
+    """Jobs done of the total, images per second since the start, and the time left."""
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, ProgressColumn, TextColumn, TimeRemainingColumn
+    from rich.text import Text
+
+    from .console import console
+
+    class ImagesPerSecond(ProgressColumn):
+        def render(self, task) -> Text:
+            elapsed = task.elapsed or 0.0
+            rate = task.completed / elapsed if elapsed > 0 and task.completed else None
+            return Text(f"{rate:.2f} img/s" if rate else "- img/s")
+
+    return Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TextColumn("jobs"),
+                    ImagesPerSecond(), TextColumn("ETA"), TimeRemainingColumn(), console=console)
+
+
 def _open_image(path: Path, flag: str):
     from PIL import Image, UnidentifiedImageError
 
@@ -380,6 +460,42 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--scheduler", choices=list(SCHEDULERS), default=None,
                    help="swap the model's scheduler (default: keep it)")
     _add_engine_arguments(p, profile_flags=False)
+
+    from .backends import BACKEND_CHOICES
+    from .components import Precision
+
+    p = add("batch")
+    p.add_argument("model", help="a diffusers pipeline folder (or a hub id when online)")
+    p.add_argument("prompts", type=Path, metavar="PROMPTS.jsonl",
+                   help="one job per line: prompt, negative_prompt, seed, steps, guidance, height, width, id")
+    p.add_argument("--out", type=Path, required=True, metavar="DIR",
+                   help="folder for <id>.png per job and results.jsonl (created if missing; jobs already "
+                        "there are skipped)")
+    p.add_argument("--ray", nargs="?", const="local", default=None, metavar="ADDRESS",
+                   help="run on Ray workers (needs kasoku[ray]): alone, a Ray instance started on this machine; "
+                        "with ADDRESS (auto, ray://HEAD:10001, HEAD:6379) that cluster, whose nodes must have "
+                        "kasoku and see DIR, the model and --cache-dir at the same paths")
+    p.add_argument("--workers", type=int, default=None,
+                   help="with --ray: workers, each holding one pipeline (default: as many as the cluster's CPUs, "
+                        "or GPUs with --gpus-per-worker, hold)")
+    p.add_argument("--batch-size", type=int, default=4,
+                   help="images per engine call (default 4); jobs batch together when they share size, steps and "
+                        "guidance")
+    p.add_argument("--gpus-per-worker", type=float, default=0.0,
+                   help="with --ray: GPUs Ray gives each worker, e.g. 1 for GPU backends (default 0)")
+    p.add_argument("--threads", type=int, default=None,
+                   help="CPU threads per engine, and the CPUs Ray reserves per worker (default: the runtime's; "
+                        "1 with --ray)")
+    p.add_argument("--backend", choices=BACKEND_CHOICES, default="auto",
+                   help="auto (default): TensorRT then ONNX Runtime CUDA on a GPU; on a CPU the faster of "
+                        "onnxruntime and openvino per component, measured once")
+    p.add_argument("--precision", choices=[p.value for p in Precision], default="fp32", help="default fp32")
+    p.add_argument("--height", type=_range, metavar="MIN:MAX",
+                   help="image heights the engines serve (default: half to double the model's size)")
+    p.add_argument("--width", type=_range, metavar="MIN:MAX",
+                   help="image widths the engines serve (default: half to double the model's size)")
+    p.add_argument("--cache-dir", type=Path, default=None, help="default: $KASOKU_CACHE or ~/.cache/kasoku")
+    p.add_argument("--json", type=Path, metavar="PATH", help="also write the run's summary as JSON")
 
     p = add("tiny")
     p.add_argument("dir", type=Path, help="an empty or new folder to write the pipeline into")
