@@ -14,7 +14,7 @@ $(STAMP): pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
 	$(PY) -m pip install --quiet $(TORCH_PIN)
-	$(PY) -m pip install --quiet -e '.[dev,openvino]' $(TORCH_PIN)
+	$(PY) -m pip install --quiet -e '.[dev,openvino,ray]' $(TORCH_PIN)
 	touch $(STAMP)
 
 demo: setup
