@@ -130,9 +130,10 @@ def test_every_malformed_line_is_named_with_its_rule(tmp_path):
 
 
 def test_batches_group_jobs_that_can_share_a_call():
-    jobs = [Job(str(i), "p", i, height=32 if i % 2 else 64, width=32 if i % 2 else 64, steps=2) for i in range(7)]
+    jobs = [Job(str(i), "p", i, height=32 if i % 2 else 64, width=32 if i % 2 else 64, steps=2,
+                negative_prompt="blurry" if i == 6 else None) for i in range(8)]
     batches = plan_batches(jobs, 2)
-    assert [[j.id for j in b] for b in batches] == [["0", "2"], ["4", "6"], ["1", "3"], ["5"]]
+    assert [[j.id for j in b] for b in batches] == [["0", "2"], ["4"], ["1", "3"], ["5", "7"], ["6"]]
 
 
 def test_a_job_is_done_only_when_its_image_and_its_result_line_exist(tmp_path):

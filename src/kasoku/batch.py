@@ -43,8 +43,6 @@ JOB_FIELDS = ("id", "prompt", "negative_prompt", "seed", "steps", "guidance", "h
 DEFAULT_STEPS = 30
 DEFAULT_GUIDANCE = 7.5
 DEFAULT_BATCH_SIZE = 4
-DEFAULT_MAX_BATCH = 4  # the model's default profile serves 1..4 images per call
-TXT2IMG_COMPONENTS = ("text_encoder", "unet", "vae_decoder")  # a batch never encodes images
 RESULTS_FILE = "results.jsonl"
 STATE_DIR = ".kasoku-batch"  # images being written and each worker's status; removed after a run
 ID_PATTERN = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")  # ids name files: no slashes, no hidden files
@@ -108,8 +106,9 @@ class Job:
 
     @property
     def call_key(self) -> tuple:
-        """Jobs with equal call keys can share one pipeline call (one size, steps and guidance)."""
-        return (self.height, self.width, self.steps, self.guidance)
+        """Jobs with equal call keys can share one pipeline call: one size, steps and guidance, and
+        negative prompts for all or for none (SDXL encodes a missing one as zeros, not as "")."""
+        return (self.height, self.width, self.steps, self.guidance, self.negative_prompt is not None)
 
 
 class _LineError(ValueError):
@@ -263,7 +262,7 @@ class PipelineRecipe:
     cache_dir: str | None = None
     profile: ShapeProfile | None = None
     threads: int | None = None  # per engine; Ray reserves as many CPUs per worker
-    components: tuple[str, ...] = TXT2IMG_COMPONENTS
+    components: tuple[str, ...] | None = None  # None: the model's, less the VAE encoder (txt2img only)
 
     def load(self, reference=None, on_stage: StageHook | None = None):
         """A KasokuPipeline; from the cache when the engines are built (the usual case)."""
@@ -273,18 +272,26 @@ class PipelineRecipe:
 
         reference = reference if reference is not None else load_pipeline(self.model)
         return compile(reference, self.backend, precision=self.precision, cache_dir=self.cache_dir,
-                       profile=self.profile, components=self.components,
+                       profile=self.profile, components=self.components or txt2img_components(reference),
                        options=EngineOptions(threads=self.threads), on_stage=on_stage, label=self.model)
+
+
+def txt2img_components(pipe) -> tuple[str, ...]:
+    """Every component of the model but the VAE encoder, which text-to-image never runs."""
+    from .components import model_components
+
+    return tuple(name for name in model_components(pipe) if name != "vae_encoder")
 
 
 def batch_profile(pipe, batch_size: int, height: tuple[int, ...] | None = None,
                   width: tuple[int, ...] | None = None) -> ShapeProfile:
-    """The model's default profile, serving `batch_size` images per call, with the height and width
-    ranges (MIN:MAX or MIN:OPT:MAX, as for `kasoku compile`) where given."""
+    """The model's default profile (the one `kasoku compile MODEL` builds), widened to `batch_size`
+    images per call, with the height and width ranges (MIN:MAX or MIN:OPT:MAX, as for `kasoku
+    compile`) where given."""
     from .components import default_profile
 
-    base = default_profile(pipe, max_batch=max(DEFAULT_MAX_BATCH, batch_size))
-    ranges = {"batch": (base.min.batch, base.opt.batch, base.max.batch)}
+    base = default_profile(pipe)
+    ranges = {"batch": (base.min.batch, base.opt.batch, max(base.max.batch, batch_size))}
     for dim, given in (("height", height), ("width", width)):
         low, opt, high = (getattr(base.min, dim), getattr(base.opt, dim), getattr(base.max, dim))
         if given:
@@ -544,8 +551,7 @@ class BatchWorker:
         start = time.perf_counter()
         images = self.pipeline(
             [job.prompt for job in batch],
-            # diffusers encodes a missing negative prompt as "", so "" lets such jobs share a call
-            negative_prompt=[job.negative_prompt or "" for job in batch],
+            negative_prompt=None if first.negative_prompt is None else [job.negative_prompt for job in batch],
             generator=[torch.Generator().manual_seed(job.seed) for job in batch],  # one per job: its own noise
             num_inference_steps=first.steps, guidance_scale=first.guidance, height=first.height, width=first.width,
         ).images
@@ -642,7 +648,8 @@ def ray_session(address: str | None, cpus_wanted: int) -> Iterator[Any]:
         else:
             ray.init(address=address, **quiet)
     except (ConnectionError, RuntimeError, ValueError) as error:
-        raise BatchFailed(f"cannot connect to the Ray cluster at {address}: {error}") from None
+        where = "start a local Ray instance" if address in (None, LOCAL_RAY) else f"reach the Ray cluster at {address}"
+        raise BatchFailed(f"cannot {where}: {error}") from None
     try:
         yield ray
     finally:

@@ -479,8 +479,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="with --ray: workers, each holding one pipeline (default: as many as the cluster's CPUs, "
                         "or GPUs with --gpus-per-worker, hold)")
     p.add_argument("--batch-size", type=int, default=4,
-                   help="images per engine call (default 4); jobs batch together when they share size, steps and "
-                        "guidance")
+                   help="images per engine call (default 4); jobs batch together when they share size, steps, "
+                        "guidance and whether they have a negative prompt")
     p.add_argument("--gpus-per-worker", type=float, default=0.0,
                    help="with --ray: GPUs Ray gives each worker, e.g. 1 for GPU backends (default 0)")
     p.add_argument("--threads", type=int, default=None,
