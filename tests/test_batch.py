@@ -19,9 +19,12 @@ from PIL import Image
 from kasoku.batch import (
     RESULTS_FILE,
     STATE_DIR,
+    BatchFailed,
     InvalidJobs,
     Job,
     OutputDir,
+    check_fits,
+    default_workers,
     plan_batches,
     prepare,
     read_jobs,
@@ -159,6 +162,25 @@ def test_a_job_is_done_only_when_its_image_and_its_result_line_exist(tmp_path):
     assert (tmp_path / RESULTS_FILE).read_text() == f"{line(jobs[0])}\n{other}\n{line(jobs[2])}\n"
 
 
+class _FakeRay:
+    """The one Ray call that sizing the pool needs: a 2-CPU cluster without GPUs."""
+
+    @staticmethod
+    def cluster_resources() -> dict:
+        return {"CPU": 2.0}
+
+
+def test_workers_fill_the_cluster_and_never_wait_for_resources_it_lacks():
+    assert default_workers(_FakeRay, cpus_per_worker=1, gpus_per_worker=0) == 2
+    assert default_workers(_FakeRay, cpus_per_worker=2, gpus_per_worker=0) == 1
+    check_fits(_FakeRay, 2, 1, 0)
+    with pytest.raises(BatchFailed, match="3 workers x 1 CPUs each need 3 CPUs but the Ray cluster has 2; ask for "
+                                          "fewer --workers or a smaller --threads"):
+        check_fits(_FakeRay, 3, 1, 0)
+    with pytest.raises(BatchFailed, match="need 1 GPUs but the Ray cluster has 0"):
+        check_fits(_FakeRay, 1, 1, 1)
+
+
 # ---- running -----------------------------------------------------------------------------------
 
 
@@ -197,6 +219,7 @@ def test_ray_gives_the_same_images_byte_for_byte(reference, tiny_dir, tiny_cache
     report = json.loads(summary.read_text())
     assert report["mode"] == "ray" and len(report["workers"]) == 2
     assert all(w["engine_seconds"] > 0 and w["startup_seconds"] >= w["engine_seconds"] for w in report["workers"])
+    assert all(w["built_stages"] == 0 for w in report["workers"]), "workers only load engines from the cache"
     assert len({line["worker"] for line in result_lines(tmp_path / "out")}) == 2, "both workers made images"
     assert "engines from the cache" in capsys.readouterr().out
 

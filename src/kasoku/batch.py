@@ -485,7 +485,8 @@ class WorkerInfo:
     pid: int
     import_seconds: float  # torch, diffusers, kasoku: paid once per fresh process
     model_seconds: float  # the diffusers pipeline (tokenizer, scheduler, configs, weights to fingerprint)
-    engine_seconds: float  # the engines, from the cache
+    engine_seconds: float  # the engines: loaded from the cache, or built first where `built_stages`
+    built_stages: int = 0  # cache entries this worker had to build (0 on Ray: the driver built them)
     startup_seconds: float | None = None  # Ray: from asking for the worker to its first answer (spawn and all)
 
     @property
@@ -531,7 +532,10 @@ class BatchWorker:
         self._write_status([])  # also proves that this node can write the output folder
 
     def info(self) -> WorkerInfo:
-        return WorkerInfo(self.name, self.node, os.getpid(), *(round(s, 3) for s in self.seconds))
+        imports, model, engines = (round(s, 3) for s in self.seconds)
+        report = self.pipeline.compile_report
+        built = sum(stage.status != "reused" for stage in report.stages) if report else 0
+        return WorkerInfo(self.name, self.node, os.getpid(), imports, model, engines, built)
 
     def run(self, batch: list[Job]) -> list[JobResult]:
         """Generate one call's images, write each atomically; the results for the driver to record."""
@@ -772,6 +776,16 @@ def default_workers(ray, cpus_per_worker: int, gpus_per_worker: float) -> int:
     return max(1, int(resources.get("CPU", 1) // cpus_per_worker))
 
 
+def check_fits(ray, count: int, cpus_per_worker: int, gpus_per_worker: float) -> None:
+    """Workers that the cluster cannot hold would wait for resources forever: say so instead."""
+    resources = ray.cluster_resources()
+    for name, each, flag in (("CPU", cpus_per_worker, "--threads"), ("GPU", gpus_per_worker, "--gpus-per-worker")):
+        have = resources.get(name, 0)
+        if count * each > have:
+            raise BatchFailed(f"{count} workers x {each:g} {name}s each need {count * each:g} {name}s but the Ray "
+                              f"cluster has {have:g}; ask for fewer --workers or a smaller {flag}.")
+
+
 def run_ray(plan: BatchPlan, *, address: str | None = LOCAL_RAY, workers: int | None = None,
             gpus_per_worker: float = 0.0, on_start: OnStart | None = None, on_result: OnResult | None = None,
             on_stage: StageHook | None = None, on_workers: Callable[[list[WorkerInfo]], None] | None = None,
@@ -793,6 +807,7 @@ def run_ray(plan: BatchPlan, *, address: str | None = LOCAL_RAY, workers: int | 
         batches = plan_batches(todo, plan.batch_size)
         with ray_session(address, (workers or 1) * cpus) as ray:
             count = min(workers or default_workers(ray, cpus, gpus_per_worker), len(batches))
+            check_fits(ray, count, cpus, gpus_per_worker)
             pool = RayWorkerPool(ray, plan.recipe, plan.out_dir, count, gpus_per_worker)
             try:
                 with on_stage("batch", f"starting {count} Ray worker{'s' if count > 1 else ''}"):

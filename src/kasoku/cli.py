@@ -380,7 +380,7 @@ def cmd_batch(args: argparse.Namespace) -> int:
 def _worker_startup(worker) -> str:
     ready = f"ready in {worker.startup_seconds:.1f} s: " if worker.startup_seconds is not None else ""
     return (f"{ready}imports {worker.import_seconds:.1f} s, model {worker.model_seconds:.1f} s, "
-            f"engines from the cache {worker.engine_seconds:.1f} s")
+            f"engines {'built and loaded' if worker.built_stages else 'from the cache'} {worker.engine_seconds:.1f} s")
 
 
 def _batch_bar():
