@@ -25,7 +25,9 @@ test: setup
 
 bench: setup
 	$(PY) benchmarks/tiny_pipeline.py
+	$(PY) benchmarks/batch_tiny.py
 	$(PY) benchmarks/full_sd15.py
+	$(PY) benchmarks/full_sdxl.py
 
 lint: setup
 	$(VENV)/bin/ruff check src tests examples benchmarks
