@@ -153,13 +153,14 @@ def stage_engine(component: str, backend: str, size: int, repeats: int, threads:
     from kasoku.build import compile_components
     from kasoku.parity import compare_output
 
-    spec = _spec(sdxl_pipeline(), component, size)
+    pipe = sdxl_pipeline()  # every module on the meta device: the engines need the specs, not the weights
+    spec = _spec(pipe, component, size)
     io = np.load(work / f"{component}-io.npz")
     inputs = {k[3:]: io[k] for k in io.files if k.startswith("in.")}
     reference = {k[4:]: io[k] for k in io.files if k.startswith("out.")}
     start = time.perf_counter()
     engines, report = compile_components(
-        sdxl_pipeline(), backend=backend, specs={component: spec}, cache=work / "cache", onnx_dir=work / "onnx",
+        pipe, backend=backend, specs={component: spec}, cache=work / "cache", onnx_dir=work / "onnx",
         check_parity=False, options=EngineOptions(threads=threads), label="sdxl-random")
     compile_s = time.perf_counter() - start
     engine = engines[component]

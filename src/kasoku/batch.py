@@ -288,17 +288,11 @@ def batch_profile(pipe, batch_size: int, height: tuple[int, ...] | None = None,
     """The model's default profile (the one `kasoku compile MODEL` builds), widened to `batch_size`
     images per call, with the height and width ranges (MIN:MAX or MIN:OPT:MAX, as for `kasoku
     compile`) where given."""
-    from .components import default_profile
+    from .components import default_profile, profile_with_ranges
 
     base = default_profile(pipe)
-    ranges = {"batch": (base.min.batch, base.opt.batch, max(base.max.batch, batch_size))}
-    for dim, given in (("height", height), ("width", width)):
-        low, opt, high = (getattr(base.min, dim), getattr(base.opt, dim), getattr(base.max, dim))
-        if given:
-            low, high = given[0], given[-1]
-            opt = given[1] if len(given) == 3 else min(max(opt, low), high)
-        ranges[dim] = (low, opt, high)
-    return ShapeProfile.from_ranges(ranges["batch"], ranges["height"], ranges["width"], base.multiple)
+    batch = (base.min.batch, base.opt.batch, max(base.max.batch, batch_size))
+    return profile_with_ranges(base, batch, height, width)
 
 
 @dataclass
@@ -352,13 +346,13 @@ def prepare(model, jobs: list[Job], out_dir: str | Path, *, batch_size: int = DE
     """Every check before any work: the jobs against the profile the engines will serve, then the
     output folder (created last, so a bad job writes nothing). Loads the model, not the engines."""
     from .cache import default_cache_dir
+    from .components import native_size
     from .loading import load_pipeline
 
     model = _portable_model(model)
     reference = load_pipeline(model)
     profile = batch_profile(reference, batch_size, height, width)
-    # diffusers' default size: the U-Net's sample size times the VAE's scale factor
-    native = reference.unet.config.sample_size * 2 ** (len(reference.vae.config.block_out_channels) - 1)
+    native = native_size(reference)
     jobs = with_native_size(jobs, native, native)
     check_jobs(jobs, profile, batch_size, max_steps=reference.scheduler.config.num_train_timesteps)
     out = check_output_dir(out_dir)

@@ -162,19 +162,10 @@ def _profile_from_args(args: argparse.Namespace):
     """A ShapeProfile from --batch/--height/--width, the model's defaults for the rest."""
     if not (args.batch or args.height or args.width):
         return None
-    from .components import ShapeProfile, default_profile
+    from .components import default_profile, profile_with_ranges
     from .loading import load_pipeline
 
-    base = default_profile(load_pipeline(args.model))
-    ranges = {}
-    for dim in ("batch", "height", "width"):
-        given = getattr(args, dim)
-        low, opt, high = (getattr(base.min, dim), getattr(base.opt, dim), getattr(base.max, dim))
-        if given:
-            low, high = given[0], given[-1]
-            opt = given[1] if len(given) == 3 else min(max(opt, low), high)
-        ranges[dim] = (low, opt, high)
-    return ShapeProfile.from_ranges(ranges["batch"], ranges["height"], ranges["width"], base.multiple)
+    return profile_with_ranges(default_profile(load_pipeline(args.model)), args.batch, args.height, args.width)
 
 
 def _profile_for_generate(args: argparse.Namespace, image, pipe):

@@ -328,14 +328,32 @@ def pixel_multiple(pipe) -> int:
     return _vae_scale_factor(pipe.vae) * 2**unet_levels
 
 
+def native_size(pipe) -> int:
+    """diffusers' default image size: the U-Net's sample size times the VAE's scale factor."""
+    return pipe.unet.config.sample_size * _vae_scale_factor(pipe.vae)
+
+
 def default_profile(pipe, max_batch: int = 4) -> ShapeProfile:
     """min = half, opt = the model's native size, max = double; 1..`max_batch` images."""
     multiple = pixel_multiple(pipe)
-    native = pipe.unet.config.sample_size * _vae_scale_factor(pipe.vae)
-    native = (native // multiple) * multiple or multiple
+    native = (native_size(pipe) // multiple) * multiple or multiple
     low = max(multiple, (native // 2 // multiple) * multiple)
     high = native * 2
     return ShapeProfile.from_ranges((1, 1, max_batch), (low, native, high), (low, native, high), multiple)
+
+
+def profile_with_ranges(base: ShapeProfile, batch: tuple[int, ...] | None = None,
+                        height: tuple[int, ...] | None = None, width: tuple[int, ...] | None = None) -> ShapeProfile:
+    """`base` with the given dims replaced by (MIN, MAX) or (MIN, OPT, MAX) ranges; where no OPT is
+    given, base's optimum clamped into the new range."""
+    ranges = {}
+    for dim, given in (("batch", batch), ("height", height), ("width", width)):
+        low, opt, high = (getattr(base.min, dim), getattr(base.opt, dim), getattr(base.max, dim))
+        if given:
+            low, high = given[0], given[-1]
+            opt = given[1] if len(given) == 3 else min(max(opt, low), high)
+        ranges[dim] = (low, opt, high)
+    return ShapeProfile.from_ranges(ranges["batch"], ranges["height"], ranges["width"], base.multiple)
 
 
 SDXL_VAE_FP32 = (
@@ -348,15 +366,16 @@ def model_components(pipe) -> tuple[str, ...]:
     """The components this pipeline has, in COMPONENT_NAMES order."""
     from .families import family_of
 
-    text_encoders = family_of(pipe).text_encoders
-    return tuple(n for n in COMPONENT_NAMES if not n.startswith("text_encoder") or n in text_encoders)
+    return _family_components(family_of(pipe))
 
 
-def text_encoder_outputs(pipe, name: str) -> tuple[str, ...]:
+def _family_components(family) -> tuple[str, ...]:
+    return tuple(n for n in COMPONENT_NAMES if not n.startswith("text_encoder") or n in family.text_encoders)
+
+
+def text_encoder_outputs(family, name: str) -> tuple[str, ...]:
     """What the family's pipeline reads from text encoder `name`."""
-    from .families import family_of
-
-    if family_of(pipe).name != "sdxl":
+    if family.name != "sdxl":
         return ("last_hidden_state", "pooler_output")
     return ("text_embeds", "penultimate_hidden_state") if name == "text_encoder_2" else ("penultimate_hidden_state",)
 
@@ -368,16 +387,17 @@ def component_specs(
     from .families import family_of
 
     profile = profile or default_profile(pipe)
-    available = model_components(pipe)
+    family = family_of(pipe)
+    available = _family_components(family)
     names = list(available if names is None else names)
     unknown = sorted(set(names) - set(COMPONENT_NAMES))
     if unknown:
         raise KasokuError(f"unknown component(s) {unknown}; choose from {list(COMPONENT_NAMES)}.")
     absent = [n for n in names if n not in available]
     if absent:
-        raise KasokuError(f"this {family_of(pipe).title} model has no {', '.join(absent)}; "
+        raise KasokuError(f"this {family.title} model has no {', '.join(absent)}; "
                           f"its components are {', '.join(available)}.")
-    xl = family_of(pipe).name == "sdxl"
+    xl = family.name == "sdxl"
     vae_scale = Fraction(1, _vae_scale_factor(pipe.vae))
     text_length = pipe.tokenizer.model_max_length
     latent_channels = pipe.vae.config.latent_channels
@@ -394,7 +414,7 @@ def component_specs(
 
     def text_encoder(name: str) -> ComponentSpec:
         encoder = getattr(pipe, name)
-        outputs = text_encoder_outputs(pipe, name)
+        outputs = text_encoder_outputs(family, name)
         return ComponentSpec(
             name=name,
             module=TextEncoderModule(encoder, outputs).eval(),

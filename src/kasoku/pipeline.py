@@ -23,7 +23,7 @@ import torch
 
 from .backends import Engine, EngineOptions
 from .build import CompileReport, compile_components
-from .components import ImageShape, Precision, ShapeProfile, default_profile
+from .components import ImageShape, Precision, ShapeProfile, default_profile, native_size
 from .errors import KasokuError
 from .families import TASKS, family_of
 from .schedulers import SCHEDULERS
@@ -295,7 +295,7 @@ class KasokuPipeline:
                 width = width or image_width // 8 * 8
             else:
                 height, width = height or image_height, width or image_width
-        native = self._source.unet.config.sample_size * self.vae_scale_factor  # diffusers' default size
+        native = native_size(self._source)
         height, width = height or native, width or native
         if height % 8 or width % 8:
             raise InvalidInput(f"`height` and `width` have to be divisible by 8 but are {height} and {width}.")
