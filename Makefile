@@ -6,7 +6,7 @@ STAMP := $(VENV)/.kasoku-installed
 # an open range would pull a multi-GB CUDA build.
 TORCH_PIN := torch==2.13.0
 
-.PHONY: setup demo test bench lint clean
+.PHONY: setup demo test test-fast bench lint clean
 
 setup: $(STAMP)
 
@@ -22,6 +22,10 @@ demo: setup
 
 test: setup
 	$(PY) -m pytest -q
+
+# The unit tier: no export, no engine build (under two minutes); `make test` runs both tiers.
+test-fast: setup
+	$(PY) -m pytest -q -m unit
 
 bench: setup
 	$(PY) benchmarks/tiny_pipeline.py

@@ -50,7 +50,7 @@ def run_once(model: Path, prompts: Path, cache: Path, out: Path, *, ray: bool, w
     shutil.rmtree(out, ignore_errors=True)
     start = time.perf_counter()
     plan = prepare(model, read_jobs(prompts), out, batch_size=batch_size, backend="onnxruntime", cache_dir=cache,
-                   threads=threads)
+                   threads=threads)  # CompileOptions fields
     result = run_ray(plan, workers=workers) if ray else run_local(plan)
     return result, time.perf_counter() - start
 
@@ -67,6 +67,7 @@ def main(argv: list[str] | None = None) -> Path:
     from kasoku.batch import PipelineRecipe, batch_profile
     from kasoku.console import console, quiet_third_party_logs
     from kasoku.loading import load_pipeline
+    from kasoku.options import CompileOptions
     from kasoku.tiny import write_tiny_pipeline
 
     quiet_third_party_logs()
@@ -76,8 +77,9 @@ def main(argv: list[str] | None = None) -> Path:
     prompts = write_prompts(work / "prompts.jsonl", args.jobs, args.steps)
     start = time.perf_counter()
     reference = load_pipeline(model)
-    PipelineRecipe(str(model), "onnxruntime", cache_dir=str(cache),
-                   profile=batch_profile(reference, max(args.batch_size, 1))).load(reference)
+    PipelineRecipe(str(model), CompileOptions(backend="onnxruntime", cache_dir=cache,
+                                              profile=batch_profile(reference, max(args.batch_size, 1)))
+                   ).load(reference)
     compile_seconds = time.perf_counter() - start
     console.log(f"compiled the tiny engines in {compile_seconds:.1f} s")
 

@@ -1,31 +1,51 @@
-"""The `full` workload of BENCHMARK.md: Stable Diffusion 1.5 at full size, random weights, fp32.
+"""The `full` workload of docs/BENCHMARKS.md: Stable Diffusion 1.5 at full size, random weights.
 
-    python benchmarks/full_sd15.py [--repeats 3] [--steps 4] [--threads 2]
+    python benchmarks/full_sd15.py [--stages cold,warm,runtime,speed] [--backends onnxruntime,openvino]
+                                   [--threads 2] [--repeats 3] [--fresh-cache]
 
-Builds the SD 1.5 architecture (CLIP ViT-L text encoder, the 860M-parameter U-Net, the VAE)
-with random weights once into benchmarks/.models/ (no weights can be downloaded here), then
-runs `kasoku.bench` on it: text encoder 2x77, U-Net batch 2 on a 64x64 latent, VAE decoder
-1x4x64x64, each against torch eager, torch.compile, ONNX Runtime and OpenVINO with their own
-defaults on the same ONNX file, and kasoku's onnxruntime and openvino engines; then one 512x512
-image with 4 steps and guidance against diffusers. Writes benchmarks/results/<date>-<machine>.md
-and .json. Minutes to an hour on 2 cores; not run by CI.
+Builds the SD 1.5 architecture (CLIP ViT-L text encoder, the 860M-parameter U-Net, the VAE) with
+random weights once into benchmarks/.models/ (no weights can be downloaded here), then runs stages,
+each in its own process so that no two copies of the weights share the memory (the run's peak is
+the largest stage's VmHWM):
+
+- cold:<backend>     `compile_components(folder)` into the benchmark's cache (export, optimize, engines),
+                     as `kasoku compile` does; compile seconds per stage, peak memory.
+- warm:<backend>     a new user's warm start: the diffusers pipeline is loaded (timed apart), then
+                     `kasoku.compile(pipe)` on the warm cache, with each engine's load time; and, in
+                     another process, `KasokuPipeline.from_pretrained(folder)` (reads no weights).
+- runtime:<backend>  the runtime's own load of the same engine files, with the same settings
+                     (ONNX Runtime InferenceSession; OpenVINO compile_model with the entry's blob cache).
+- speed:<contender>  one call per component after warm-up, median of repeats, against torch eager
+                     (torch, onnxruntime, openvino), with the FLOP floor; the components' inputs and
+                     torch's outputs are saved by the torch stage, so every contender is checked.
+
+Every stage's result is merged into benchmarks/results/<date>-<host>-full_sd15.json, and the markdown
+beside it is written again from everything measured that day, so stages can be run one at a time.
 """
 
 from __future__ import annotations
 
 import argparse
+import datetime
 import json
-import platform
+import os
+import shutil
 import socket
+import statistics
+import subprocess
 import sys
+import time
 from pathlib import Path
 
+import numpy as np
 import torch
 
 HERE = Path(__file__).resolve().parent
 MODEL_DIR = HERE / ".models" / "sd15-random"
+WORK = HERE / ".models" / "sd15-work"
 RESULTS = HERE / "results"
-CONTENDERS = ["onnxruntime", "openvino", "onnxruntime-defaults", "openvino-defaults", "torch.compile"]
+TXT2IMG = ("text_encoder", "unet", "vae_decoder")
+SIZE = 512
 
 
 def build_sd15(directory: Path, seed: int = 0) -> Path:
@@ -33,7 +53,8 @@ def build_sd15(directory: Path, seed: int = 0) -> Path:
     from diffusers import AutoencoderKL, StableDiffusionPipeline, UNet2DConditionModel
     from transformers import CLIPTextConfig, CLIPTextModel
 
-    from kasoku.tiny import tiny_scheduler, tiny_tokenizer
+    from kasoku.families import FAMILIES
+    from kasoku.tiny import tiny_tokenizer
 
     torch.manual_seed(seed)
     tokenizer = tiny_tokenizer()  # a real CLIP BPE tokenizer; ids fall inside the full vocabulary
@@ -54,51 +75,316 @@ def build_sd15(directory: Path, seed: int = 0) -> Path:
         up_block_types=("UpDecoderBlock2D",) * 4,
     )
     pipe = StableDiffusionPipeline(vae=vae, text_encoder=text_encoder, tokenizer=tokenizer, unet=unet,
-                                   scheduler=tiny_scheduler(), safety_checker=None, feature_extractor=None,
-                                   requires_safety_checker=False)
+                                   scheduler=FAMILIES["sd1"].tiny_scheduler("epsilon"), safety_checker=None,
+                                   feature_extractor=None, requires_safety_checker=False)
     pipe.save_pretrained(directory, safe_serialization=True)
     return directory
 
 
+def peak_mb() -> float:
+    from kasoku.benchmark import rss_mb
+
+    return rss_mb("VmHWM")
+
+
+def weights_bytes(folder: Path) -> int:
+    return sum(p.stat().st_size for p in folder.rglob("*.safetensors"))
+
+
+def cache_bytes(cache: Path) -> int:
+    return sum(p.stat().st_size for p in (cache / "entries").rglob("*") if p.is_file()) if cache.exists() else 0
+
+
+# ---- stages (each runs in its own process) -----------------------------------------------------------
+
+
+def stage_cold(backend: str, args) -> dict:
+    from kasoku.build import compile_components
+
+    start = time.perf_counter()
+    _, report = compile_components(MODEL_DIR, backend=backend, components=TXT2IMG, cache=args.cache,
+                                   threads=args.threads, label="sd15-random")
+    seconds = time.perf_counter() - start
+    per_stage: dict[str, dict[str, float]] = {}
+    for record in report.stages:
+        per_stage.setdefault(record.component, {})[record.stage] = round(record.seconds, 2)
+    return {"seconds": seconds, "stages": per_stage, "backends": report.backends, "built": report.built,
+            "cache_bytes": cache_bytes(args.cache), "weights_bytes": weights_bytes(MODEL_DIR), "peak_mb": peak_mb()}
+
+
+def stage_warm(backend: str, args) -> dict:
+    import kasoku
+    from kasoku.loading import load_pipeline
+
+    start = time.perf_counter()
+    pipe = load_pipeline(MODEL_DIR)
+    load_pipe = time.perf_counter() - start
+    start = time.perf_counter()
+    fast = kasoku.compile(pipe, backend, components=TXT2IMG, cache_dir=args.cache, threads=args.threads)
+    seconds = time.perf_counter() - start
+    report = fast.compile_report
+    return {"diffusers_load_s": load_pipe, "compile_s": seconds, "load_seconds": report.load_seconds,
+            "built": report.built, "backends": report.backends,
+            "engine_keys": {s.component: s.key for s in report.stages if s.stage == "engine"}, "peak_mb": peak_mb()}
+
+
+def stage_warm_folder(backend: str, args) -> dict:
+    import kasoku
+
+    start = time.perf_counter()
+    fast = kasoku.KasokuPipeline.from_pretrained(MODEL_DIR, backend, components=TXT2IMG, cache_dir=args.cache,
+                                                 threads=args.threads)
+    seconds = time.perf_counter() - start
+    return {"seconds": seconds, "load_seconds": fast.compile_report.load_seconds, "built": fast.compile_report.built,
+            "peak_mb": peak_mb()}
+
+
+def stage_runtime(backend: str, args) -> dict:
+    """The runtimes' own load of the engine files the warm stage used, with kasoku's settings."""
+    keys = _results(args)["warm"][backend]["engine_keys"]
+    backends = _results(args)["warm"][backend]["backends"]
+    seconds = {}
+    for component, key in keys.items():
+        entry = args.cache / "entries" / key
+        start = time.perf_counter()
+        if backends[component] == "onnxruntime":
+            import onnxruntime as ort
+
+            options = ort.SessionOptions()
+            options.log_severity_level = 3
+            options.intra_op_num_threads = args.threads
+            ort.InferenceSession(str(entry / "model.onnx"), options, providers=["CPUExecutionProvider"])
+        else:
+            import openvino as ov
+
+            ov.Core().compile_model(str(entry / "model.xml"), "CPU", {
+                "INFERENCE_PRECISION_HINT": "f32", "PERFORMANCE_HINT": "LATENCY",
+                "INFERENCE_NUM_THREADS": args.threads, "CACHE_DIR": str(entry / "compiled")})
+        seconds[component] = time.perf_counter() - start
+    return {"load_seconds": seconds, "backends": backends, "peak_mb": peak_mb()}
+
+
+def stage_speed(contender: str, args) -> dict:
+    """One call per component after warm-up; torch also counts FLOPs and saves inputs and outputs."""
+    from kasoku.benchmark import count_flops
+    from kasoku.components import ImageShape, ShapeProfile, component_specs
+    from kasoku.loading import load_pipeline
+    from kasoku.parity import compare_output
+
+    profile = ShapeProfile.from_ranges((1, 1, 1), (SIZE,) * 3, (SIZE,) * 3, 64)
+    io_file = args.work / "speed-io.npz"
+    result: dict = {"components": {}}
+    if contender == "torch":
+        pipe = load_pipeline(MODEL_DIR)
+        specs = component_specs(pipe, profile, TXT2IMG)
+        saved = {}
+        for name, spec in specs.items():
+            inputs = spec.sample_inputs(ImageShape(1, SIZE, SIZE), seed=3)
+            flops = count_flops(spec, inputs)  # runs the call: the warm-up
+            samples, outputs = _repeat(lambda spec=spec, inputs=inputs: spec.run_torch(inputs), args.repeats)
+            saved.update({f"{name}.in.{k}": v.numpy() for k, v in inputs.items()})
+            saved.update({f"{name}.out.{k}": v for k, v in outputs.items()})
+            result["components"][name] = {"seconds": samples, "gflop": flops / 1e9,
+                                          "shapes": {k: list(v.shape) for k, v in inputs.items()}}
+        np.savez(io_file, **saved)
+    else:
+        from kasoku.build import compile_components
+
+        io = np.load(io_file)
+        engines, _ = compile_components(MODEL_DIR, backend=contender, components=TXT2IMG, profile=profile,
+                                        cache=args.cache, threads=args.threads, label="sd15-random")
+        for name, engine in engines.items():
+            inputs = {k.split(".", 2)[2]: io[k] for k in io.files if k.startswith(f"{name}.in.")}
+            reference = {k.split(".", 2)[2]: io[k] for k in io.files if k.startswith(f"{name}.out.")}
+            engine.run(inputs)
+            samples, outputs = _repeat(lambda engine=engine, inputs=inputs: engine.run(inputs), args.repeats)
+            worst = max((compare_output(name, out, "1x512x512", reference[out], outputs[out]) for out in reference),
+                        key=lambda p: p.max_abs / p.limit)
+            result["components"][name] = {"seconds": samples, "max_abs_vs_torch": worst.max_abs,
+                                          "tolerance": worst.limit, "passed": worst.passed}
+    return {**result, "peak_mb": peak_mb()}
+
+
+def _repeat(fn, repeats: int):
+    samples, out = [], None
+    for _ in range(repeats):
+        start = time.perf_counter()
+        out = fn()
+        samples.append(time.perf_counter() - start)
+    return samples, out
+
+
+STAGES = {"cold": stage_cold, "warm": stage_warm, "warm-folder": stage_warm_folder, "runtime": stage_runtime,
+          "speed": stage_speed}
+
+
+# ---- the run -----------------------------------------------------------------------------------------
+
+
+def _stem() -> Path:
+    return RESULTS / f"{datetime.date.today().isoformat()}-{socket.gethostname()}-full_sd15"
+
+
+def _results(args) -> dict:
+    path = _stem().with_suffix(".json")
+    return json.loads(path.read_text()) if path.exists() else {}
+
+
+def _run_stage(stage: str, target: str, args, log) -> dict:
+    """One stage in a fresh process; a failure (killed for memory, say) is recorded and the run goes on."""
+    out = args.work / f"stage-{stage}-{target}.json"
+    out.unlink(missing_ok=True)
+    log(f"stage {stage}:{target}")
+    command = [sys.executable, __file__, "--stage", stage, "--target", target, "--stage-json", str(out),
+               "--threads", str(args.threads), "--repeats", str(args.repeats), "--cache", str(args.cache)]
+    start = time.perf_counter()
+    code = subprocess.run(command).returncode
+    if code != 0 or not out.exists():
+        return {"failed": True, "returncode": code, "wall_s": time.perf_counter() - start}
+    return {**json.loads(out.read_text()), "wall_s": time.perf_counter() - start}
+
+
+def _record(stage: str, target: str, result: dict, machine: dict) -> None:
+    path = _stem().with_suffix(".json")
+    report = json.loads(path.read_text()) if path.exists() else {}
+    report.setdefault("machine", machine)
+    report.setdefault(stage, {})[target] = result
+    RESULTS.mkdir(exist_ok=True)
+    path.write_text(json.dumps(report, indent=2, default=str))
+    _stem().with_suffix(".md").write_text(markdown(report) + "\n")
+
+
 def machine_description(threads: int) -> dict:
     from kasoku.backends.base import cpu_name
+    from kasoku.benchmark import cpu_flags, matmul_gflops
 
-    return {"host": socket.gethostname(), "cpu": cpu_name(), "threads": threads, "python": platform.python_version(),
-            "platform": platform.platform()}
+    return {"host": socket.gethostname(), "cpu": cpu_name(), "flags": cpu_flags(), "threads": threads,
+            "torch": torch.__version__, "matmul_gflops": matmul_gflops(), "date": datetime.date.today().isoformat()}
 
 
-def main(argv: list[str] | None = None) -> Path:
+def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--steps", type=int, default=4)
+    parser.add_argument("--stages", default="cold,warm,warm-folder,runtime",
+                        help=f"comma-separated, in order, from {', '.join(STAGES)} (default: the warm start)")
+    parser.add_argument("--backends", default="onnxruntime,openvino", help="kasoku backends (cold, warm, runtime)")
+    parser.add_argument("--contenders", default="torch,onnxruntime,openvino", help="for the speed stage")
     parser.add_argument("--threads", type=int, default=torch.get_num_threads())
-    parser.add_argument("--contenders", default=",".join(CONTENDERS))
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--cache", type=Path, default=WORK / "cache", help="the benchmark's kasoku cache")
+    parser.add_argument("--fresh-cache", action="store_true", help="empty the cache first (cold means cold)")
+    parser.add_argument("--stage", choices=list(STAGES), help=argparse.SUPPRESS)
+    parser.add_argument("--target", help=argparse.SUPPRESS)
+    parser.add_argument("--stage-json", type=Path, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
+    args.work = WORK
+    args.work.mkdir(parents=True, exist_ok=True)
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-    from kasoku.bench import bench, markdown, plot
-    from kasoku.components import ImageShape, ShapeProfile
     from kasoku.console import console, quiet_third_party_logs
 
     quiet_third_party_logs()
+    torch.set_num_threads(args.threads)
+    if args.stage:
+        args.stage_json.write_text(json.dumps(STAGES[args.stage](args.target, args), indent=2, default=str))
+        return 0
+
+    def log(message: str) -> None:
+        console.log(message, markup=False)
+
     if not (MODEL_DIR / "model_index.json").exists():
-        console.log(f"building SD 1.5 with random weights into {MODEL_DIR}")
+        log(f"building SD 1.5 with random weights into {MODEL_DIR}")
         build_sd15(MODEL_DIR)
-    # One 512x512 image; the U-Net serves batch 1 (no guidance) to 2 (guidance).
-    profile = ShapeProfile.from_ranges((1, 1, 1), (512, 512, 512), (512, 512, 512), 64)
-    report = bench(MODEL_DIR, args.contenders.split(","), steps=args.steps, repeats=args.repeats,
-                   shape=ImageShape(1, 512, 512), profile=profile,
-                   components=["text_encoder", "unet", "vae_decoder"], threads=args.threads,
-                   log=lambda message: console.log(message, markup=False))
-    report.machine.update(machine_description(args.threads))
-    RESULTS.mkdir(exist_ok=True)
-    stem = RESULTS / f"{report.date}-{report.machine['host']}-full_sd15"
-    stem.with_suffix(".md").write_text(markdown(report) + "\n")
-    stem.with_suffix(".json").write_text(json.dumps(report.to_dict(), indent=2, default=str))
-    plot(report, stem.with_suffix(".png"))
-    console.print(markdown(report), markup=False)
-    console.print(f"wrote {stem}.md, .json and .png")
-    return stem
+    if args.fresh_cache:
+        shutil.rmtree(args.cache, ignore_errors=True)
+    log("measuring the fp32 matmul rate")
+    machine = machine_description(args.threads)
+    log(f"{machine['cpu']} ({', '.join(machine['flags']) or 'no AVX-512/AMX'}), {args.threads} threads")
+    for stage in args.stages.split(","):
+        targets = args.contenders.split(",") if stage == "speed" else args.backends.split(",")
+        for target in targets:
+            _record(stage, target, _run_stage(stage, target, args, log), machine)
+    console.print(_stem().with_suffix(".md").read_text(), markup=False)
+    return 0
+
+
+# ---- the report --------------------------------------------------------------------------------------
+
+
+def _median(values) -> float:
+    return statistics.median(values)
+
+
+def markdown(report: dict) -> str:
+    m = report.get("machine", {})
+    lines = ["# kasoku full_sd15: SD 1.5 architecture, random weights, fp32", "",
+             f"{m.get('date')} · {m.get('cpu')} ({', '.join(m.get('flags', [])) or 'no AVX-512/AMX'}) · "
+             f"{m.get('threads')} threads · torch {m.get('torch')} · fp32 matmul {m.get('matmul_gflops', 0):.0f} "
+             "GFLOP/s · each stage in its own process", ""]
+    peaks = [r["peak_mb"] for stage in STAGES for r in report.get(stage, {}).values() if "peak_mb" in r]
+    if "cold" in report:
+        lines += ["## Cold compile (`kasoku compile`, text encoder + U-Net + VAE decoder, default profile)", "",
+                  "| backend | seconds | export / optimize / engine per component | cache size | weights | peak RSS |",
+                  "| --- | --- | --- | --- | --- | --- |"]
+        for backend, r in report["cold"].items():
+            if r.get("failed"):
+                lines.append(f"| {backend} | failed (exit {r['returncode']}) | | | | |")
+                continue
+            stages = "; ".join(f"{c}: " + "/".join(f"{s}" for s in v.values()) for c, v in r["stages"].items())
+            lines.append(f"| {backend} | {r['seconds']:.0f} | {stages} | {r['cache_bytes'] / 1e9:.1f} GB | "
+                         f"{r['weights_bytes'] / 1e9:.1f} GB | {r['peak_mb'] / 1024:.1f} GiB |")
+        lines.append("")
+    if "warm" in report:
+        lines += ["## Warm start: `kasoku.compile(pipe)` on a warm cache against the runtime's own load of the "
+                  "same engine files", "",
+                  "| backend | component | runtime's own load s | kasoku's load s | ratio |",
+                  "| --- | --- | --- | --- | --- |"]
+        for backend, warm in report["warm"].items():
+            runtime = report.get("runtime", {}).get(backend, {})
+            if warm.get("failed"):
+                lines.append(f"| {backend} | failed | | | |")
+                continue
+            own = runtime.get("load_seconds", {})
+            for component, seconds in warm["load_seconds"].items():
+                base = own.get(component)
+                lines.append(f"| {backend} | {component} ({warm['backends'][component]}) | "
+                             f"{base:.2f} | {seconds:.2f} | {seconds / base:.2f}× |" if base else
+                             f"| {backend} | {component} | - | {seconds:.2f} | - |")
+            total_own = sum(own.values()) if own else None
+            folder = report.get("warm-folder", {}).get(backend, {})
+            ratio = f"{warm['compile_s'] / total_own:.2f}×" if total_own else "-"
+            lines.append(f"| {backend} | **`kasoku.compile(pipe)`, whole** | "
+                         f"{total_own:.2f} (sum) | **{warm['compile_s']:.2f}** | {ratio} |" if total_own else
+                         f"| {backend} | **`kasoku.compile(pipe)`, whole** | - | {warm['compile_s']:.2f} | - |")
+            if folder and not folder.get("failed"):
+                lines.append(f"| {backend} | `KasokuPipeline.from_pretrained(folder)`, whole (reads no weights) | "
+                             f"| {folder['seconds']:.2f} | |")
+            lines.append(f"| {backend} | (diffusers' own `from_pretrained`, before kasoku) | | "
+                         f"{warm['diffusers_load_s']:.2f} | |")
+        lines.append("")
+    if "speed" in report and "torch" in report["speed"]:
+        torch_run = report["speed"]["torch"]
+        rate = m.get("matmul_gflops") or 1.0
+        lines += ["## One call per component, 512×512 (U-Net batch 2: guidance), median after warm-up", "",
+                  "| component | contender | median s | min–max | speed-up vs torch | FLOP floor s | time ÷ floor | "
+                  "max abs vs torch |", "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+        for component, t in torch_run.get("components", {}).items():
+            floor = t["gflop"] / rate
+            base = _median(t["seconds"])
+            for name, run in report["speed"].items():
+                r = run.get("components", {}).get(component)
+                if not r:
+                    continue
+                median = _median(r["seconds"])
+                check = "—" if name == "torch" else (f"{r['max_abs_vs_torch']:.1e}"
+                                                     + ("" if r["passed"] else " **over**"))
+                lines.append(f"| {component} ({t['gflop']:.0f} GFLOP) | {name} | {median:.2f} | "
+                             f"{min(r['seconds']):.2f}–{max(r['seconds']):.2f} | {base / median:.2f}× | {floor:.2f} | "
+                             f"{median / floor:.2f} | {check} |")
+        lines.append("")
+    if peaks:
+        lines.append(f"Peak resident memory of the run (largest stage): {max(peaks) / 1024:.1f} GiB.")
+    return "\n".join(lines)
 
 
 if __name__ == "__main__":
-    sys.exit(0 if main() else 1)
+    sys.exit(main())

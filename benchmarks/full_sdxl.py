@@ -78,7 +78,8 @@ def sdxl_pipeline(real: tuple[str, ...] = ()):
     from diffusers import AutoencoderKL, StableDiffusionXLPipeline, UNet2DConditionModel
     from transformers import CLIPTextConfig, CLIPTextModel, CLIPTextModelWithProjection
 
-    from kasoku.tiny import tiny_scheduler, tiny_tokenizer
+    from kasoku.families import FAMILIES
+    from kasoku.tiny import tiny_tokenizer
 
     tokenizer, tokenizer_2 = tiny_tokenizer(), tiny_tokenizer("!")  # real CLIP BPE; ids inside the full vocab
 
@@ -93,7 +94,7 @@ def sdxl_pipeline(real: tuple[str, ...] = ()):
                                lambda: text(TEXT_2, CLIPTextModelWithProjection, tokenizer_2)),
         tokenizer=tokenizer, tokenizer_2=tokenizer_2,
         unet=_module("unet", "unet" in real, lambda: UNet2DConditionModel(**UNET)),
-        scheduler=tiny_scheduler("sdxl"), add_watermarker=False,
+        scheduler=FAMILIES["sdxl"].tiny_scheduler("epsilon"), add_watermarker=False,
     )
 
 
@@ -105,7 +106,7 @@ def _spec(pipe, component: str, size: int):
 
 
 def _peak_mb() -> float:
-    from kasoku.bench import rss_mb
+    from kasoku.benchmark import rss_mb
 
     return rss_mb("VmHWM")
 
@@ -124,7 +125,7 @@ def _repeat(fn, repeats: int) -> tuple[list[float], dict]:
 
 
 def stage_torch(component: str, size: int, repeats: int, work: Path, export: bool = True) -> dict:
-    from kasoku.bench import count_flops
+    from kasoku.benchmark import count_flops
     from kasoku.components import ImageShape
     from kasoku.export import export_component
 
@@ -149,7 +150,6 @@ def stage_torch(component: str, size: int, repeats: int, work: Path, export: boo
 
 
 def stage_engine(component: str, backend: str, size: int, repeats: int, threads: int, work: Path) -> dict:
-    from kasoku.backends import EngineOptions
     from kasoku.build import compile_components
     from kasoku.parity import compare_output
 
@@ -161,7 +161,7 @@ def stage_engine(component: str, backend: str, size: int, repeats: int, threads:
     start = time.perf_counter()
     engines, report = compile_components(
         pipe, backend=backend, specs={component: spec}, cache=work / "cache", onnx_dir=work / "onnx",
-        check_parity=False, options=EngineOptions(threads=threads), label="sdxl-random")
+        check_parity=False, threads=threads, label="sdxl-random")
     compile_s = time.perf_counter() - start
     engine = engines[component]
     start = time.perf_counter()
@@ -266,7 +266,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
 
     from kasoku.backends.base import cpu_name
-    from kasoku.bench import matmul_gflops
+    from kasoku.benchmark import matmul_gflops
 
     def log(message: str) -> None:
         console.log(message, markup=False)

@@ -26,7 +26,7 @@ def main(argv: list[str] | None = None) -> Path:
     parser.add_argument("--backends", default="onnxruntime,openvino")
     args = parser.parse_args(argv)
 
-    from kasoku.bench import bench, markdown
+    from kasoku.benchmark import bench, markdown
     from kasoku.console import console, quiet_third_party_logs
     from kasoku.tiny import write_tiny_pipeline
 

@@ -1,4 +1,7 @@
-"""Shared, session-scoped artefacts: the tiny pipeline is built once and exported once."""
+"""Shared, session-scoped artefacts: the tiny pipeline is built once and exported once.
+
+Two tiers, selected by markers: `integration` (a test that exports, builds engines or runs Ray:
+marked so, or using one of ENGINE_FIXTURES) and `unit` (everything else; `make test-fast`)."""
 
 from __future__ import annotations
 
@@ -12,6 +15,18 @@ from kasoku.components import ImageShape  # noqa: E402
 from kasoku.console import quiet_third_party_logs  # noqa: E402
 
 quiet_third_party_logs()
+
+# Fixtures that export or build engines: a test that uses one (directly or through another) is integration.
+ENGINE_FIXTURES = {"tiny_onnx", "tiny_compiled", "tiny_kasoku", "tiny_inpaint_kasoku", "family_kasoku"}
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        fixtures = set(getattr(item, "fixturenames", ()))
+        if item.get_closest_marker("integration") is None and fixtures & ENGINE_FIXTURES:
+            item.add_marker(pytest.mark.integration)
+        if item.get_closest_marker("integration") is None:
+            item.add_marker(pytest.mark.unit)
 
 # The components of an SD 1.x / 2.x pipeline (SDXL adds text_encoder_2).
 SD_COMPONENTS = ("text_encoder", "unet", "vae_decoder", "vae_encoder")

@@ -32,6 +32,8 @@ from kasoku.batch import (
 )
 from kasoku.cli import main
 
+pytestmark = pytest.mark.integration  # exports or builds engines
+
 needs_ray = pytest.mark.skipif(importlib.util.find_spec("ray") is None,
                                reason="Ray is not installed: pip install 'kasoku[ray]' (`make setup` does)")
 

@@ -4,7 +4,11 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from kasoku.cli import main
+
+pytestmark = pytest.mark.integration  # exports or builds engines
 
 
 def test_bench_reports_every_field(tiny_dir, tmp_path, capsys):

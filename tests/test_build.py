@@ -15,14 +15,29 @@ from kasoku.cli import main
 from kasoku.components import ShapeProfile
 from tests.conftest import SD_COMPONENTS
 
+pytestmark = pytest.mark.integration  # exports or builds engines
 
-def test_second_compile_reuses_every_entry(tiny_dir, tiny_cache, tiny_compiled):
+
+def test_second_compile_opens_only_the_engine_entries(tiny_dir, tiny_cache, tiny_compiled, monkeypatch):
     _, first = tiny_compiled["onnxruntime"]
     assert {s.stage for s in first.stages} == {"export", "optimize", "engine"}
+    hashed = []
+    monkeypatch.setattr("kasoku.cache.file_sha256", lambda path: hashed.append(path) or "x")
     _, again = compile_components(tiny_dir, backend="onnxruntime", cache=tiny_cache)
-    assert len(again.stages) == 3 * len(SD_COMPONENTS)
-    assert {s.status for s in again.stages} == {"reused"}
-    assert [s.key for s in again.stages] == [s.key for s in first.stages]
+    # keys are computed, not walked: one cheap hit per component, on the engine entry itself
+    assert [(s.component, s.stage, s.status) for s in again.stages] == [
+        (name, "engine", "reused") for name in SD_COMPONENTS]
+    assert [s.key for s in again.stages] == [s.key for s in first.stages if s.stage == "engine"]
+    assert hashed == []  # no file of any entry is checksummed on a hit
+    assert set(again.load_seconds) == set(SD_COMPONENTS)
+
+
+def test_a_warm_start_from_a_folder_reads_no_weights(tiny_dir, tiny_cache, tiny_compiled, monkeypatch):
+    from kasoku import loading
+
+    monkeypatch.setattr(loading, "real_module", lambda pipe, attr: pytest.fail(f"loaded the {attr} weights"))
+    engines, report = compile_components(tiny_dir, backend="onnxruntime", cache=tiny_cache)
+    assert report.built == 0 and set(engines) == set(SD_COMPONENTS)
 
 
 def test_backends_share_export_and_optimization_but_not_engines(tiny_compiled):
@@ -83,7 +98,7 @@ def test_compile_cli_reports_stages(tiny_dir, tiny_cache, tiny_compiled, capsys)
     assert main(["compile", str(tiny_dir), "--backend", "openvino", "--cache-dir", str(tiny_cache.root),
                  "--components", "unet"]) == 0
     out = capsys.readouterr().out
-    assert "0 built, 3 reused from the cache" in out and "unet=openvino" in out
+    assert "0 built, 1 reused from the cache" in out and "unet=openvino" in out
 
 
 def test_compile_cli_profile_flags(tiny_dir, tmp_path, capsys):

@@ -8,6 +8,8 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.integration  # exports or builds engines
+
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
 
 

@@ -16,6 +16,8 @@ from kasoku.loading import ModelNotFound, NotADiffusersPipeline
 from kasoku.parity import ParityError
 from tests.conftest import SD_COMPONENTS, TINY_CHECK_SHAPES
 
+pytestmark = pytest.mark.integration  # exports or builds engines
+
 
 def test_all_components_export_with_dynamic_shapes(tiny_onnx, tiny_specs):
     assert set(tiny_onnx) == set(SD_COMPONENTS)

@@ -18,6 +18,8 @@ from kasoku.loading import load_pipeline
 from kasoku.parity import psnr
 from kasoku.pipeline import InvalidInput
 
+pytestmark = pytest.mark.integration  # exports or builds engines
+
 # SD 2 with v-prediction is the seed's model (stable-diffusion-2-1); epsilon only changes the scheduler.
 TINY_ARGS = {"sd2": ["--family", "sd2", "--prediction", "v_prediction"], "sdxl": ["--family", "sdxl"]}
 FAMILIES_UNDER_TEST = list(TINY_ARGS)
@@ -176,7 +178,7 @@ def test_compile_takes_sdxl_img2img_and_inpaint_pipelines(family_pipes, family_k
 def test_family_arguments_are_checked_first(family_kasoku):
     sd2, sdxl = family_kasoku["sd2"], family_kasoku["sdxl"]
     sd2.times.reset()
-    with pytest.raises(InvalidInput, match="only SDXL pipelines take this argument"):
+    with pytest.raises(InvalidInput, match="only Stable Diffusion XL pipelines take this argument"):
         sd2("a cat", prompt_2="a dog", num_inference_steps=1)
     with pytest.raises(InvalidInput, match="one text per prompt"):
         sdxl(["a cat", "a dog"], prompt_2="a bird", num_inference_steps=1)
@@ -247,7 +249,7 @@ def test_tensorrt_profiles_cover_sdxl_inputs(family_pipes):
     assert unet["text_embeds"] == ((1, 40), (2, 40), (8, 40))
     assert unet["time_ids"] == ((1, 6), (2, 6), (8, 6))
     assert trt_profile(specs["text_encoder_2"])["input_ids"] == ((1, 77), (2, 77), (8, 77))
-    assert specs["text_encoder_2"].outputs == ("text_embeds", "penultimate_hidden_state")
+    assert specs["text_encoder_2"].output_names == ("text_embeds", "penultimate_hidden_state")
 
 
 def test_generate_sdxl_from_the_cli(family_dirs, family_kasoku, tiny_cache, tmp_path, capsys):

@@ -11,6 +11,7 @@ from kasoku.parity import compare_outputs
 availability = TensorRTBackend.availability()
 pytestmark = [
     pytest.mark.gpu,
+    pytest.mark.integration,
     pytest.mark.skipif(not availability.available, reason=f"TensorRT unavailable: {availability.reason}"),
 ]
 

@@ -10,6 +10,8 @@ from kasoku.export import check_onnx_parity, default_check_shapes
 from kasoku.optimize import PASSES, optimize
 from tests.conftest import SD_COMPONENTS
 
+pytestmark = pytest.mark.integration  # exports or builds engines
+
 
 def test_optimized_components_are_smaller_and_still_match(tiny_compiled):
     _, report = tiny_compiled["onnxruntime"]
@@ -22,9 +24,10 @@ def test_optimized_components_are_smaller_and_still_match(tiny_compiled):
         assert record.detail["parity"] and all(p["passed"] for p in record.detail["parity"])
 
 
-def test_each_pass_reports_node_counts(tiny_onnx, tmp_path):
+def test_each_pass_reports_node_counts(tiny_onnx, tiny_specs, tmp_path):
     source = tiny_onnx["unet"].path
-    report = optimize(source, tmp_path / "unet.onnx", ["cleanup", "fold_constants", "infer_shapes"], component="unet")
+    report = optimize(source, tmp_path / "unet.onnx", ["cleanup", "fold_constants", "infer_shapes"],
+                      spec=tiny_specs["unet"])
     assert [p.name for p in report.passes] == ["cleanup", "fold_constants", "infer_shapes"]
     assert report.nodes_after == len(onnx.load(str(tmp_path / "unet.onnx")).graph.node)
     assert all(p.seconds >= 0 for p in report.passes)
@@ -36,7 +39,7 @@ def test_each_pass_reports_node_counts(tiny_onnx, tmp_path):
 def test_ort_transformer_fusions_keep_parity(tiny_onnx, tiny_specs, tmp_path, component):
     target = tmp_path / f"{component}.onnx"
     report = optimize(tiny_onnx[component].path, target, ["cleanup", "fold_constants", "ort_fusions"],
-                      component=component)
+                      spec=tiny_specs[component])
     assert report.passes[-1].nodes_after < report.passes[-1].nodes_before
     spec = tiny_specs[component]
     assert all(r.passed for r in check_onnx_parity(spec, target, default_check_shapes(spec.profile)))
@@ -44,7 +47,7 @@ def test_ort_transformer_fusions_keep_parity(tiny_onnx, tiny_specs, tmp_path, co
 
 def test_fp16_keeps_io_fp32_and_reports_drift(tiny_onnx, tiny_specs, tmp_path):
     target = tmp_path / "vae_decoder.onnx"
-    optimize(tiny_onnx["vae_decoder"].path, target, ["cleanup", "fp16"], component="vae_decoder",
+    optimize(tiny_onnx["vae_decoder"].path, target, ["cleanup", "fp16"], spec=tiny_specs["vae_decoder"],
              precision=Precision.FP16)
     model = onnx.load(str(target))
     assert {i.type.tensor_type.elem_type for i in model.graph.input} == {onnx.TensorProto.FLOAT}
@@ -56,9 +59,9 @@ def test_fp16_keeps_io_fp32_and_reports_drift(tiny_onnx, tiny_specs, tmp_path):
     assert all(r.max_abs > 0 for r in results)  # drift exists and is reported, not hidden
 
 
-def test_unknown_pass_is_named(tiny_onnx, tmp_path):
+def test_unknown_pass_is_named(tiny_onnx, tiny_specs, tmp_path):
     with pytest.raises(ValueError, match=r"unknown pass\(es\) \['magic'\]"):
-        optimize(tiny_onnx["unet"].path, tmp_path / "x.onnx", ["magic"], component="unet")
+        optimize(tiny_onnx["unet"].path, tmp_path / "x.onnx", ["magic"], spec=tiny_specs["unet"])
     assert "fold_constants" in PASSES
 
 
@@ -77,7 +80,7 @@ def test_models_over_the_protobuf_limit_are_optimized_graph_only(tiny_specs, tmp
     in_memory = sum(len(t.raw_data) for t in graph.graph.initializer)  # small constants only
     assert in_memory < 0.1 * (source.parent / "model.onnx.data").stat().st_size
     target = tmp_path / "dst" / "model.onnx"
-    report = optimize(source, target, ["cleanup", "fold_constants", "infer_shapes"], component="unet")
+    report = optimize(source, target, ["cleanup", "fold_constants", "infer_shapes"], spec=tiny_specs["unet"])
     assert report.nodes_after < report.nodes_before  # folding still read the values it needed
     locations = {e.value for t in onnx.load(str(target), load_external_data=False).graph.initializer
                  for e in t.external_data if e.key == "location"}

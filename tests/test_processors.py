@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import numpy as np
+import pytest
 import torch
 from diffusers.models.attention_processor import (
     Attention,
@@ -16,6 +17,8 @@ import kasoku
 from kasoku.components import ImageShape, component_specs
 from kasoku.export import export_component, ort_session
 from kasoku.tiny import tiny_pipeline
+
+pytestmark = pytest.mark.integration  # exports or builds engines
 
 
 def test_unet_with_xformers_processors_exports_and_matches_sdpa_unet(tmp_path):

@@ -7,10 +7,11 @@ import importlib.util
 
 import pytest
 
-from kasoku.backends import BackendUnavailable, EngineOptions, get_backend
+from kasoku.backends import BackendUnavailable, get_backend
 from kasoku.backends.onnxruntime import provider_options
 from kasoku.backends.tensorrt import TensorRTBackend, trt_build_options, trt_profile
 from kasoku.components import Precision
+from kasoku.options import CompileOptions
 
 
 def test_profile_comes_from_the_spec(tiny_specs):
@@ -49,10 +50,10 @@ def test_engine_key_includes_device_version_precision_and_level(monkeypatch):
 
     monkeypatch.setattr(TensorRTBackend, "availability",
                         classmethod(lambda cls: Availability("tensorrt", True, "10.9", "NVIDIA H200 (sm_90)")))
-    key = TensorRTBackend(EngineOptions(builder_optimization_level=5)).key(Precision.FP16)
+    key = TensorRTBackend(CompileOptions(trt_opt_level=5)).key(Precision.FP16)
     assert key["backend"] == "tensorrt" and key["version"] == "10.9" and key["device"] == "NVIDIA H200 (sm_90)"
     assert key["precision"] == "fp16" and key["builder_optimization_level"] == 5
-    assert key != TensorRTBackend(EngineOptions(builder_optimization_level=3)).key(Precision.FP16)
+    assert key != TensorRTBackend(CompileOptions(trt_opt_level=3)).key(Precision.FP16)
 
 
 def test_ort_tensorrt_execution_provider_options(tiny_specs, tmp_path):

@@ -11,7 +11,9 @@ import pytest
 from onnx import numpy_helper
 
 from kasoku.cli import main
-from kasoku.verify import verify
+from kasoku.verification import verify
+
+pytestmark = pytest.mark.integration  # exports or builds engines
 
 
 @pytest.mark.parametrize("backend", ["onnxruntime", "openvino"])

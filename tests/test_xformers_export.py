@@ -11,6 +11,8 @@ import xformers.ops as xops
 import kasoku
 from tests import xformers_attention_model as seed_module
 
+pytestmark = pytest.mark.integration  # exports or builds engines
+
 SHAPE = (1, 128, 8, 64)  # the seed's [B, M, H, K]
 
 

@@ -1,8 +1,8 @@
 """kasoku (加速): compile diffusers Stable Diffusion pipelines into fast engines, and prove them.
 
-Public names (see DESIGN.md): ``exportable_attention``, ``memory_efficient_attention``,
-``compile``, ``KasokuPipeline``, ``verify``, ``bench``. They are imported on first use so
-that ``import kasoku`` and ``kasoku --help`` stay fast.
+Public names (see docs/DESIGN.md): ``exportable_attention``, ``memory_efficient_attention``,
+``compile``, ``KasokuPipeline``, ``CompileOptions``, ``verify``, ``bench``. They are imported on first
+use so that ``import kasoku`` and ``kasoku --help`` stay fast.
 """
 
 from __future__ import annotations
@@ -22,6 +22,10 @@ _PUBLIC = {
     "compile": "kasoku.pipeline",
     "KasokuPipeline": "kasoku.pipeline",
     "compile_components": "kasoku.build",
+    "CompileOptions": "kasoku.options",
+    "verify": "kasoku.verification",
+    "bench": "kasoku.benchmark",
+    "FAMILIES": "kasoku.families",
     "Cache": "kasoku.cache",
     "write_tiny_pipeline": "kasoku.tiny",
 }

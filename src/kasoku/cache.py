@@ -2,10 +2,15 @@
 
 An entry is a folder named by the digest of everything that changes the artefact (its *key
 parts*: weights fingerprint and config, exporter and opset, passes, precision, backend and
-version, device, shape profile...). It is built in a temporary folder and renamed into place,
-carries a manifest with the SHA-256 of each of its files, and is verified before use: an
-entry whose manifest or files do not match is rebuilt with a warning, never loaded. Builders
-of the same key in several processes serialize on a file lock, so each entry is built once.
+version, device, shape profile...). It is built in a temporary folder and renamed into place and
+carries a manifest with the size and SHA-256 of each of its files. Builders of the same key in
+several processes serialize on a file lock, so each entry is built once.
+
+A hit is cheap: the manifest must name the entry's own key and every file must have the size the
+manifest records (a truncated or missing file is caught; the runtime's own loader catches the
+rest). An entry that fails is rebuilt with a warning, never loaded. The full checksums are
+computed when an entry is built and checked by :meth:`Cache.check` (`kasoku cache check`), which
+reports damaged entries and can remove them, and by `kasoku verify`.
 """
 
 from __future__ import annotations
@@ -51,6 +56,13 @@ def digest_key(parts: dict[str, Any]) -> str:
     """The entry name: SHA-256 of the key parts as canonical JSON."""
     canonical = json.dumps({"format": FORMAT_VERSION, **parts}, sort_keys=True, default=str)
     return hashlib.sha256(canonical.encode()).hexdigest()[:32]
+
+
+def atomic_write_text(path: Path, text: str) -> None:
+    """Write `text` to `path` through a temporary file and a rename: readers never see half of it."""
+    tmp = path.with_name(f"{TMP_PREFIX}{path.name}-{os.getpid()}-{uuid.uuid4().hex[:8]}")
+    tmp.write_text(text)
+    os.replace(tmp, path)
 
 
 def file_sha256(path: Path) -> str:
@@ -166,8 +178,9 @@ class Cache:
 
     # ---- verification ----------------------------------------------------------------------------
 
-    def verify(self, path: Path, key: str | None = None) -> str | None:
-        """None when the entry is intact, else what is wrong with it."""
+    def verify(self, path: Path, key: str | None = None, *, checksums: bool = True) -> str | None:
+        """None when the entry is intact, else what is wrong with it. Without `checksums` only the
+        manifest, the key and the file sizes are checked (what a cache hit costs)."""
         manifest_path = path / MANIFEST
         try:
             manifest = json.loads(manifest_path.read_text())
@@ -183,14 +196,48 @@ class Cache:
                 return f"{name} is missing"
             if file.stat().st_size != info["size"]:
                 return f"{name} has {file.stat().st_size} bytes, the manifest says {info['size']}"
-            if file_sha256(file) != info["sha256"]:
+            if checksums and file_sha256(file) != info["sha256"]:
                 return f"{name} does not match its checksum"
         return None
+
+    def lookup(self, parts: dict[str, Any]) -> CacheEntry | None:
+        """The entry for `parts` if it is built and intact (cheap checks), else None; builds nothing."""
+        key = digest_key(parts)
+        entry = self._load_verified(self.entries / key, key)
+        if entry is not None:
+            self.events.append((str(parts.get("kind", "entry")), key, "reused"))
+        return entry
+
+    def discard_if_damaged(self, entry: CacheEntry) -> bool:
+        """After a runtime failed to load `entry`: if its full checksums do not match, warn and remove
+        it (the caller rebuilds it) and return True; False when the entry is intact."""
+        with self._lock(entry.key):
+            problem = self.verify(entry.path, entry.key)
+            if problem is None:
+                return False
+            warnings.warn(f"cache entry {entry.path} is corrupt ({problem}); rebuilding it.", CorruptEntryWarning,
+                          stacklevel=3)
+            shutil.rmtree(entry.path, ignore_errors=True)
+            return True
+
+    def check(self, *, repair: bool = False) -> list[tuple[EntryInfo, str]]:
+        """Every entry's full checksums: (entry, what is wrong) for each damaged one; with `repair`,
+        damaged entries are removed (the next compile rebuilds them)."""
+        damaged = []
+        for info in self.list(include_unreadable=True):
+            path = self.entries / info.key
+            with self._lock(info.key):
+                problem = self.verify(path, info.key)
+                if problem is not None:
+                    damaged.append((info, problem))
+                    if repair:
+                        shutil.rmtree(path, ignore_errors=True)
+        return damaged
 
     def _load_verified(self, final: Path, key: str) -> CacheEntry | None:
         if not final.exists():
             return None
-        problem = self.verify(final, key)
+        problem = self.verify(final, key, checksums=False)
         if problem is not None:
             warnings.warn(
                 f"cache entry {final} is corrupt ({problem}); rebuilding it.", CorruptEntryWarning, stacklevel=3
@@ -221,14 +268,16 @@ class Cache:
 
     # ---- listing and clearing ------------------------------------------------------------------
 
-    def list(self) -> list[EntryInfo]:
+    def list(self, *, include_unreadable: bool = False) -> list[EntryInfo]:
         out = []
         for path in sorted(self.entries.iterdir()):
             if path.name.startswith(".") or not path.is_dir():
                 continue
             try:
                 manifest = json.loads((path / MANIFEST).read_text())
-            except (OSError, json.JSONDecodeError):
+            except (OSError, json.JSONDecodeError, UnicodeDecodeError):
+                if include_unreadable:
+                    out.append(EntryInfo(path.name, "?", "?", "-", 0, 0.0, {}))
                 continue
             parts = manifest.get("parts", {})
             describe = manifest.get("describe", {})

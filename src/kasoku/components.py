@@ -1,10 +1,11 @@
 """One description per component: what export, optimization, engines and verification read.
 
-A component (text_encoder, text_encoder_2 for SDXL, unet, vae_decoder, vae_encoder) is a torch module with named
-inputs and outputs. Each input dimension is either fixed or an :class:`Axis` derived from
+A component (a text encoder, the U-Net, the VAE decoder or encoder, ...) is a torch module with
+named inputs and outputs. Each tensor dimension is either fixed or an :class:`Axis` derived from
 the pipeline-level :class:`ImageShape` (images per call, height, width in pixels); the
-:class:`ShapeProfile` gives the min/opt/max image shape a compiled pipeline serves. Every
-tensor shape anywhere in kasoku is computed from here.
+:class:`ShapeProfile` gives the min/opt/max image shape a compiled pipeline serves. Every tensor
+shape anywhere in kasoku is computed from here. Which components a model has, and how each is
+described, is the model family's business (:mod:`kasoku.families`).
 """
 
 from __future__ import annotations
@@ -12,17 +13,15 @@ from __future__ import annotations
 import functools
 import hashlib
 import json
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from enum import Enum
 from fractions import Fraction
-from typing import Callable, Iterable, Mapping
 
 import numpy as np
 import torch
 
 from .errors import KasokuError
-
-COMPONENT_NAMES = ("text_encoder", "text_encoder_2", "unet", "vae_decoder", "vae_encoder")
 
 
 class Precision(str, Enum):
@@ -36,6 +35,9 @@ class ShapeOutOfProfile(KasokuError, ValueError):
 
 class InvalidProfile(KasokuError, ValueError):
     """A shape profile that cannot be built."""
+
+
+IMAGE_DIMS = ("batch", "height", "width")
 
 
 @dataclass(frozen=True)
@@ -60,7 +62,7 @@ class ShapeProfile:
     multiple: int = 8
 
     def __post_init__(self) -> None:
-        for dim in ("batch", "height", "width"):
+        for dim in IMAGE_DIMS:
             lo, mid, hi = (getattr(s, dim) for s in (self.min, self.opt, self.max))
             if not 1 <= lo <= mid <= hi:
                 raise InvalidProfile(f"profile {dim} must satisfy 1 <= min <= opt <= max but is {lo}, {mid}, {hi}.")
@@ -69,12 +71,17 @@ class ShapeProfile:
                     f"profile {dim} values must be multiples of {self.multiple} but are {lo}, {mid}, {hi}."
                 )
 
+    @property
+    def is_static(self) -> bool:
+        """One image size (any batch range): what exact-shape engines serve."""
+        return all(getattr(self.min, d) == getattr(self.max, d) for d in ("height", "width"))
+
     def range_text(self, dim: str) -> str:
         return f"{getattr(self.min, dim)}..{getattr(self.max, dim)}"
 
     def check(self, shape: ImageShape) -> None:
         """Raise :class:`ShapeOutOfProfile` naming the allowed range when `shape` is not served."""
-        for dim in ("batch", "height", "width"):
+        for dim in IMAGE_DIMS:
             value = getattr(shape, dim)
             lo, hi = getattr(self.min, dim), getattr(self.max, dim)
             if not lo <= value <= hi:
@@ -97,13 +104,17 @@ class ShapeProfile:
         }
 
     @classmethod
+    def from_dict(cls, data: Mapping) -> ShapeProfile:
+        return cls(*(ImageShape(**data[k]) for k in ("min", "opt", "max")), multiple=int(data["multiple"]))
+
+    @classmethod
     def from_ranges(
         cls,
         batch: tuple[int, int, int],
         height: tuple[int, int, int],
         width: tuple[int, int, int],
         multiple: int,
-    ) -> "ShapeProfile":
+    ) -> ShapeProfile:
         return cls(*(ImageShape(b, h, w) for b, h, w in zip(batch, height, width)), multiple=multiple)
 
 
@@ -151,32 +162,65 @@ class AxisRange:
     step: int
 
 
+def _sample_input(tensor: TensorSpec, shape: tuple[int, ...], generator: torch.Generator) -> torch.Tensor:
+    if tensor.dtype in (torch.int64, torch.int32):
+        return torch.randint(0, tensor.high or 2, shape, generator=generator, dtype=tensor.dtype)
+    if tensor.name == "timestep":
+        return torch.rand(shape, generator=generator) * 999.0
+    if tensor.name == "time_ids":  # original size, crop top-left, target size in pixels
+        return torch.randint(0, 1025, shape, generator=generator).to(torch.float32)
+    if tensor.name == "sample" and len(shape) == 4 and shape[1] == 3:
+        return torch.rand(shape, generator=generator) * 2.0 - 1.0  # an image in [-1, 1]
+    return torch.randn(shape, generator=generator)
+
+
 @dataclass(frozen=True)
 class ComponentSpec:
-    """Everything kasoku knows about one exportable component."""
+    """Everything kasoku knows about one exportable component.
+
+    The torch module is built on first use (`load_module`), so that a warm start that finds every
+    engine in the cache never loads torch weights; `weights` returns the digest of the weights the
+    module has (remembered per weights file where it can be, see :mod:`kasoku.fingerprint`).
+    """
 
     name: str
-    module: torch.nn.Module = field(repr=False, compare=False)
     inputs: tuple[TensorSpec, ...]
-    outputs: tuple[str, ...]
+    outputs: tuple[TensorSpec, ...]
     profile: ShapeProfile
+    load_module: Callable[[], torch.nn.Module] = field(repr=False, compare=False)
+    weights: Callable[[], str] = field(repr=False, compare=False)
     config: Mapping = field(default_factory=dict, repr=False, compare=False)
     sample_input: Callable[[TensorSpec, tuple[int, ...], torch.Generator], torch.Tensor] = field(
-        default=None, repr=False, compare=False
+        default=_sample_input, repr=False, compare=False
     )
-    keep_fp32: str | None = None  # why this component stays fp32 when fp16 is asked for
+    keep_fp32: str | None = None  # why this component stays fp32 when a lower precision is asked for
+    graph_kind: str = ""  # what ONNX Runtime's transformer optimizer calls this graph: clip, unet, vae
+    fp16_keep_ops: tuple[str, ...] = ()  # ops that overflow in fp16 in this component, kept fp32
+    modules: tuple[str, ...] = ()  # the pipeline attributes whose weights it uses ("vae", "unet", ...)
 
     def precision_for(self, requested: Precision | str) -> Precision:
         """The precision this component is built in when `requested` is asked for."""
         requested = Precision(requested)
-        return Precision.FP32 if requested == Precision.FP16 and self.keep_fp32 else requested
+        return Precision.FP32 if requested != Precision.FP32 and self.keep_fp32 else requested
+
+    @functools.cached_property
+    def module(self) -> torch.nn.Module:
+        return self.load_module().eval()
+
+    def forget_module(self) -> None:
+        """Drop the built module (its weights are freed once nothing else holds them)."""
+        self.__dict__.pop("module", None)
 
     @property
     def input_names(self) -> tuple[str, ...]:
         return tuple(t.name for t in self.inputs)
 
+    @property
+    def output_names(self) -> tuple[str, ...]:
+        return tuple(t.name for t in self.outputs)
+
     def axes(self) -> dict[str, tuple[Axis, AxisRange]]:
-        """Every dynamic axis with its min/opt/max and step over the profile."""
+        """Every dynamic input axis with its min/opt/max and step over the profile."""
         out: dict[str, tuple[Axis, AxisRange]] = {}
         for tensor in self.inputs:
             for axis in tensor.dynamic_axes.values():
@@ -195,6 +239,24 @@ class ComponentSpec:
     def input_shapes(self, shape: ImageShape) -> dict[str, tuple[int, ...]]:
         return {t.name: t.shape_at(shape) for t in self.inputs}
 
+    def output_shapes(self, input_shapes: Mapping[str, tuple[int, ...]]) -> dict[str, tuple[int, ...]]:
+        """The shape of every output for inputs of these shapes. An output axis takes the value of
+        the input axis of the same name, else the image size it scales (e.g. the VAE decoder's
+        pixel height from its input's latent height)."""
+        values: dict[str, int] = {}
+        image: dict[str, Fraction] = {}
+        for tensor in self.inputs:
+            for index, axis in tensor.dynamic_axes.items():
+                value = int(input_shapes[tensor.name][index])
+                values[axis.name] = value
+                if axis.min_scale is None:
+                    image.setdefault(axis.of, Fraction(value) / axis.scale)
+        return {
+            t.name: tuple(d if isinstance(d, int) else values.get(d.name) or int(image[d.of] * d.scale)
+                          for d in t.dims)
+            for t in self.outputs
+        }
+
     def profile_shapes(self) -> dict[str, tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...]]]:
         """min/opt/max shape of every input (what a TensorRT optimization profile needs)."""
         p = self.profile
@@ -211,16 +273,20 @@ class ComponentSpec:
         }
 
     @functools.cached_property
+    def architecture(self) -> str:
+        """Digest of what the graph is, whatever its weights: name, config and tensors."""
+        described = {
+            "name": self.name,
+            "config": _jsonable(self.config),
+            "inputs": [(t.name, [str(d) for d in t.dims], str(t.dtype)) for t in self.inputs],
+            "outputs": [(t.name, [str(d) for d in t.dims]) for t in self.outputs],
+        }
+        return hashlib.sha256(json.dumps(described, sort_keys=True).encode()).hexdigest()
+
+    @functools.cached_property
     def fingerprint(self) -> str:
-        """Digest of the weights and the config: what the cache keys on (computed once)."""
-        digest = hashlib.sha256()
-        digest.update(self.name.encode())
-        digest.update(json.dumps(_jsonable(self.config), sort_keys=True).encode())
-        for name, tensor in sorted(self.module.state_dict().items()):
-            digest.update(name.encode())
-            digest.update(str(tuple(tensor.shape)).encode())
-            digest.update(tensor.detach().to(torch.float32).contiguous().numpy().tobytes())
-        return digest.hexdigest()
+        """Digest of the architecture and the weights: what the exported graph is keyed on."""
+        return hashlib.sha256(f"{self.architecture}:{self.weights()}".encode()).hexdigest()
 
     @torch.no_grad()
     def run_torch(self, inputs: Mapping[str, np.ndarray | torch.Tensor]) -> dict[str, np.ndarray]:
@@ -230,7 +296,7 @@ class ComponentSpec:
         args = [torch.as_tensor(np.asarray(inputs[name])) for name in self.input_names]
         with exportable_attention():
             outputs = self.module(*args)
-        return {name: out.detach().cpu().numpy() for name, out in zip(self.outputs, outputs)}
+        return {name: out.detach().cpu().numpy() for name, out in zip(self.output_names, outputs)}
 
 
 def _jsonable(value):
@@ -247,10 +313,7 @@ def _jsonable(value):
 
 
 class TextEncoderModule(torch.nn.Module):
-    """A CLIP text encoder returning the named outputs the family's pipeline reads.
-
-    SD 1.x/2.x read the last hidden state (and the pooled output); SDXL reads the penultimate
-    hidden state of both encoders and the projected pooled embedding of the second."""
+    """A CLIP text encoder returning the named outputs the family's pipeline reads."""
 
     def __init__(self, text_encoder: torch.nn.Module, outputs: tuple[str, ...]):
         super().__init__()
@@ -265,20 +328,15 @@ class TextEncoderModule(torch.nn.Module):
 
 
 class UNetModule(torch.nn.Module):
+    """The U-Net on (sample, timestep, encoder_hidden_states); a family with added conditioning
+    subclasses it with those inputs named in `forward` (the exporters read the signature)."""
+
     def __init__(self, unet: torch.nn.Module):
         super().__init__()
         self.unet = unet
 
     def forward(self, sample, timestep, encoder_hidden_states):
         return (self.unet(sample, timestep, encoder_hidden_states, return_dict=False)[0],)
-
-
-class SDXLUNetModule(UNetModule):
-    """SDXL's U-Net: the pooled text embedding and the size/crop ids as two more inputs."""
-
-    def forward(self, sample, timestep, encoder_hidden_states, text_embeds, time_ids):
-        added = {"text_embeds": text_embeds, "time_ids": time_ids}
-        return (self.unet(sample, timestep, encoder_hidden_states, added_cond_kwargs=added, return_dict=False)[0],)
 
 
 class VaeDecoderModule(torch.nn.Module):
@@ -302,35 +360,22 @@ class VaeEncoderModule(torch.nn.Module):
         return (self.vae.encode(sample, return_dict=False)[0].parameters,)
 
 
-def _sample_input(tensor: TensorSpec, shape: tuple[int, ...], generator: torch.Generator) -> torch.Tensor:
-    if tensor.dtype in (torch.int64, torch.int32):
-        return torch.randint(0, tensor.high or 2, shape, generator=generator, dtype=tensor.dtype)
-    if tensor.name == "timestep":
-        return torch.rand(shape, generator=generator) * 999.0
-    if tensor.name == "time_ids":  # original size, crop top-left, target size in pixels
-        return torch.randint(0, 1025, shape, generator=generator).to(torch.float32)
-    if tensor.name == "sample" and len(shape) == 4 and shape[1] == 3:
-        return torch.rand(shape, generator=generator) * 2.0 - 1.0  # an image in [-1, 1]
-    return torch.randn(shape, generator=generator)
+# ---- profiles of a pipeline ----------------------------------------------------------------
 
 
-
-# ---- the specs of a Stable Diffusion pipeline ----------------------------------------------
-
-
-def _vae_scale_factor(vae) -> int:
+def vae_scale_factor(vae) -> int:
     return 2 ** (len(vae.config.block_out_channels) - 1)
 
 
 def pixel_multiple(pipe) -> int:
     """Height and width must be multiples of this: the VAE's 8x times the U-Net's downsampling."""
     unet_levels = len(pipe.unet.config.block_out_channels) - 1
-    return _vae_scale_factor(pipe.vae) * 2**unet_levels
+    return vae_scale_factor(pipe.vae) * 2**unet_levels
 
 
 def native_size(pipe) -> int:
     """diffusers' default image size: the U-Net's sample size times the VAE's scale factor."""
-    return pipe.unet.config.sample_size * _vae_scale_factor(pipe.vae)
+    return pipe.unet.config.sample_size * vae_scale_factor(pipe.vae)
 
 
 def default_profile(pipe, max_batch: int = 4) -> ShapeProfile:
@@ -356,116 +401,32 @@ def profile_with_ranges(base: ShapeProfile, batch: tuple[int, ...] | None = None
     return ShapeProfile.from_ranges(ranges["batch"], ranges["height"], ranges["width"], base.multiple)
 
 
-SDXL_VAE_FP32 = (
-    "SDXL's VAE overflows in fp16 (its config sets force_upcast), so it is built in fp32; give the pipeline "
-    "a fp16-safe VAE (force_upcast false, such as madebyollin/sdxl-vae-fp16-fix) to build it in fp16"
-)
+def profile_serving(base: ShapeProfile, shape: ImageShape) -> ShapeProfile:
+    """`base` widened just enough to serve `shape` (what `kasoku generate` compiles)."""
+    low = ImageShape(*(min(getattr(base.min, d), getattr(shape, d)) for d in IMAGE_DIMS))
+    high = ImageShape(*(max(getattr(base.max, d), getattr(shape, d)) for d in IMAGE_DIMS))
+    return ShapeProfile(low, base.opt, high, base.multiple)
+
+
+# ---- the components of a pipeline: asked of its family -------------------------------------
 
 
 def model_components(pipe) -> tuple[str, ...]:
-    """The components this pipeline has, in COMPONENT_NAMES order."""
+    """The components this pipeline has."""
     from .families import family_of
 
-    return _family_components(family_of(pipe))
-
-
-def _family_components(family) -> tuple[str, ...]:
-    return tuple(n for n in COMPONENT_NAMES if not n.startswith("text_encoder") or n in family.text_encoders)
-
-
-def text_encoder_outputs(family, name: str) -> tuple[str, ...]:
-    """What the family's pipeline reads from text encoder `name`."""
-    if family.name != "sdxl":
-        return ("last_hidden_state", "pooler_output")
-    return ("text_embeds", "penultimate_hidden_state") if name == "text_encoder_2" else ("penultimate_hidden_state",)
+    return family_of(pipe).component_names(pipe)
 
 
 def component_specs(
-    pipe, profile: ShapeProfile | None = None, names: Iterable[str] | None = None
+    pipe, profile: ShapeProfile | None = None, names: Iterable[str] | None = None, *, weights=None
 ) -> dict[str, ComponentSpec]:
-    """The component specs of a live diffusers pipeline (all it has, or `names`)."""
+    """The component specs of a diffusers pipeline (all it has, or `names`), from its family.
+
+    `weights` (a :class:`kasoku.fingerprint.WeightsFingerprints`) remembers weight digests across
+    calls; by default they are computed from the live modules once per call."""
     from .families import family_of
+    from .fingerprint import WeightsFingerprints
 
-    profile = profile or default_profile(pipe)
     family = family_of(pipe)
-    available = _family_components(family)
-    names = list(available if names is None else names)
-    unknown = sorted(set(names) - set(COMPONENT_NAMES))
-    if unknown:
-        raise KasokuError(f"unknown component(s) {unknown}; choose from {list(COMPONENT_NAMES)}.")
-    absent = [n for n in names if n not in available]
-    if absent:
-        raise KasokuError(f"this {family.title} model has no {', '.join(absent)}; "
-                          f"its components are {', '.join(available)}.")
-    xl = family.name == "sdxl"
-    vae_scale = Fraction(1, _vae_scale_factor(pipe.vae))
-    text_length = pipe.tokenizer.model_max_length
-    latent_channels = pipe.vae.config.latent_channels
-    unet_config = pipe.unet.config
-
-    images = Axis("batch", "batch")
-    guided = Axis("batch", "batch", Fraction(2), min_scale=Fraction(1))  # prompt + negative
-    latent_h = Axis("latent_height", "height", vae_scale)
-    latent_w = Axis("latent_width", "width", vae_scale)
-    pixel_h = Axis("height", "height")
-    pixel_w = Axis("width", "width")
-
-    make = dict(profile=profile, sample_input=_sample_input)
-
-    def text_encoder(name: str) -> ComponentSpec:
-        encoder = getattr(pipe, name)
-        outputs = text_encoder_outputs(family, name)
-        return ComponentSpec(
-            name=name,
-            module=TextEncoderModule(encoder, outputs).eval(),
-            inputs=(TensorSpec("input_ids", (guided, text_length), torch.int64, high=encoder.config.vocab_size),),
-            outputs=outputs,
-            config={**encoder.config.to_dict(), "kasoku_outputs": outputs},
-            **make,
-        )
-
-    def unet() -> ComponentSpec:
-        inputs = (
-            TensorSpec("sample", (guided, unet_config.in_channels, latent_h, latent_w)),
-            TensorSpec("timestep", (guided,)),
-            TensorSpec("encoder_hidden_states", (guided, text_length, unet_config.cross_attention_dim)),
-        )
-        if xl:
-            pooled = pipe.text_encoder_2.config.projection_dim
-            id_width = unet_config.projection_class_embeddings_input_dim - pooled
-            time_ids = id_width // unet_config.addition_time_embed_dim
-            inputs += (TensorSpec("text_embeds", (guided, pooled)), TensorSpec("time_ids", (guided, time_ids)))
-        return ComponentSpec(
-            name="unet",
-            module=(SDXLUNetModule if xl else UNetModule)(pipe.unet).eval(),
-            inputs=inputs,
-            outputs=("out_sample",),
-            config=dict(unet_config),
-            **make,
-        )
-
-    vae_fp32 = SDXL_VAE_FP32 if xl and pipe.vae.config.get("force_upcast", True) else None
-    builders = {
-        "text_encoder": lambda: text_encoder("text_encoder"),
-        "text_encoder_2": lambda: text_encoder("text_encoder_2"),
-        "unet": unet,
-        "vae_decoder": lambda: ComponentSpec(
-            name="vae_decoder",
-            module=VaeDecoderModule(pipe.vae).eval(),
-            inputs=(TensorSpec("latent_sample", (images, latent_channels, latent_h, latent_w)),),
-            outputs=("sample",),
-            config=dict(pipe.vae.config),
-            keep_fp32=vae_fp32,
-            **make,
-        ),
-        "vae_encoder": lambda: ComponentSpec(
-            name="vae_encoder",
-            module=VaeEncoderModule(pipe.vae).eval(),
-            inputs=(TensorSpec("sample", (images, 3, pixel_h, pixel_w)),),
-            outputs=("latent_parameters",),
-            config=dict(pipe.vae.config),
-            keep_fp32=vae_fp32,
-            **make,
-        ),
-    }
-    return {name: builders[name]() for name in names}
+    return family.specs(pipe, profile or default_profile(pipe), names, weights or WeightsFingerprints())

@@ -24,13 +24,13 @@ from . import __version__
 from .attention import exportable_attention
 from .components import ComponentSpec, ImageShape, Precision, ShapeProfile, component_specs
 from .errors import KasokuError
+from .options import DEFAULT_EXPORTER, DEFAULT_OPSET, EXPORTERS
 from .parity import OutputParity, parity_against_torch, raise_on_failure
 
 logger = logging.getLogger(__name__)
 
-EXPORTERS = ("dynamo", "torchscript")
-DEFAULT_EXPORTER = "dynamo"
-DEFAULT_OPSET = 18
+# Bump when a change here changes the exported graphs: it is part of every export's cache key.
+EXPORT_CODE_VERSION = 2
 # A protobuf cannot exceed 2 GiB, so larger models keep their weights in a side file.
 EXTERNAL_DATA_THRESHOLD = 2 * 1024**3
 
@@ -115,7 +115,7 @@ def _export_to_file(
 ) -> None:
     example = spec.sample_inputs(_export_shape(spec.profile))
     args = tuple(example[name] for name in spec.input_names)
-    common = dict(input_names=list(spec.input_names), output_names=list(spec.outputs), opset_version=opset)
+    common = dict(input_names=list(spec.input_names), output_names=list(spec.output_names), opset_version=opset)
     with exportable_attention(), torch.no_grad(), _quiet_exporter():
         if exporter == "dynamo":
             program = torch.onnx.export(
@@ -172,7 +172,7 @@ def check_onnx_parity(
     session = session or ort_session(path)
 
     def run(feeds):
-        return dict(zip(spec.outputs, session.run(list(spec.outputs), feeds)))
+        return dict(zip(spec.output_names, session.run(list(spec.output_names), feeds)))
 
     results = parity_against_torch(spec, run, shapes, precision, seed=1)
     raise_on_failure(results, f"{stage} of {spec.name}")
@@ -210,7 +210,7 @@ def export_component(
         exporter=exporter,
         opset=opset,
         inputs={t.name: [d if isinstance(d, int) else d.name for d in t.dims] for t in spec.inputs},
-        outputs=list(spec.outputs),
+        outputs=list(spec.output_names),
         external_data=external,
         size_bytes=sum(f.stat().st_size for f in onnx_files(path)),
         seconds=seconds,

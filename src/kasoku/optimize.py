@@ -16,22 +16,13 @@ from pathlib import Path
 import onnx
 from onnx.external_data_helper import uses_external_data
 
-from .components import Precision
+from .components import ComponentSpec, Precision
 from .errors import KasokuError
 
 PROTO_LIMIT = 2 * 1024**3
 
-# ONNX Runtime's transformer optimizer knows these graph families.
-_ORT_MODEL_TYPES = {"text_encoder": "clip", "unet": "unet", "vae_decoder": "vae", "vae_encoder": "vae"}
-
-# Ops kept in fp32 when converting to fp16, per component. The VAE's normalization and
-# upsampling activations exceed fp16's range on real weights (diffusers upcasts it too).
-_FP16_KEEP_FP32 = {
-    "vae_decoder": [
-        "GroupNormalization", "InstanceNormalization", "ReduceMean", "Pow", "Sqrt", "Div", "Softmax", "Resize",
-    ],
-    "vae_encoder": ["GroupNormalization", "InstanceNormalization", "ReduceMean", "Pow", "Sqrt", "Div", "Softmax"],
-}
+# Ops kept in fp32 in every fp16 graph; each component's spec adds its own (the VAE's
+# normalization and upsampling activations exceed fp16's range on real weights).
 _FP16_ALWAYS_FP32 = ["Softmax", "LayerNormalization"]
 
 
@@ -43,6 +34,12 @@ class OptimizationError(KasokuError):
 class PassContext:
     component: str
     precision: Precision = Precision.FP32
+    graph_kind: str = ""  # ONNX Runtime's transformer optimizer's name for the graph: clip, unet, vae
+    fp16_keep_ops: tuple[str, ...] = ()  # the component's ops that stay fp32 in an fp16 graph
+
+    @classmethod
+    def of(cls, spec: ComponentSpec, precision: Precision) -> PassContext:
+        return cls(spec.name, Precision(precision), spec.graph_kind, spec.fp16_keep_ops)
 
 
 @dataclass
@@ -109,7 +106,9 @@ def ort_transformer_fusions(model: onnx.ModelProto, ctx: PassContext) -> onnx.Mo
     from onnxruntime.transformers.fusion_options import FusionOptions
     from onnxruntime.transformers.optimizer import optimize_model
 
-    model_type = _ORT_MODEL_TYPES[ctx.component]
+    if not ctx.graph_kind:
+        raise OptimizationError(f"ONNX Runtime's fusions do not know the {ctx.component} graph.")
+    model_type = ctx.graph_kind
     options = FusionOptions(model_type)
     # GroupNorm, NHWC conv, BiasSplitGelu and BiasAdd fusions produce CUDA-only kernels.
     for flag in ("enable_group_norm", "enable_skip_group_norm", "enable_nhwc_conv", "enable_bias_splitgelu",
@@ -128,7 +127,7 @@ def to_fp16(model: onnx.ModelProto, ctx: PassContext) -> onnx.ModelProto:
         return model
     from onnxruntime.transformers.float16 import convert_float_to_float16
 
-    keep = sorted(set(_FP16_ALWAYS_FP32 + _FP16_KEEP_FP32.get(ctx.component, [])))
+    keep = sorted(set(_FP16_ALWAYS_FP32) | set(ctx.fp16_keep_ops))
     return convert_float_to_float16(model, keep_io_types=True, op_block_list=keep, disable_shape_infer=True)
 
 
@@ -213,14 +212,16 @@ def optimize(
     target: Path,
     passes: Sequence[str],
     *,
-    component: str,
+    spec: ComponentSpec,
     precision: Precision = Precision.FP32,
 ) -> OptimizeReport:
-    """Run `passes` in order on the ONNX file `source` and write the result to `target`."""
+    """Run `passes` in order on the ONNX file `source` of the component `spec` and write the result
+    to `target`."""
     unknown = [p for p in passes if p not in PASSES]
     if unknown:
         raise ValueError(f"unknown pass(es) {unknown}; known passes: {list(PASSES)}.")
-    ctx = PassContext(component=component, precision=Precision(precision))
+    ctx = PassContext.of(spec, precision)
+    component = spec.name
     model = load_graph(Path(source))
     report = OptimizeReport(component=component)
     for name in passes:

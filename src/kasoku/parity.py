@@ -26,6 +26,13 @@ TOLERANCES: dict[Precision, Tolerance] = {
 }
 
 
+def as_numpy(value) -> np.ndarray:
+    """A numpy array of an array or a torch tensor on any device."""
+    if hasattr(value, "detach"):
+        value = value.detach().float().cpu() if value.dtype.is_floating_point else value.detach().cpu()
+    return np.asarray(value)
+
+
 class ParityError(KasokuError, AssertionError):
     """An engine's output differs from torch by more than the tolerance."""
 
@@ -63,8 +70,8 @@ def compare_output(
     precision: Precision = Precision.FP32,
 ) -> OutputParity:
     tolerance = TOLERANCES[Precision(precision)]
-    ref = np.asarray(reference, dtype=np.float64)
-    got = np.asarray(actual, dtype=np.float64)
+    ref = as_numpy(reference).astype(np.float64)
+    got = as_numpy(actual).astype(np.float64)
     if ref.shape != got.shape:
         raise ParityError(
             f"{component}.{output} @ {shape}: engine output shape {got.shape} != torch shape {ref.shape}."

@@ -1,172 +1,29 @@
 """KasokuPipeline: diffusers' own Stable Diffusion recipes, with engines in place of torch.
 
 The seed needed a custom pipeline per task (stable_diffusion_tensorrt_txt2img, ...). kasoku
-does not re-write the recipe: the text encoder(s), U-Net and VAE of a diffusers pipeline are
-replaced by small modules that call compiled engines, and diffusers' own StableDiffusion(XL)
-txt2img / Img2Img / Inpaint pipelines run unchanged on top of them. Call signature, schedulers, image
-processing, callbacks and outputs are therefore diffusers' own, and the same seed gives the
-same image. kasoku adds what an engine needs first: every input is checked against the
-compiled profile before anything runs.
+does not re-write the recipe: the torch modules of a diffusers pipeline are replaced by
+engine-backed stand-ins (the model family says which, see :mod:`kasoku.standins`), and diffusers'
+own txt2img / img2img / inpaint pipelines of that family run unchanged on top of them. Call
+signature, schedulers, image processing, callbacks and outputs are therefore diffusers' own, and
+the same seed gives the same image. kasoku adds what an engine needs first: every input is
+checked against the compiled profile before anything runs.
 """
 
 from __future__ import annotations
 
-import time
-from collections import defaultdict
-from dataclasses import dataclass, field
-from pathlib import Path
-from types import SimpleNamespace
+import math
+import numbers
 from typing import Any
 
-import numpy as np
-import torch
-
-from .backends import Engine, EngineOptions
+from .backends import Engine
 from .build import CompileReport, compile_components
-from .components import ImageShape, Precision, ShapeProfile, default_profile, native_size
-from .errors import KasokuError
-from .families import TASKS, family_of
+from .components import ImageShape, ShapeProfile, default_profile, native_size
+from .families import TASKS, family_of, family_only_arguments
+from .options import CompileOptions
 from .schedulers import SCHEDULERS
+from .standins import EngineTimes, InvalidInput
 
-
-class InvalidInput(KasokuError, ValueError):
-    """A pipeline argument that cannot be served; raised before any engine runs."""
-
-
-# SDXL's size/crop conditioning: (height, width) or (top, left) pairs in pixels.
-SDXL_SIZE_IDS = ("original_size", "target_size", "crops_coords_top_left", "negative_original_size",
-                 "negative_target_size", "negative_crops_coords_top_left")
-SDXL_ARGUMENTS = ("prompt_2", "negative_prompt_2", "pooled_prompt_embeds", "negative_pooled_prompt_embeds",
-                  *SDXL_SIZE_IDS, "aesthetic_score", "negative_aesthetic_score")
-
-
-@dataclass
-class EngineTimes:
-    """Seconds spent in each engine (and how many calls) since the last reset."""
-
-    seconds: dict[str, float] = field(default_factory=lambda: defaultdict(float))
-    calls: dict[str, int] = field(default_factory=lambda: defaultdict(int))
-
-    def reset(self) -> None:
-        self.seconds.clear()
-        self.calls.clear()
-
-
-# ---- engine-backed stand-ins for the torch components ---------------------------------------
-
-
-class _EngineModule(torch.nn.Module):
-    """Looks like the torch component to diffusers (config, dtype, device); runs an engine."""
-
-    def __init__(self, original: torch.nn.Module, engines: dict[str, Engine], times: EngineTimes):
-        super().__init__()
-        self.config = original.config
-        self._engines = engines
-        self._times = times
-
-    @property
-    def dtype(self) -> torch.dtype:
-        return torch.float32  # engines take and return fp32 (fp16 engines keep fp32 I/O)
-
-    @property
-    def device(self) -> torch.device:
-        return torch.device("cpu")
-
-    def _run(self, component: str, **inputs: torch.Tensor) -> dict[str, torch.Tensor]:
-        start = time.perf_counter()
-        outputs = self._engines[component].run(inputs)
-        self._times.seconds[component] += time.perf_counter() - start
-        self._times.calls[component] += 1
-        return {name: torch.from_numpy(np.asarray(value)) for name, value in outputs.items()}
-
-
-class _PenultimateOnly(tuple):
-    """The hidden states an SDXL pipeline reads: only the penultimate layer (index -2) is there."""
-
-    def __getitem__(self, index):
-        if index != -2:
-            raise InvalidInput("`clip_skip` needs more hidden states than the compiled text encoders return "
-                               "(the penultimate layer only); call without clip_skip.")
-        return tuple.__getitem__(self, 0)
-
-
-class _TextEncoderOutput(tuple):
-    """What diffusers indexes: out[0] (last state, or SDXL's projected pooled embedding) and .hidden_states."""
-
-    hidden_states = None
-
-
-class EngineTextEncoder(_EngineModule):
-    def __init__(self, original: torch.nn.Module, engines: dict[str, Engine], times: EngineTimes, component: str):
-        super().__init__(original, engines, times)
-        self._component = component
-
-    def forward(self, input_ids, attention_mask=None, output_hidden_states=None, return_dict=None, **kwargs):
-        out = self._run(self._component, input_ids=input_ids.to(torch.int64))
-        if "penultimate_hidden_state" in out:  # SDXL: both encoders, always with output_hidden_states
-            first = out["text_embeds"] if "text_embeds" in out else out["penultimate_hidden_state"]
-            result = _TextEncoderOutput((first,))
-            result.hidden_states = _PenultimateOnly((out["penultimate_hidden_state"],))
-            return result
-        if output_hidden_states:
-            raise InvalidInput("`clip_skip` needs the text encoder's hidden states, which compiled engines do not "
-                               "return; call without clip_skip.")
-        return (out["last_hidden_state"], out["pooler_output"])
-
-
-class EngineUNet(_EngineModule):
-    def __init__(self, original: torch.nn.Module, engines: dict[str, Engine], times: EngineTimes):
-        super().__init__(original, engines, times)
-        self._added = [t.name for t in engines["unet"].spec.inputs if t.name in ("text_embeds", "time_ids")]
-        if getattr(original, "add_embedding", None) is not None:
-            # SDXL pipelines check the ids' width against the embedding's input size.
-            self.add_embedding = SimpleNamespace(linear_1=SimpleNamespace(
-                in_features=original.add_embedding.linear_1.in_features))
-
-    def forward(self, sample, timestep, encoder_hidden_states, timestep_cond=None, cross_attention_kwargs=None,
-                added_cond_kwargs=None, return_dict=True, **kwargs):
-        added_cond_kwargs = dict(added_cond_kwargs or {})
-        extra = sorted(set(added_cond_kwargs) - set(self._added))
-        if timestep_cond is not None or cross_attention_kwargs or extra:
-            raise InvalidInput("the compiled U-Net takes sample, timestep, encoder_hidden_states"
-                               + (" and SDXL's text_embeds and time_ids" if self._added else "")
-                               + " only (no IP-Adapter, LoRA scale or guidance embedding).")
-        missing = [name for name in self._added if name not in added_cond_kwargs]
-        if missing:
-            raise InvalidInput(f"the compiled SDXL U-Net needs {', '.join(missing)} in added_cond_kwargs.")
-        timesteps = torch.as_tensor(timestep, dtype=torch.float32).reshape(-1).expand(sample.shape[0])
-        added = {name: added_cond_kwargs[name].to(torch.float32) for name in self._added}
-        out = self._run("unet", sample=sample, timestep=timesteps.contiguous(),
-                        encoder_hidden_states=encoder_hidden_states, **added)["out_sample"]
-        if not return_dict:
-            return (out,)
-        from diffusers.models.unets.unet_2d_condition import UNet2DConditionOutput
-
-        return UNet2DConditionOutput(sample=out)
-
-
-class EngineVAE(_EngineModule):
-    def decode(self, z, return_dict=True, generator=None, **kwargs):
-        image = self._run("vae_decoder", latent_sample=z)["sample"]
-        if not return_dict:
-            return (image,)
-        from diffusers.models.autoencoders.vae import DecoderOutput
-
-        return DecoderOutput(sample=image)
-
-    def encode(self, x, return_dict=True):
-        from diffusers.models.autoencoders.autoencoder_kl import AutoencoderKLOutput
-        from diffusers.models.autoencoders.vae import DiagonalGaussianDistribution
-
-        if "vae_encoder" not in self._engines:
-            raise InvalidInput("img2img and inpaint need the vae_encoder engine; compile it "
-                               "(`components` including 'vae_encoder').")
-        moments = self._run("vae_encoder", sample=x)["latent_parameters"]
-        distribution = DiagonalGaussianDistribution(moments)  # sampled with the caller's generator
-        return AutoencoderKLOutput(latent_dist=distribution) if return_dict else (distribution,)
-
-
-# ---- the pipeline ----------------------------------------------------------------------------
+__all__ = ["KasokuPipeline", "compile", "InvalidInput", "EngineTimes"]
 
 
 def _image_size(image) -> tuple[int, int]:
@@ -181,6 +38,16 @@ def _image_size(image) -> tuple[int, int]:
         shape = shape[1:]
     # CHW tensors or HWC arrays
     return (shape[1], shape[2]) if shape[0] in (1, 3, 4) and len(shape) == 3 else (shape[0], shape[1])
+
+
+def check_size(height: int | None, width: int | None) -> None:
+    """diffusers' rule for every Stable Diffusion pipeline (the VAE's 8x latent)."""
+    if (height or 0) % 8 or (width or 0) % 8:
+        raise InvalidInput(f"`height` and `width` have to be divisible by 8 but are {height} and {width}.")
+
+
+def _is_count(value: Any) -> bool:
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
 
 
 class KasokuPipeline:
@@ -200,27 +67,21 @@ class KasokuPipeline:
         self.compile_report = report
         self.times = EngineTimes()
         self._source = diffusers_pipe
-        stand_ins = dict(
-            vae=EngineVAE(diffusers_pipe.vae, engines, self.times),
-            unet=EngineUNet(diffusers_pipe.unet, engines, self.times),
-        )
-        for name in self.family.text_encoders:
-            stand_ins[name] = EngineTextEncoder(getattr(diffusers_pipe, name), engines, self.times, name)
-        if self.family.name != "sdxl":  # engines replace torch; so does the check that ran on torch images
-            stand_ins.update(safety_checker=None, feature_extractor=None, requires_safety_checker=False)
+        stand_ins = self.family.stand_ins(diffusers_pipe, engines, self.times)
         self._pipes = {task: self.family.task_pipeline(diffusers_pipe, task, **stand_ins) for task in TASKS}
 
     # ---- construction --------------------------------------------------------------------------
 
     @classmethod
-    def from_pretrained(cls, path_or_id, backend: str = "auto", *, precision: Precision | str = Precision.FP32,
-                        cache_dir: str | Path | None = None, profile: ShapeProfile | None = None,
-                        options: EngineOptions | None = None, on_stage=None) -> KasokuPipeline:
-        """Load a diffusers folder (or hub id when online) and compile it (from the cache when built)."""
+    def from_pretrained(cls, path_or_id, backend: str | None = None, *, options: CompileOptions | None = None,
+                        on_stage=None, **fields) -> KasokuPipeline:
+        """Load a diffusers folder (or hub id when online) and compile it (from the cache when built).
+
+        The torch weights are read only for components whose engines are not in the cache yet."""
         from .loading import load_pipeline
 
-        return compile(load_pipeline(path_or_id), backend, precision=precision, cache_dir=cache_dir,
-                       profile=profile, options=options, on_stage=on_stage, label=str(path_or_id))
+        return compile(load_pipeline(path_or_id, lazy=True), backend, options=options, on_stage=on_stage,
+                       label=str(path_or_id), **fields)
 
     # ---- the diffusers surface -----------------------------------------------------------------
 
@@ -249,6 +110,10 @@ class KasokuPipeline:
     def vae_scale_factor(self) -> int:
         return self._pipes["txt2img"].vae_scale_factor
 
+    @property
+    def device(self):
+        return self._pipes["txt2img"].device
+
     def set_progress_bar_config(self, **kwargs) -> None:
         for pipe in self._pipes.values():
             pipe.set_progress_bar_config(**kwargs)
@@ -276,9 +141,7 @@ class KasokuPipeline:
             raise InvalidInput("`prompt` is an empty list; give at least one prompt.")
         if prompt is None and kwargs.get("prompt_embeds") is None:
             raise InvalidInput("give a `prompt` (str or list of str).")
-        strength = kwargs.get("strength")
-        if strength is not None and not 0.0 <= float(strength) <= 1.0:
-            raise InvalidInput(f"`strength` must be in [0, 1] but is {strength}.")
+        self._check_steps(task, kwargs)
         if task == "inpaint":
             if image is None:
                 raise InvalidInput("inpainting needs `image` as well as `mask_image`.")
@@ -287,7 +150,52 @@ class KasokuPipeline:
                     f"`image` and `mask_image` must have the same size but are {_image_size(image)} and "
                     f"{_image_size(mask_image)} (height, width)."
                 )
-        height, width = kwargs.get("height"), kwargs.get("width")
+        height, width = self._output_size(task, image, kwargs.get("height"), kwargs.get("width"))
+        prompts = 1 if isinstance(prompt, str) or prompt is None else len(prompt)
+        for name in ("prompt_2", "negative_prompt_2"):
+            second = kwargs.get(name)
+            count = 1 if isinstance(second, str) else len(second or ())
+            if second is not None and count != prompts:
+                raise InvalidInput(f"`{name}` must give one text per prompt: {prompts} prompt(s) but {count} "
+                                   f"{name}(s); pass a list of {prompts}.")
+        per_prompt = kwargs.get("num_images_per_prompt")
+        if per_prompt is not None and (not _is_count(per_prompt) or per_prompt < 1):
+            raise InvalidInput(f"`num_images_per_prompt` must be a positive int but is {per_prompt!r}.")
+        self.profile.check(ImageShape(batch=prompts * (per_prompt or 1), height=height, width=width))
+        self._check_family_arguments(kwargs)
+        missing = [name for name in self.family.task_components(task, self._source) if name not in self.engines]
+        if missing:
+            raise InvalidInput(f"{task} needs the {', '.join(missing)} engine{'s' if len(missing) > 1 else ''}; "
+                               f"compile with the {', '.join(missing)} component{'s' if len(missing) > 1 else ''}.")
+        if task not in self.family.tasks(self._source):
+            raise InvalidInput("this is an inpainting model (its U-Net also reads the mask): give `image` and "
+                               "`mask_image`.")
+
+    def _check_steps(self, task: str, kwargs) -> None:
+        steps = kwargs.get("num_inference_steps", 50)
+        if not _is_count(steps) or steps < 1:
+            raise InvalidInput(f"`num_inference_steps` must be a positive int but is {steps!r}.")
+        trained = self.scheduler.config.num_train_timesteps
+        if steps > trained:
+            raise InvalidInput(f"`num_inference_steps` must be at most {trained} (the scheduler's training "
+                               f"steps) but is {steps}.")
+        guidance = kwargs.get("guidance_scale")
+        if guidance is not None and not (isinstance(guidance, numbers.Real) and math.isfinite(guidance)):
+            raise InvalidInput(f"`guidance_scale` must be a finite number but is {guidance!r}.")
+        strength = kwargs.get("strength")
+        if strength is None:
+            return
+        if not isinstance(strength, numbers.Real) or not 0.0 <= float(strength) <= 1.0:
+            raise InvalidInput(f"`strength` must be in [0, 1] but is {strength}.")
+        if task != "txt2img" and int(steps * float(strength)) < 1:
+            raise InvalidInput(f"`num_inference_steps` x `strength` must be at least 1 step of denoising but is "
+                               f"{steps} x {strength}; raise either.")
+
+    def _output_size(self, task: str, image, height, width) -> tuple[int, int]:
+        """The size the call generates, as diffusers derives it; checked to be positive and divisible by 8."""
+        for name, value in (("height", height), ("width", width)):
+            if value is not None and (not _is_count(value) or value <= 0):
+                raise InvalidInput(f"`{name}` must be a positive int but is {value!r}.")
         if image is not None and (height is None or width is None):
             image_height, image_width = _image_size(image)
             if task == "img2img":  # diffusers keeps the image's size (rounded down to multiples of 8)
@@ -297,34 +205,16 @@ class KasokuPipeline:
                 height, width = height or image_height, width or image_width
         native = native_size(self._source)
         height, width = height or native, width or native
-        if height % 8 or width % 8:
-            raise InvalidInput(f"`height` and `width` have to be divisible by 8 but are {height} and {width}.")
-        prompts = 1 if isinstance(prompt, str) or prompt is None else len(prompt)
-        for name in ("prompt_2", "negative_prompt_2"):
-            second = kwargs.get(name)
-            count = 1 if isinstance(second, str) else len(second or ())
-            if second is not None and count != prompts:
-                raise InvalidInput(f"`{name}` must give one text per prompt: {prompts} prompt(s) but {count} "
-                                   f"{name}(s); pass a list of {prompts}.")
-        batch = prompts * int(kwargs.get("num_images_per_prompt") or 1)
-        self.profile.check(ImageShape(batch=batch, height=int(height), width=int(width)))
-        self._check_family_arguments(kwargs)
-        if task != "txt2img" and "vae_encoder" not in self.engines:
-            raise InvalidInput(f"{task} needs the vae_encoder engine; compile with the vae_encoder component.")
-        if self._source.unet.config.in_channels == 9 and task != "inpaint":
-            raise InvalidInput("this is an inpainting model (9-channel U-Net): give `image` and `mask_image`.")
+        check_size(height, width)
+        return int(height), int(width)
 
     def _check_family_arguments(self, kwargs) -> None:
-        given = [name for name in SDXL_ARGUMENTS if kwargs.get(name) is not None]
-        if given and self.family.name != "sdxl":
-            raise InvalidInput(f"{', '.join(given)}: only SDXL pipelines take "
-                               f"{'this argument' if len(given) == 1 else 'these arguments'}; "
-                               f"this is a {self.family.title} model.")
-        for name in SDXL_SIZE_IDS:
-            value = kwargs.get(name)
-            if value is not None and (len(tuple(value)) != 2 or any(int(v) < 0 for v in value)):
-                raise InvalidInput(f"`{name}` must be a pair of non-negative ints (height, width) or "
-                                   f"(top, left) but is {value!r}.")
+        for name, owners in family_only_arguments().items():
+            if kwargs.get(name) is not None and self.family not in owners:
+                titles = " and ".join(f.title for f in owners)
+                raise InvalidInput(f"`{name}`: only {titles} pipelines take this argument; "
+                                   f"this is a {self.family.title} model.")
+        self.family.check_arguments(kwargs)
 
     def __repr__(self) -> str:
         backends = {name: engine.backend for name, engine in self.engines.items()}
@@ -333,24 +223,23 @@ class KasokuPipeline:
 
 def compile(
     pipe,
-    backend: str = "auto",
+    backend: str | dict | None = None,
     *,
-    precision: Precision | str = Precision.FP32,
-    cache_dir: str | Path | None = None,
-    profile: ShapeProfile | None = None,
-    components=None,
-    options: EngineOptions | None = None,
+    options: CompileOptions | None = None,
     on_stage=None,
     label: str | None = None,
-    check_parity: bool = True,
-    onnx_dir: str | Path | None = None,
+    cache=None,
+    **fields: Any,
 ) -> KasokuPipeline:
     """A live diffusers Stable Diffusion 1.x / 2.x / XL pipeline in (txt2img, img2img or inpaint,
-    also one with xFormers attention processors), an accelerated KasokuPipeline out."""
+    also one with xFormers attention processors), an accelerated KasokuPipeline out.
+
+    `options` is a :class:`CompileOptions`; its fields may also be given as keywords (backend,
+    precision, profile, components, cache_dir, threads, ...)."""
     family_of(pipe)  # an unsupported pipeline fails here, naming the supported ones
-    profile = profile or default_profile(pipe)
+    options = CompileOptions.of(options, backend=backend, **fields)
+    if options.profile is None:
+        options = options.replace(profile=default_profile(pipe))
     kwargs: dict[str, Any] = {"on_stage": on_stage} if on_stage else {}
-    engines, report = compile_components(pipe, backend=backend, precision=precision, profile=profile,
-                                         components=components, cache=cache_dir, options=options, label=label,
-                                         check_parity=check_parity, onnx_dir=onnx_dir, **kwargs)
-    return KasokuPipeline(pipe, engines, profile, report)
+    engines, report = compile_components(pipe, options, cache=cache, label=label, **kwargs)
+    return KasokuPipeline(pipe, engines, options.profile, report)

@@ -1,20 +1,27 @@
-"""The built-in tiny Stable Diffusion pipelines: SD 1.x, SD 2.x and SDXL.
+"""The built-in tiny Stable Diffusion pipelines: one per model family, at a size that exports and
+runs in seconds on two CPU cores.
 
-Each family's real architecture at a size that exports and runs in seconds on two CPU cores:
-SD 1.x (cross-attention U-Net, CLIP text encoder, PNDM), SD 2.x (OpenCLIP-style gelu text
-encoder, per-block head counts, linear projections, DDIM with epsilon or v-prediction) and
-SDXL (two text encoders, the second with a projection; a U-Net with added size/crop
-conditioning; Euler), all with an AutoencoderKL with an 8x latent. Weights are deterministic
-from a seed and the CLIP BPE tokenizer is built from a small generated vocabulary. Nothing
-is downloaded: this is what the tests, the demo and the examples run on.
+Each family builds its own tiny model (``Family.tiny_pipeline`` in kasoku/families/): SD 1.x
+(cross-attention U-Net, CLIP text encoder, PNDM), SD 2.x (OpenCLIP-style gelu text encoder,
+per-block head counts, linear projections, DDIM with epsilon or v-prediction) and SDXL (two text
+encoders, the second with a projection; a U-Net with added size/crop conditioning; Euler). This
+module holds what they share: the sizes, the CLIP BPE tokenizer built from a small generated
+vocabulary, the text encoder, the AutoencoderKL with an 8x latent, and seeded construction.
+Nothing is downloaded: this is what the tests, the demo and the examples run on.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TypeVar
 
 import torch
+
+from .errors import KasokuError
+
+T = TypeVar("T")
 
 TINY_IMAGE_SIZE = 64
 TINY_TEXT_LENGTH = 77
@@ -96,12 +103,22 @@ class TinySizes:
     time_ids_embed_dim: int = 8
 
 
-FAMILY_NAMES = ("sd1", "sd2", "sdxl")
+TINY_SIZES = TinySizes()
 PREDICTION_TYPES = ("epsilon", "v_prediction")
-SDXL_TIME_IDS = 6  # original size, crop top-left, target size
+SCHEDULER_COMMON = dict(beta_start=0.00085, beta_end=0.012, beta_schedule="scaled_linear", num_train_timesteps=1000,
+                        steps_offset=1)
 
 
-def tiny_text_encoder(tokenizer, sizes: TinySizes = TinySizes(), *, family: str = "sd1", second: bool = False):
+def seeded(seed: int, offset: int, build: Callable[[], T]) -> T:
+    """`build()` under its own seed: changing one component's size leaves the others' weights alone."""
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed * 1000 + offset)
+        return build()
+
+
+def tiny_text_encoder(tokenizer, sizes: TinySizes = TINY_SIZES, *, openclip: bool = False, second: bool = False):
+    """A CLIP text encoder; `openclip` gives OpenCLIP's gelu (SD 2, SDXL's second), else quick_gelu;
+    `second` the wider SDXL second encoder with a projection."""
     from transformers import CLIPTextConfig, CLIPTextModel, CLIPTextModelWithProjection
 
     hidden = sizes.text_hidden_2 if second else sizes.text_hidden
@@ -113,8 +130,7 @@ def tiny_text_encoder(tokenizer, sizes: TinySizes = TinySizes(), *, family: str 
         num_attention_heads=sizes.text_heads,
         max_position_embeddings=TINY_TEXT_LENGTH,
         projection_dim=sizes.text_projection_2 if second else hidden,
-        # OpenAI CLIP (SD 1.x, SDXL's first encoder) uses quick_gelu; OpenCLIP (SD 2, SDXL's second) gelu.
-        hidden_act="gelu" if family == "sd2" or second else "quick_gelu",
+        hidden_act="gelu" if openclip else "quick_gelu",
         bos_token_id=tokenizer.bos_token_id,
         eos_token_id=tokenizer.eos_token_id,
         pad_token_id=tokenizer.pad_token_id,
@@ -122,10 +138,9 @@ def tiny_text_encoder(tokenizer, sizes: TinySizes = TinySizes(), *, family: str 
     return CLIPTextModelWithProjection(config) if second else CLIPTextModel(config)
 
 
-def tiny_unet(in_channels: int = 4, sizes: TinySizes = TinySizes(), *, family: str = "sd1"):
-    from diffusers import UNet2DConditionModel
-
-    common = dict(
+def tiny_unet_common(in_channels: int, sizes: TinySizes = TINY_SIZES) -> dict:
+    """What every family's tiny U-Net shares."""
+    return dict(
         sample_size=TINY_IMAGE_SIZE // 8,
         in_channels=in_channels,
         out_channels=4,
@@ -133,44 +148,13 @@ def tiny_unet(in_channels: int = 4, sizes: TinySizes = TinySizes(), *, family: s
         layers_per_block=1,
         norm_num_groups=sizes.groups,
     )
-    if family == "sd1":
-        return UNet2DConditionModel(
-            down_block_types=("CrossAttnDownBlock2D", "DownBlock2D"),
-            up_block_types=("UpBlock2D", "CrossAttnUpBlock2D"),
-            cross_attention_dim=sizes.text_hidden,
-            attention_head_dim=sizes.head_dim,
-            **common,
-        )
-    if family == "sd2":
-        return UNet2DConditionModel(
-            down_block_types=("CrossAttnDownBlock2D", "CrossAttnDownBlock2D"),
-            up_block_types=("CrossAttnUpBlock2D", "CrossAttnUpBlock2D"),
-            cross_attention_dim=sizes.text_hidden,
-            attention_head_dim=sizes.heads_per_block,  # diffusers' historical name for SD 2's head counts
-            use_linear_projection=True,
-            **common,
-        )
-    # SDXL: attention only in the deeper blocks, several transformer layers there, and the
-    # pooled text embedding plus the six size/crop ids added to the time embedding.
-    return UNet2DConditionModel(
-        down_block_types=("DownBlock2D", "CrossAttnDownBlock2D"),
-        up_block_types=("CrossAttnUpBlock2D", "UpBlock2D"),
-        cross_attention_dim=sizes.text_hidden + sizes.text_hidden_2,
-        attention_head_dim=sizes.heads_per_block,
-        transformer_layers_per_block=(1, 2),
-        use_linear_projection=True,
-        addition_embed_type="text_time",
-        addition_time_embed_dim=sizes.time_ids_embed_dim,
-        projection_class_embeddings_input_dim=sizes.time_ids_embed_dim * SDXL_TIME_IDS + sizes.text_projection_2,
-        **common,
-    )
 
 
-def tiny_vae(sizes: TinySizes = TinySizes(), *, family: str = "sd1"):
+def tiny_vae(sizes: TinySizes = TINY_SIZES, **config):
+    """An AutoencoderKL with four levels (SD's 8x latent); `config` adds family settings (SDXL's)."""
     from diffusers import AutoencoderKL
 
     levels = len(sizes.vae_channels)
-    xl = dict(scaling_factor=0.13025, force_upcast=True) if family == "sdxl" else {}  # SDXL's VAE config
     return AutoencoderKL(
         in_channels=3,
         out_channels=3,
@@ -181,21 +165,14 @@ def tiny_vae(sizes: TinySizes = TinySizes(), *, family: str = "sd1"):
         latent_channels=4,
         norm_num_groups=sizes.groups,
         sample_size=TINY_IMAGE_SIZE,
-        **xl,
+        **config,
     )
 
 
-def tiny_scheduler(family: str = "sd1", prediction: str = "epsilon"):
-    """Each family's released scheduler configuration."""
-    from diffusers import DDIMScheduler, EulerDiscreteScheduler, PNDMScheduler
+def family_names() -> tuple[str, ...]:
+    from .families import FAMILIES
 
-    common = dict(beta_start=0.00085, beta_end=0.012, beta_schedule="scaled_linear", num_train_timesteps=1000,
-                  steps_offset=1, prediction_type=prediction)
-    if family == "sd1":
-        return PNDMScheduler(set_alpha_to_one=False, skip_prk_steps=True, **common)
-    if family == "sd2":
-        return DDIMScheduler(set_alpha_to_one=False, clip_sample=False, **common)
-    return EulerDiscreteScheduler(timestep_spacing="leading", interpolation_type="linear", **common)
+    return tuple(FAMILIES)
 
 
 def _check_choice(name: str, value: str, choices: tuple[str, ...]) -> None:
@@ -205,47 +182,32 @@ def _check_choice(name: str, value: str, choices: tuple[str, ...]) -> None:
 
 def tiny_pipeline(*, family: str = "sd1", inpainting: bool = False, prediction: str = "epsilon", seed: int = 0):
     """A live diffusers pipeline of `family` (txt2img, or inpainting) with deterministic weights."""
-    _check_choice("family", family, FAMILY_NAMES)
-    _check_choice("prediction type", prediction, PREDICTION_TYPES)
     from .families import FAMILIES
 
-    def seeded(offset: int, build):
-        # One seed per component: changing one component's size leaves the others' weights alone.
-        with torch.random.fork_rng(devices=[]):
-            torch.manual_seed(seed * 1000 + offset)
-            return build()
-
-    tokenizer = tiny_tokenizer("!" if family == "sd2" else "<|endoftext|>")
-    components = dict(
-        vae=seeded(1, lambda: tiny_vae(family=family)),
-        text_encoder=seeded(2, lambda: tiny_text_encoder(tokenizer, family=family)),
-        tokenizer=tokenizer,
-        unet=seeded(3, lambda: tiny_unet(in_channels=9 if inpainting else 4, family=family)),
-        scheduler=tiny_scheduler(family, prediction),
-    )
-    if family == "sdxl":
-        tokenizer_2 = tiny_tokenizer("!")
-        components.update(
-            text_encoder_2=seeded(4, lambda: tiny_text_encoder(tokenizer_2, family=family, second=True)),
-            tokenizer_2=tokenizer_2,
-            add_watermarker=False,
-        )
-    else:
-        components.update(safety_checker=None, feature_extractor=None, requires_safety_checker=False)
-    cls = FAMILIES[family].pipeline_class("inpaint" if inpainting else "txt2img")
-    pipe = cls(**components)
+    _check_choice("family", family, family_names())
+    _check_choice("prediction type", prediction, PREDICTION_TYPES)
+    pipe = FAMILIES[family].tiny_pipeline(inpainting=inpainting, prediction=prediction, seed=seed)
     pipe.set_progress_bar_config(disable=True)
     return pipe
+
+
+class FolderNotEmpty(KasokuError, FileExistsError):
+    """The tiny pipeline's folder already holds something."""
+
+
+def check_tiny_folder(directory: str | Path) -> Path:
+    """The folder to write into: new, or an existing empty folder."""
+    directory = Path(directory)
+    if directory.exists() and (not directory.is_dir() or any(directory.iterdir())):
+        what = "is a file" if not directory.is_dir() else "is not empty"
+        raise FolderNotEmpty(f"{directory} {what}; choose a new folder for the tiny pipeline.")
+    return directory
 
 
 def write_tiny_pipeline(directory: str | Path, *, family: str = "sd1", inpainting: bool = False,
                         prediction: str = "epsilon", seed: int = 0) -> Path:
     """Write a tiny pipeline as a diffusers folder (safetensors weights, no safety checker)."""
-    directory = Path(directory)
-    if directory.exists() and any(directory.iterdir()):
-        raise FileExistsError(
-            f"{directory} is not empty; choose a new folder for the tiny pipeline."
-        )
+    directory = check_tiny_folder(directory)
     pipe = tiny_pipeline(family=family, inpainting=inpainting, prediction=prediction, seed=seed)
     pipe.save_pretrained(directory, safe_serialization=True)
     return directory

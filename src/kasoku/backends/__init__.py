@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
-from .base import Availability, Backend, BackendUnavailable, Engine, EngineOptions
+from pathlib import Path
+
+from ..options import CompileOptions
+from .base import Availability, Backend, BackendUnavailable, Engine, UnsupportedPrecision
 from .onnxruntime import OnnxRuntimeBackend
 from .openvino import OpenVinoBackend
 from .tensorrt import TensorRTBackend
@@ -12,19 +15,17 @@ BACKENDS: dict[str, type[Backend]] = {
     cls.name: cls for cls in (TensorRTBackend, OnnxRuntimeBackend, OpenVinoBackend, TorchBackend)
 }
 # `onnxruntime-cuda` and `onnxruntime-tensorrt` are onnxruntime with that execution provider.
-ALIASES = {"onnxruntime-cpu": ("onnxruntime", "cpu"), "onnxruntime-cuda": ("onnxruntime", "cuda"),
-           "onnxruntime-tensorrt": ("onnxruntime", "tensorrt")}
-BACKEND_CHOICES = ("auto", *BACKENDS, *ALIASES)
+PROVIDER_ALIASES = {"onnxruntime-cpu": "cpu", "onnxruntime-cuda": "cuda", "onnxruntime-tensorrt": "tensorrt"}
+BACKEND_CHOICES = ("auto", *BACKENDS, *PROVIDER_ALIASES)
 
 
-def get_backend(name: str, options: EngineOptions | None = None) -> Backend:
+def get_backend(name: str, options: CompileOptions | None = None, shared_dir: Path | None = None) -> Backend:
     """A backend by name (see BACKEND_CHOICES except "auto", which kasoku.build resolves)."""
-    options = options or EngineOptions()
-    if name in ALIASES:
-        name, options.device = ALIASES[name]
+    if name in PROVIDER_ALIASES:
+        return OnnxRuntimeBackend(options, shared_dir, provider=PROVIDER_ALIASES[name])
     if name not in BACKENDS:
         raise BackendUnavailable(f"unknown backend {name!r}; choose from {', '.join(BACKEND_CHOICES)}.")
-    return BACKENDS[name](options)
+    return BACKENDS[name](options, shared_dir)
 
 
 def backend_availability() -> list[Availability]:
@@ -48,6 +49,6 @@ def cpu_candidates() -> list[str]:
 
 
 __all__ = [
-    "Availability", "Backend", "BackendUnavailable", "Engine", "EngineOptions", "BACKENDS", "BACKEND_CHOICES",
-    "get_backend", "backend_availability", "gpu_candidates", "cpu_candidates",
+    "Availability", "Backend", "BackendUnavailable", "Engine", "UnsupportedPrecision", "BACKENDS", "BACKEND_CHOICES",
+    "PROVIDER_ALIASES", "get_backend", "backend_availability", "gpu_candidates", "cpu_candidates",
 ]

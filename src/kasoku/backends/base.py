@@ -2,8 +2,10 @@
 
 A :class:`Backend` builds engine files from an optimized ONNX artefact into a folder (the
 cache stores that folder) and loads an :class:`Engine` from it. ``Engine.run`` is a template
-method, as Polygraphy's runners are: it checks names, dtypes and the shape profile, then
-calls the backend's ``_run``. Every backend gets the same checks and the same errors.
+method, as Polygraphy's runners are: it checks names, dtypes and the shape profile, puts the
+inputs on the engine's device, then calls the backend's ``_run``. Engines take and return torch
+tensors on their own device (numpy inputs are accepted too), so a pipeline on a GPU engine never
+copies a tensor back to the CPU between steps.
 """
 
 from __future__ import annotations
@@ -11,18 +13,24 @@ from __future__ import annotations
 import platform
 from abc import ABC, abstractmethod
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, ClassVar
 
 import numpy as np
+import torch
 
 from ..components import ComponentSpec, Precision, ShapeOutOfProfile
 from ..errors import KasokuError
+from ..options import CompileOptions
 
 
 class BackendUnavailable(KasokuError):
     """A backend's package, or the device it needs, is missing."""
+
+
+class UnsupportedPrecision(KasokuError, ValueError):
+    """A backend asked for a precision it does not build."""
 
 
 @dataclass(frozen=True)
@@ -32,23 +40,6 @@ class Availability:
     version: str | None = None
     devices: str | None = None
     reason: str | None = None
-
-
-@dataclass
-class EngineOptions:
-    """Backend settings that change the built engine or how it runs (part of the cache key)."""
-
-    threads: int | None = None
-    device: str = "cpu"  # onnxruntime: "cpu", "cuda" or "tensorrt" (execution provider)
-    builder_optimization_level: int = 3  # TensorRT
-    cuda_graph: bool = False  # TensorRT, static shapes only
-    timing_cache_dir: Path | None = None  # TensorRT: a timing cache shared by all builds
-    extra: dict[str, Any] = field(default_factory=dict)
-
-    def key(self) -> dict[str, Any]:
-        # threads, CUDA graphs and the timing cache change how fast, not what is built
-        return {"target": self.device, "builder_optimization_level": self.builder_optimization_level,
-                **self.extra}
 
 
 def cpu_name() -> str:
@@ -61,17 +52,36 @@ def cpu_name() -> str:
     return platform.processor() or platform.machine()
 
 
+# The CPU features that decide which precisions run fast (printed by every benchmark).
+CPU_FLAGS = ("avx2", "avx512f", "avx512_vnni", "avx512_bf16", "amx_tile", "amx_bf16", "amx_int8")
+
+
+def cpu_flags() -> list[str]:
+    """Which of CPU_FLAGS this CPU has (Linux: /proc/cpuinfo)."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags"):
+                present = set(line.split(":", 1)[1].split())
+                return [flag for flag in CPU_FLAGS if flag in present]
+    except OSError:
+        pass
+    return []
+
+
 class Engine(ABC):
-    """A compiled component: named arrays in, named arrays out."""
+    """A compiled component: named tensors in, named tensors out, on `device`."""
 
     backend: str = "?"
 
-    def __init__(self, spec: ComponentSpec, precision: Precision):
+    def __init__(self, spec: ComponentSpec, precision: Precision, device: torch.device | str = "cpu",
+                 dtype: torch.dtype = torch.float32):
         self.spec = spec
         self.precision = Precision(precision)
+        self.device = torch.device(device)
+        self.dtype = dtype  # of its floating-point inputs and outputs
         self._axes = spec.axes()
 
-    def run(self, inputs: Mapping[str, Any]) -> dict[str, np.ndarray]:
+    def run(self, inputs: Mapping[str, Any]) -> dict[str, torch.Tensor]:
         """Check the inputs against the component's spec and profile, then run."""
         feeds = self._check_inputs(inputs)
         return self._run(feeds)
@@ -79,13 +89,20 @@ class Engine(ABC):
     __call__ = run
 
     @abstractmethod
-    def _run(self, feeds: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-        """Run checked, contiguous numpy inputs; return every output by name."""
+    def _run(self, feeds: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """Run checked, contiguous inputs on the engine's device; return every output by name."""
 
     def describe(self) -> dict[str, str]:
-        return {"backend": self.backend, "component": self.spec.name, "precision": self.precision.value}
+        return {"backend": self.backend, "component": self.spec.name, "precision": self.precision.value,
+                "device": str(self.device)}
 
-    def _check_inputs(self, inputs: Mapping[str, Any]) -> dict[str, np.ndarray]:
+    def output_buffers(self, feeds: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """Empty output tensors of the right shapes on the engine's device (for runtimes that write
+        into memory they are given)."""
+        shapes = self.spec.output_shapes({name: tuple(t.shape) for name, t in feeds.items()})
+        return {name: torch.empty(shape, dtype=self.dtype, device=self.device) for name, shape in shapes.items()}
+
+    def _check_inputs(self, inputs: Mapping[str, Any]) -> dict[str, torch.Tensor]:
         expected = self.spec.input_names
         missing = [n for n in expected if n not in inputs]
         unexpected = [n for n in inputs if n not in expected]
@@ -95,21 +112,21 @@ class Engine(ABC):
             )
         feeds = {}
         for tensor in self.spec.inputs:
-            array = _to_numpy(inputs[tensor.name])
-            dtype = np.int64 if tensor.dtype.is_floating_point is False else np.float32
-            if array.ndim != len(tensor.dims):
+            value = _as_tensor(inputs[tensor.name])
+            if value.ndim != len(tensor.dims):
                 raise KasokuError(
                     f"{self.spec.name} input {tensor.name!r} must have {len(tensor.dims)} dimensions "
-                    f"but has shape {array.shape}."
+                    f"but has shape {tuple(value.shape)}."
                 )
             for i, dim in enumerate(tensor.dims):
-                if isinstance(dim, int) and array.shape[i] != dim:
+                if isinstance(dim, int) and value.shape[i] != dim:
                     raise KasokuError(
-                        f"{self.spec.name} input {tensor.name!r} dimension {i} must be {dim} but is {array.shape[i]}."
+                        f"{self.spec.name} input {tensor.name!r} dimension {i} must be {dim} but is {value.shape[i]}."
                     )
             for i, axis in tensor.dynamic_axes.items():
-                self._check_axis(tensor.name, i, axis.name, int(array.shape[i]))
-            feeds[tensor.name] = np.ascontiguousarray(array, dtype=dtype)
+                self._check_axis(tensor.name, i, axis.name, int(value.shape[i]))
+            dtype = tensor.dtype if not tensor.dtype.is_floating_point else self.dtype
+            feeds[tensor.name] = value.to(device=self.device, dtype=dtype).contiguous()
         return feeds
 
     def _check_axis(self, input_name: str, index: int, axis_name: str, value: int) -> None:
@@ -125,10 +142,10 @@ class Engine(ABC):
         )
 
 
-def _to_numpy(value: Any) -> np.ndarray:
-    if hasattr(value, "detach"):
-        return value.detach().cpu().numpy()
-    return np.asarray(value)
+def _as_tensor(value: Any) -> torch.Tensor:
+    if isinstance(value, torch.Tensor):
+        return value.detach()
+    return torch.from_numpy(np.ascontiguousarray(value))  # shares the array's memory
 
 
 class Backend(ABC):
@@ -137,11 +154,15 @@ class Backend(ABC):
     name: ClassVar[str]
     extra: ClassVar[str | None] = None  # the pip extra that installs it
     needs_onnx: ClassVar[bool] = True
-    # optimization passes for this backend (see kasoku.optimize.PASSES); fp16 is added by precision
+    # optimization passes for this backend (see kasoku.optimize.PASSES); precision passes are added per precision
     passes: ClassVar[tuple[str, ...]] = ("cleanup", "fold_constants", "infer_shapes")
+    precisions: ClassVar[tuple[Precision, ...]] = (Precision.FP32, Precision.FP16)
+    # why a precision the backend does not build is refused, by precision (a one-line reason)
+    refused: ClassVar[Mapping[Precision, str]] = {}
 
-    def __init__(self, options: EngineOptions | None = None):
-        self.options = options or EngineOptions()
+    def __init__(self, options: CompileOptions | None = None, shared_dir: Path | None = None):
+        self.options = options or CompileOptions()
+        self.shared_dir = shared_dir  # a folder of the cache this backend may share across entries
 
     @classmethod
     @abstractmethod
@@ -155,11 +176,24 @@ class Backend(ABC):
             raise BackendUnavailable(f"the {self.name} backend is unavailable: {info.reason}.{hint}")
         return info
 
+    def check_precision(self, precision: Precision | str) -> None:
+        """Raise :class:`UnsupportedPrecision` with a one-line reason for a precision this backend does not build."""
+        precision = Precision(precision)
+        if precision not in self.precisions:
+            reason = self.refused.get(precision, f"it builds {', '.join(p.value for p in self.precisions)} only")
+            raise UnsupportedPrecision(f"the {self.name} backend cannot build {precision.value}: {reason}. "
+                                       f"Choose another --precision or --backend.")
+
     def key(self, precision: Precision) -> dict[str, Any]:
-        """What about this backend changes a built engine: name, version, device, options."""
+        """What about this backend changes a built engine: name, version, device, precision, and the
+        options this backend reads (see :meth:`option_key`); nothing another backend reads."""
         info = self.availability()
-        return {"backend": self.name, "version": info.version, "device": info.devices, **self.options.key(),
-                "precision": Precision(precision).value}
+        return {"backend": self.name, "version": info.version, "device": info.devices,
+                "precision": Precision(precision).value, **self.option_key()}
+
+    def option_key(self) -> dict[str, Any]:
+        """The options that change this backend's engines (threads only change how fast they run)."""
+        return {}
 
     def optimization_passes(self, precision: Precision) -> list[str]:
         passes = list(self.passes)

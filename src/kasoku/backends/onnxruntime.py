@@ -1,4 +1,9 @@
-"""ONNX Runtime: CPU by default; CUDA and TensorRT execution providers when present."""
+"""ONNX Runtime: CPU by default; CUDA and TensorRT execution providers when present.
+
+Engines run through IO binding on torch tensors: inputs are read where they lie and outputs are
+written into torch tensors on the engine's device (CPU or CUDA), with no copy through numpy. The
+same code path runs on the CPU here, so it is tested on every machine.
+"""
 
 from __future__ import annotations
 
@@ -7,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import torch
 
 from ..components import ComponentSpec, Precision
 from ..export import onnx_files
@@ -19,6 +25,7 @@ PROVIDERS = {
     "tensorrt": "TensorrtExecutionProvider",
 }
 MODEL_FILE = "model.onnx"
+NUMPY_TYPES = {torch.float32: np.float32, torch.float16: np.float16, torch.int64: np.int64, torch.int32: np.int32}
 
 
 def _shape_list(shapes: dict[str, tuple[int, ...]]) -> str:
@@ -62,13 +69,25 @@ def _onnx_bytes(path: Path) -> int:
 class OnnxRuntimeEngine(Engine):
     backend = "onnxruntime"
 
-    def __init__(self, spec: ComponentSpec, precision: Precision, session):
-        super().__init__(spec, precision)
+    def __init__(self, spec: ComponentSpec, precision: Precision, session, device: torch.device):
+        super().__init__(spec, precision, device)
         self.session = session
+        self._device_type = "cuda" if self.device.type == "cuda" else "cpu"
+        self._device_id = self.device.index or 0
 
-    def _run(self, feeds: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-        outputs = self.session.run(list(self.spec.outputs), feeds)
-        return dict(zip(self.spec.outputs, outputs))
+    def _run(self, feeds: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        binding = self.session.io_binding()
+        for name, tensor in feeds.items():
+            binding.bind_input(name, self._device_type, self._device_id, NUMPY_TYPES[tensor.dtype],
+                               tuple(tensor.shape), tensor.data_ptr())
+        outputs = self.output_buffers(feeds)
+        for name, tensor in outputs.items():
+            binding.bind_output(name, self._device_type, self._device_id, NUMPY_TYPES[tensor.dtype],
+                                tuple(tensor.shape), tensor.data_ptr())
+        if self._device_type == "cuda":  # ORT's CUDA stream must see what the caller's stream wrote
+            torch.cuda.current_stream(self.device).synchronize()
+        self.session.run_with_iobinding(binding)
+        return outputs
 
     def describe(self) -> dict[str, str]:
         return {**super().describe(), "providers": ",".join(self.session.get_providers())}
@@ -77,6 +96,12 @@ class OnnxRuntimeEngine(Engine):
 class OnnxRuntimeBackend(Backend):
     name = "onnxruntime"
     extra = None  # a core dependency; `kasoku[gpu]` brings onnxruntime-gpu
+
+    def __init__(self, options=None, shared_dir=None, provider: str = "cpu"):
+        super().__init__(options, shared_dir)
+        if provider not in PROVIDERS:
+            raise ValueError(f"onnxruntime provider must be one of {list(PROVIDERS)} but is {provider!r}.")
+        self.provider = provider
 
     @classmethod
     def availability(cls) -> Availability:
@@ -87,15 +112,22 @@ class OnnxRuntimeBackend(Backend):
         providers = [p for p in ort.get_available_providers() if p in PROVIDERS.values()]
         return Availability(cls.name, True, ort.__version__, f"{cpu_name()}; providers: {', '.join(providers)}")
 
+    def option_key(self) -> dict[str, Any]:
+        return {"provider": self.provider}
+
+    @property
+    def device(self) -> torch.device:
+        return torch.device("cpu") if self.provider == "cpu" else torch.device("cuda", 0)
+
     def _session(self, path: Path, spec: ComponentSpec, precision: Precision, cache_dir: Path | None,
                  *, save_optimized: Path | None = None):
         import onnxruntime as ort
 
-        provider = PROVIDERS[self.options.device]
+        provider = PROVIDERS[self.provider]
         if provider not in ort.get_available_providers():
             raise BackendUnavailable(
                 f"onnxruntime has no {provider} here (available: {ort.get_available_providers()}). "
-                "Install `kasoku[gpu]` on a machine with a CUDA GPU, or use device 'cpu'."
+                "Install `kasoku[gpu]` on a machine with a CUDA GPU, or use the CPU provider."
             )
         options = ort.SessionOptions()
         options.log_severity_level = 3
@@ -112,22 +144,22 @@ class OnnxRuntimeBackend(Backend):
                 options.add_session_config_entry(
                     "session.optimized_model_external_initializers_min_size_in_bytes", "1024"
                 )
-        providers = provider_options(spec, self.options.device, precision, cache_dir)
+        providers = provider_options(spec, self.provider, precision, cache_dir)
         return ort.InferenceSession(str(path), options, providers=providers)
 
     def build(self, spec: ComponentSpec, onnx_path: Path, out_dir: Path, precision: Precision) -> dict[str, Any]:
         self.require()
         target = out_dir / MODEL_FILE
-        if self.options.device == "cpu":
+        if self.provider == "cpu":
             self._session(onnx_path, spec, precision, None, save_optimized=target)
         else:
             for file in onnx_files(onnx_path):
                 shutil.copy2(file, out_dir / file.name.replace(onnx_path.name, MODEL_FILE))
             self._session(target, spec, precision, out_dir)  # builds the TensorRT EP engine caches
-        return {"providers": provider_options(spec, self.options.device, precision, None)[0]}
+        return {"providers": provider_options(spec, self.provider, precision, None)[0]}
 
     def load(self, spec: ComponentSpec, entry_dir: Path, precision: Precision) -> Engine:
         self.require()
-        cache_dir = entry_dir if self.options.device == "tensorrt" else None
+        cache_dir = entry_dir if self.provider == "tensorrt" else None
         session = self._session(entry_dir / MODEL_FILE, spec, precision, cache_dir)
-        return OnnxRuntimeEngine(spec, precision, session)
+        return OnnxRuntimeEngine(spec, precision, session, self.device)

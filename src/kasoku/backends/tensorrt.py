@@ -13,11 +13,10 @@ that they are tested on any machine.
 from __future__ import annotations
 
 import importlib.util
+import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
-
-import numpy as np
 
 from ..components import ComponentSpec, Precision
 from .base import Availability, Backend, Engine
@@ -85,76 +84,84 @@ def _gpu_description() -> tuple[str | None, str | None]:
 
 
 class TensorRTEngine(Engine):
+    """A TensorRT plan run on torch CUDA tensors: inputs are bound where they lie, outputs are
+    new torch tensors, and the work is enqueued on the caller's current CUDA stream (no copy to
+    the host, no synchronisation). With `cuda_graph`, the first call at a shape is captured and
+    later calls at that shape replay it from static buffers."""
+
     backend = "tensorrt"
 
     def __init__(self, spec: ComponentSpec, precision: Precision, plan: bytes, cuda_graph: bool = False):
-        super().__init__(spec, precision)
+        super().__init__(spec, precision, device="cuda")
         import tensorrt as trt
         import torch
 
         self._torch = torch
+        self._trt = trt
         self.logger = trt.Logger(trt.Logger.WARNING)
         self.runtime = trt.Runtime(self.logger)
         self.engine = self.runtime.deserialize_cuda_engine(plan)
         if self.engine is None:
             raise RuntimeError(f"TensorRT could not deserialize the {spec.name} plan (built by another version?)")
         self.context = self.engine.create_execution_context()
-        self.stream = torch.cuda.Stream()
         self.cuda_graph = cuda_graph
         self._graph = None
         self._graph_shapes = None
-        self._buffers: dict[str, Any] = {}
-        self._trt = trt
+        self._static: dict[str, Any] = {}  # the captured graph's buffers
 
     def _torch_dtype(self, name: str):
         return {
             self._trt.float32: self._torch.float32,
             self._trt.float16: self._torch.float16,
+            self._trt.bfloat16: self._torch.bfloat16,
             self._trt.int32: self._torch.int32,
             self._trt.int64: self._torch.int64,
         }[self.engine.get_tensor_dtype(name)]
 
-    def _bind(self, feeds: dict[str, np.ndarray]) -> None:
-        torch = self._torch
-        for name, array in feeds.items():
-            self.context.set_input_shape(name, array.shape)
-            buffer = self._buffers.get(name)
-            if buffer is None or tuple(buffer.shape) != array.shape:
-                buffer = torch.empty(array.shape, dtype=self._torch_dtype(name), device="cuda")
-                self._buffers[name] = buffer
-            buffer.copy_(torch.from_numpy(array), non_blocking=True)
-            self.context.set_tensor_address(name, buffer.data_ptr())
-        for name in self.spec.outputs:
+    def _bind(self, feeds: dict) -> dict:
+        """Bind the inputs where they lie and new output tensors; returns the outputs."""
+        for name, tensor in feeds.items():
+            wanted = self._torch_dtype(name)
+            if tensor.dtype != wanted:
+                feeds[name] = tensor = tensor.to(wanted)
+            self.context.set_input_shape(name, tuple(tensor.shape))
+            self.context.set_tensor_address(name, tensor.data_ptr())
+        outputs = {}
+        for name in self.spec.output_names:
             shape = tuple(self.context.get_tensor_shape(name))
-            buffer = self._buffers.get(name)
-            if buffer is None or tuple(buffer.shape) != shape:
-                buffer = torch.empty(shape, dtype=self._torch_dtype(name), device="cuda")
-                self._buffers[name] = buffer
-            self.context.set_tensor_address(name, buffer.data_ptr())
+            outputs[name] = self._torch.empty(shape, dtype=self._torch_dtype(name), device=self.device)
+            self.context.set_tensor_address(name, outputs[name].data_ptr())
+        return outputs
 
-    def _run(self, feeds: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-        torch = self._torch
-        shapes = {n: a.shape for n, a in feeds.items()}
-        with torch.cuda.stream(self.stream):
-            if self.cuda_graph and self._graph is not None and shapes == self._graph_shapes:
-                for name, array in feeds.items():
-                    self._buffers[name].copy_(torch.from_numpy(array), non_blocking=True)
-                self._graph.replay()
-            else:
-                self._bind(feeds)
-                if not self.context.execute_async_v3(self.stream.cuda_stream):
-                    raise RuntimeError(f"TensorRT failed to run {self.spec.name}")
-                if self.cuda_graph:
-                    self._capture(shapes)
-        self.stream.synchronize()
-        return {name: self._buffers[name].float().cpu().numpy() for name in self.spec.outputs}
+    def _execute(self, stream) -> None:
+        if not self.context.execute_async_v3(stream.cuda_stream):
+            raise RuntimeError(f"TensorRT failed to run {self.spec.name}")
 
-    def _capture(self, shapes) -> None:
-        # TensorRT needs one enqueue after a shape change before it can be captured.
+    def _run(self, feeds: dict) -> dict:
+        stream = self._torch.cuda.current_stream(self.device)
+        if not self.cuda_graph:
+            outputs = self._bind(feeds)
+            self._execute(stream)
+            return outputs
+        shapes = {name: tuple(t.shape) for name, t in feeds.items()}
+        if self._graph is None or shapes != self._graph_shapes:
+            self._capture(feeds, shapes, stream)
+        for name, tensor in feeds.items():
+            self._static[name].copy_(tensor, non_blocking=True)
+        self._graph.replay()
+        return {name: self._static[name].clone() for name in self.spec.output_names}
+
+    def _capture(self, feeds: dict, shapes: dict, stream) -> None:
         torch = self._torch
+        self._static = {name: tensor.clone() for name, tensor in feeds.items()}
+        self._static.update(self._bind(self._static))
+        self._execute(stream)  # TensorRT needs one enqueue after a shape change before a capture
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, stream=self.stream):
-            self.context.execute_async_v3(self.stream.cuda_stream)
+        capture_stream = torch.cuda.Stream(self.device)
+        capture_stream.wait_stream(stream)
+        with torch.cuda.graph(graph, stream=capture_stream):
+            self._execute(capture_stream)
+        stream.wait_stream(capture_stream)
         self._graph, self._graph_shapes = graph, shapes
 
 
@@ -175,18 +182,28 @@ class TensorRTBackend(Backend):
             return Availability(cls.name, False, trt.__version__, reason=reason)
         return Availability(cls.name, True, trt.__version__, gpu)
 
+    def option_key(self) -> dict[str, Any]:
+        return {"builder_optimization_level": self.options.trt_opt_level}
+
     def optimization_passes(self, precision: Precision) -> list[str]:
         return list(self.passes)  # TensorRT picks fp16 kernels itself from the fp32 graph
+
+    def timing_cache(self, out_dir: Path) -> Path:
+        """One timing cache per TensorRT version and GPU, shared by every build on them."""
+        if self.shared_dir is None:
+            return out_dir / TIMING_CACHE_FILE
+        info = self.availability()
+        identity = re.sub(r"[^A-Za-z0-9_.-]+", "-", f"{info.version}-{info.devices}").strip("-")
+        folder = self.shared_dir / identity
+        folder.mkdir(parents=True, exist_ok=True)
+        return folder / TIMING_CACHE_FILE
 
     def build(self, spec: ComponentSpec, onnx_path: Path, out_dir: Path, precision: Precision) -> dict[str, Any]:
         self.require()
         from polygraphy.backend.trt import engine_bytes_from_network, network_from_onnx_path
 
-        shared = self.options.timing_cache_dir
-        if shared is not None:
-            shared.mkdir(parents=True, exist_ok=True)
-        timing_cache = (shared / TIMING_CACHE_FILE) if shared else (out_dir / TIMING_CACHE_FILE)
-        options = trt_build_options(spec, precision, self.options.builder_optimization_level,
+        timing_cache = self.timing_cache(out_dir)
+        options = trt_build_options(spec, precision, self.options.trt_opt_level,
                                     timing_cache if timing_cache.exists() else None)
         plan = engine_bytes_from_network(
             network_from_onnx_path(str(onnx_path)),

@@ -5,9 +5,9 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
 
+from ..attention import exportable_attention
 from ..components import ComponentSpec, Precision
 from .base import Availability, Backend, Engine
 
@@ -19,16 +19,21 @@ class TorchEngine(Engine):
         super().__init__(spec, precision)
         self.threads = threads
 
-    def _run(self, feeds: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    @torch.no_grad()
+    def _run(self, feeds: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         if self.threads:
             torch.set_num_threads(self.threads)
-        return self.spec.run_torch(feeds)
+        with exportable_attention():
+            outputs = self.spec.module(*(feeds[name] for name in self.spec.input_names))
+        return dict(zip(self.spec.output_names, outputs))
 
 
 class TorchBackend(Backend):
     name = "torch"
     needs_onnx = False
     passes = ()
+    precisions = (Precision.FP32,)
+    refused = {Precision.FP16: "it is the fp32 reference"}
 
     @classmethod
     def availability(cls) -> Availability:
@@ -39,6 +44,5 @@ class TorchBackend(Backend):
         return {}
 
     def load(self, spec: ComponentSpec, entry_dir: Path | None, precision: Precision) -> Engine:
-        if Precision(precision) != Precision.FP32:
-            raise ValueError("the torch reference backend runs fp32 only.")
+        self.check_precision(precision)
         return TorchEngine(spec, precision, self.options.threads)

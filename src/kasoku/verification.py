@@ -9,14 +9,13 @@ pipeline (PSNR, max pixel difference). Tolerances come from the one table in kas
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
-from pathlib import Path
 
 import numpy as np
 import torch
 
-from .backends import EngineOptions
 from .components import ImageShape, Precision, ShapeProfile, component_specs
 from .families import family_of
+from .options import CompileOptions
 from .parity import TOLERANCES, OutputParity, parity_against_torch, psnr
 
 VERIFY_PROMPT = "a photo of an astronaut riding a horse on mars"
@@ -43,10 +42,12 @@ class VerifyReport:
     image: ImageParity | None = None
     family: str = ""
     notes: list[str] = field(default_factory=list)
+    damaged_entries: list[str] = field(default_factory=list)  # cache entries whose checksums do not match
 
     @property
     def passed(self) -> bool:
-        return all(c.passed for c in self.components) and (self.image is None or self.image.passed)
+        return (all(c.passed for c in self.components) and (self.image is None or self.image.passed)
+                and not self.damaged_entries)
 
     @property
     def failed_components(self) -> list[str]:
@@ -65,42 +66,46 @@ def verification_shapes(profile: ShapeProfile) -> dict[str, ImageShape]:
 
 def verify(
     model,
-    backend: str = "auto",
+    backend: str | None = None,
     *,
-    precision: Precision | str = Precision.FP32,
-    cache_dir: str | Path | None = None,
-    profile: ShapeProfile | None = None,
-    onnx_dir: str | Path | None = None,
-    options: EngineOptions | None = None,
+    options: CompileOptions | None = None,
     image: bool = True,
     on_stage=None,
+    **fields,
 ) -> VerifyReport:
-    """Compare every engine with torch at three shapes, and an image with diffusers."""
-    from .loading import load_pipeline
+    """Compare every engine with torch at three shapes, and an image with diffusers; check the full
+    checksums of the engines' cache entries. `options` (or its fields as keywords) as for compile."""
+    from .cache import Cache
+    from .loading import load_pipeline, model_label
     from .pipeline import KasokuPipeline, compile
 
-    precision = Precision(precision)
+    options = CompileOptions.of(options, backend=backend, **fields).replace(check_parity=False)
     reference = load_pipeline(model)
-    label = str(model) if isinstance(model, (str, Path)) else type(model).__name__
+    label = model_label(model)
     kwargs = {"on_stage": on_stage} if on_stage else {}
-    pipe: KasokuPipeline = compile(reference, backend, precision=precision, cache_dir=cache_dir, profile=profile,
-                                   options=options, label=label, check_parity=False, onnx_dir=onnx_dir, **kwargs)
+    pipe: KasokuPipeline = compile(reference, options=options, label=label, **kwargs)
     specs = component_specs(reference, pipe.profile)
-    report = VerifyReport(model=label, precision=precision.value,
+    report = VerifyReport(model=label, precision=options.precision.value,
                           backends={n: e.backend for n, e in pipe.engines.items()},
                           family=family_of(reference).title, notes=pipe.compile_report.notes)
+    cache = Cache(options.cache_dir)
+    for stage in pipe.compile_report.stages:
+        if stage.stage == "engine":
+            problem = cache.verify(cache.entries / stage.key, stage.key)
+            if problem is not None:
+                report.damaged_entries.append(f"{stage.component} engine {stage.key[:12]}: {problem}")
     for name, engine in pipe.engines.items():
         shapes = dict.fromkeys(verification_shapes(pipe.profile).values())
-        built_in = specs[name].precision_for(precision)  # an SDXL VAE stays fp32: hold it to fp32's bound
+        built_in = specs[name].precision_for(options.precision)  # an SDXL VAE stays fp32: hold it to fp32's bound
         report.components += parity_against_torch(specs[name], engine.run, shapes, built_in, seed=11)
     if image:
-        report.image = image_parity(reference, pipe, precision)
+        report.image = image_parity(reference, pipe, options.precision)
     return report
 
 
 def image_parity(reference, pipe, precision: Precision) -> ImageParity:
     family = family_of(reference)
-    if reference.unet.config.in_channels == 9:  # an inpainting model: inpaint a square
+    if family.tasks(reference)[0] == "inpaint":  # an inpainting model: inpaint a square
         size = pipe.profile.opt.height, pipe.profile.opt.width
         rng = np.random.default_rng(VERIFY_SEED)
         from PIL import Image
@@ -145,6 +150,9 @@ def markdown(report: VerifyReport) -> str:
         lines += ["", f"Image vs diffusers ({i.shape}): PSNR {i.psnr_db:.1f} dB (bound {i.bound_db:.0f} dB), "
                       f"max pixel difference {i.max_abs:.2e}, NaN {i.nan}: {'PASSED' if i.passed else 'FAILED'}"]
     lines += [""] + [f"Note: {note}" for note in report.notes] if report.notes else []
-    verdict = "PASSED" if report.passed else f"FAILED: {', '.join(report.failed_components) or 'image'}"
+    lines += [""] + [f"Damaged cache entry: {entry}" for entry in report.damaged_entries] \
+        if report.damaged_entries else []
+    failed = report.failed_components + (["cache"] if report.damaged_entries else [])
+    verdict = "PASSED" if report.passed else f"FAILED: {', '.join(failed) or 'image'}"
     lines += ["", f"**{verdict}**"]
     return "\n".join(lines)

@@ -1,4 +1,4 @@
-"""`kasoku bench`: side-by-side timings that follow BENCHMARK.md.
+"""`kasoku bench`: side-by-side timings that follow docs/BENCHMARKS.md.
 
 In one process run: the machine's fp32 matmul rate (median of 5 torch 4096^3 matmuls), then per
 component torch eager and every requested contender on the same inputs, warm-up first, then
@@ -21,14 +21,26 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from .backends import EngineOptions
-from .backends.base import cpu_name
-from .components import ComponentSpec, ImageShape, ShapeProfile, component_specs, model_components
+from .backends.base import cpu_flags, cpu_name
+from .components import ComponentSpec, ImageShape, ShapeProfile, component_specs
 from .errors import KasokuError
+from .options import CompileOptions
 
 # Peers that are not kasoku backends: the runtime's own defaults on kasoku's exported ONNX file.
 PEERS = ("torch.compile", "onnxruntime-defaults", "openvino-defaults")
 MATMUL_SIZE = 4096
+
+
+def check_contenders(names: list[str]) -> list[str]:
+    """kasoku backends and peers by name; an unknown one is an error listing the choices."""
+    from .backends import BACKEND_CHOICES
+
+    known = [b for b in BACKEND_CHOICES if b != "auto"] + list(PEERS)
+    unknown = [n for n in names if n not in known]
+    if unknown or not names:
+        raise KasokuError(f"unknown contender(s) {', '.join(unknown) or '(none given)'}; choose from "
+                          f"{', '.join(known)}.")
+    return names
 
 
 @dataclass
@@ -155,7 +167,7 @@ def _peer_runner(peer: str, spec: ComponentSpec, onnx_path: Path | None, threads
         def run(inputs):
             with torch.no_grad():
                 out = compiled(*(torch.as_tensor(inputs[n]) for n in spec.input_names))
-            return {n: o.numpy() for n, o in zip(spec.outputs, out)}
+            return {n: o.numpy() for n, o in zip(spec.output_names, out)}
     elif peer == "onnxruntime-defaults":
         import onnxruntime as ort
 
@@ -165,7 +177,7 @@ def _peer_runner(peer: str, spec: ComponentSpec, onnx_path: Path | None, threads
 
         def run(inputs):
             feeds = {k: np.asarray(v) for k, v in inputs.items()}
-            return dict(zip(spec.outputs, session.run(list(spec.outputs), feeds)))
+            return dict(zip(spec.output_names, session.run(list(spec.output_names), feeds)))
     elif peer == "openvino-defaults":
         import openvino as ov
 
@@ -174,7 +186,7 @@ def _peer_runner(peer: str, spec: ComponentSpec, onnx_path: Path | None, threads
 
         def run(inputs):
             request.infer({k: np.asarray(v) for k, v in inputs.items()})
-            return {n: request.get_tensor(n).data.copy() for n in spec.outputs}
+            return {n: request.get_tensor(n).data.copy() for n in spec.output_names}
     else:
         raise ValueError(f"unknown peer {peer!r}; peers are {PEERS}")
     return run, time.perf_counter() - start
@@ -206,6 +218,7 @@ def bench(
 
     if repeats < 3:
         raise KasokuError(f"--repeats must be at least 3 (a median of repeats) but is {repeats}.")
+    check_contenders(list(backends))
     threads = threads or torch.get_num_threads()
     torch.set_num_threads(threads)
     pipe = load_pipeline(model)
@@ -224,14 +237,15 @@ def bench(
     log("measuring the fp32 matmul rate")
     rate = matmul_gflops()
     report = BenchReport(model=label, date=datetime.date.today().isoformat(),
-                         machine={"cpu": cpu_name(), "python": platform.python_version(), "torch": torch.__version__},
+                         machine={"cpu": cpu_name(), "flags": cpu_flags(), "python": platform.python_version(),
+                                  "torch": torch.__version__},
                          threads=threads, repeats=repeats, matmul_gflops=rate, kasoku_backends=kasoku_backends,
                          family=family_of(pipe).title)
-    options = EngineOptions(threads=threads)
+    options = CompileOptions(threads=threads)
     compile_seconds: dict[str, dict[str, float]] = {}
     for backend in kasoku_backends:
         log(f"compiling with {backend} (cold)")
-        _, compiled = compile_components(pipe, backend=backend, specs=specs, cache=cache, options=options,
+        _, compiled = compile_components(pipe, options.replace(backend=backend), specs=specs, cache=cache,
                                          label=label)
         compile_seconds[backend] = {}
         for record in compiled.stages:
@@ -253,8 +267,8 @@ def bench(
         for backend in kasoku_backends:
             log(f"{name}: {backend}")
             start = time.perf_counter()
-            warm, _ = compile_components(pipe, backend=backend, specs={name: spec}, cache=cache,
-                                         options=options, label=label)
+            warm, _ = compile_components(pipe, options.replace(backend=backend), specs={name: spec}, cache=cache,
+                                         label=label)
             warm_load = time.perf_counter() - start
             engine = warm[name]
             first, samples = timed_runs(lambda: engine.run(inputs), repeats)  # noqa: B023
@@ -309,13 +323,13 @@ def _bench_end_to_end(pipe, report, specs, cache, profile, shape, steps, guidanc
     torch_pipe = family_of(pipe).task_pipeline(pipe, "txt2img")
     fastest = {c.component: min((n for n in c.results if n in report.kasoku_backends),
                                 key=lambda n, c=c: c.results[n].seconds.median) for c in report.components}
-    needed = [n for n in model_components(pipe) if n != "vae_encoder"]
+    needed = family_of(pipe).task_components("txt2img", pipe)
     engines = {}
     for name in needed:
         backend = fastest.get(name, report.kasoku_backends[0])
         spec = specs[name] if name in specs else component_specs(pipe, profile, [name])[name]
-        loaded, _ = compile_components(pipe, backend=backend, specs={name: spec}, cache=cache,
-                                       options=options, label=label)
+        loaded, _ = compile_components(pipe, options.replace(backend=backend), specs={name: spec}, cache=cache,
+                                       label=label)
         engines[name] = loaded[name]
     choice = ", ".join(f"{n}={e.backend}" for n, e in engines.items())
     contenders = {"diffusers (torch eager)": torch_pipe,
@@ -344,7 +358,8 @@ def markdown(report: BenchReport) -> str:
     lines = [
         f"# kasoku bench: {report.model}" + (f" ({report.family})" if report.family else ""),
         "",
-        f"{report.date} · {report.machine['cpu']} · {report.threads} threads · torch {report.machine['torch']} · "
+        f"{report.date} · {report.machine['cpu']} ({', '.join(report.machine.get('flags', [])) or 'no AVX-512/AMX'})"
+        f" · {report.threads} threads · torch {report.machine['torch']} · "
         f"fp32 matmul {report.matmul_gflops:.0f} GFLOP/s · median of {report.repeats} after warm-up",
         "",
         "| component | contender | median s | min–max s | speed-up vs torch | FLOP floor s | time ÷ floor "

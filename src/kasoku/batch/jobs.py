@@ -1,0 +1,202 @@
+"""Jobs: one image per line of a JSONL prompts file, every line checked before any work starts."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import re
+from collections.abc import Callable
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+from ..components import ImageShape, ShapeOutOfProfile, ShapeProfile
+from ..errors import KasokuError
+
+JOB_FIELDS = ("id", "prompt", "negative_prompt", "seed", "steps", "guidance", "height", "width")
+DEFAULT_STEPS = 30
+DEFAULT_GUIDANCE = 7.5
+DEFAULT_BATCH_SIZE = 4
+RESULTS_FILE = "results.jsonl"
+STATE_DIR = ".kasoku-batch"  # images being written and each worker's status; removed after a run
+ID_PATTERN = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")  # ids name files: no slashes, no hidden files
+MAX_SEED = 2**63 - 1
+MAX_LISTED_ERRORS = 20
+
+
+class InvalidJobs(KasokuError, ValueError):
+    """Lines of a prompts file that cannot be run; raised before any work starts."""
+
+
+
+# ---- jobs ------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Job:
+    """One image: one line of the prompts file."""
+
+    id: str
+    prompt: str
+    seed: int
+    negative_prompt: str | None = None
+    steps: int = DEFAULT_STEPS
+    guidance: float = DEFAULT_GUIDANCE
+    height: int | None = None  # None: the model's native size (`prepare` fills it in)
+    width: int | None = None
+    source: str = field(default="", compare=False)  # "prompts.jsonl:3", for messages
+
+    @property
+    def file(self) -> str:
+        return f"{self.id}.png"
+
+    @property
+    def key(self) -> str:
+        """A digest of everything that changes the image: a result line only counts for this job."""
+        parts = {name: getattr(self, name) for name in JOB_FIELDS}
+        return hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()[:16]
+
+    @property
+    def call_key(self) -> tuple:
+        """Jobs with equal call keys can share one pipeline call: one size, steps and guidance, and
+        negative prompts for all or for none (SDXL encodes a missing one as zeros, not as "")."""
+        return (self.height, self.width, self.steps, self.guidance, self.negative_prompt is not None)
+
+
+class _LineError(ValueError):
+    pass
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_size(value: Any) -> bool:
+    return _is_int(value) and value > 0  # multiples and ranges: check_jobs, once the model is known
+
+
+def _field(record: dict, name: str, check: Callable[[Any], bool], rule: str, default: Any) -> Any:
+    if name not in record:
+        return default
+    value = record[name]
+    if not check(value):
+        raise _LineError(f"`{name}` must be {rule} but is {json.dumps(value)}.")
+    return value
+
+
+def parse_job(line: str, number: int, source: str) -> Job:
+    """One JSONL line → a Job; seed and id default to the line number, so a re-run is the same run."""
+    try:
+        record = json.loads(line)
+    except json.JSONDecodeError as error:
+        raise _LineError(f"not valid JSON ({error.msg} at column {error.colno}).") from None
+    if not isinstance(record, dict):
+        raise _LineError(f"a job is a JSON object, not {type(record).__name__}.")
+    unknown = sorted(set(record) - set(JOB_FIELDS))
+    if unknown:
+        raise _LineError(f"unknown field{'s' if len(unknown) > 1 else ''} {', '.join(map(repr, unknown))}; "
+                         f"the fields are {', '.join(JOB_FIELDS)}.")
+    if "prompt" not in record:
+        raise _LineError("`prompt` is missing.")
+    job_id = _field(record, "id", lambda v: isinstance(v, str) or _is_int(v), "a string or an integer", None)
+    job_id = f"{number:06d}" if job_id is None else str(job_id)
+    if not ID_PATTERN.fullmatch(job_id):
+        raise _LineError(f"`id` names the image file, so it must be 1-128 letters, digits, '.', '_' or '-', "
+                         f"starting with a letter or digit, but is {job_id!r}.")
+    return Job(
+        id=job_id,
+        prompt=_field(record, "prompt", lambda v: isinstance(v, str), "a string", None),
+        negative_prompt=_field(record, "negative_prompt", lambda v: v is None or isinstance(v, str),
+                               "a string or null", None),
+        seed=_field(record, "seed", lambda v: _is_int(v) and 0 <= v <= MAX_SEED,
+                    f"an integer in 0..{MAX_SEED}", number),
+        steps=_field(record, "steps", lambda v: _is_int(v) and v >= 1, "an integer >= 1", DEFAULT_STEPS),
+        guidance=float(_field(record, "guidance", lambda v: (_is_int(v) or isinstance(v, float)) and math.isfinite(v),
+                              "a number", DEFAULT_GUIDANCE)),
+        height=_field(record, "height", _is_size, "a positive integer (pixels)", None),
+        width=_field(record, "width", _is_size, "a positive integer (pixels)", None),
+        source=source,
+    )
+
+
+def _listing(errors: list[str], what: str) -> str:
+    if len(errors) == 1:
+        return errors[0]
+    shown = errors[:MAX_LISTED_ERRORS]
+    more = f"\n  ... and {len(errors) - len(shown)} more" if len(errors) > len(shown) else ""
+    return f"{len(errors)} {what}:\n  " + "\n  ".join(shown) + more
+
+
+def read_jobs(path: str | Path) -> list[Job]:
+    """Every line of a JSONL prompts file, all checked before any is run (blank lines are skipped).
+
+    Raises :class:`InvalidJobs` listing each bad line as ``file:line: what is wrong``."""
+    path = Path(path)
+    try:
+        text = path.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise InvalidJobs(f"the prompts file {path} does not exist.") from None
+    except IsADirectoryError:
+        raise InvalidJobs(f"the prompts file {path} is a folder; give a .jsonl file.") from None
+    except UnicodeDecodeError:
+        raise InvalidJobs(f"the prompts file {path} is not UTF-8 text.") from None
+    jobs: list[Job] = []
+    errors: list[str] = []
+    lines_of: dict[str, int] = {}
+    for number, line in enumerate(text.split("\n"), start=1):
+        if not line.strip():
+            continue
+        source = f"{path}:{number}"
+        try:
+            job = parse_job(line, number, source)
+        except _LineError as error:
+            errors.append(f"{source}: {error}")
+            continue
+        if job.id in lines_of:
+            errors.append(f"{source}: id {job.id!r} is already the id of line {lines_of[job.id]}; ids must be unique.")
+            continue
+        lines_of[job.id] = number
+        jobs.append(job)
+    if errors:
+        raise InvalidJobs(_listing(errors, f"lines of {path} cannot be run"))
+    if not jobs:
+        raise InvalidJobs(f"the prompts file {path} has no jobs; write one JSON object per line, "
+                          'e.g. {"prompt": "a photo of a cat", "seed": 1}.')
+    return jobs
+
+
+def with_native_size(jobs: list[Job], height: int, width: int) -> list[Job]:
+    """Jobs without a size get the model's native size (before their keys are used)."""
+    return [replace(job, height=job.height or height, width=job.width or width) for job in jobs]
+
+
+def check_jobs(jobs: list[Job], profile: ShapeProfile, batch_size: int, max_steps: int | None = None) -> None:
+    """Every job against what the compiled engines serve: one error listing each job that cannot run."""
+    if batch_size < 1:
+        raise InvalidJobs(f"--batch-size must be at least 1 but is {batch_size}.")
+    if batch_size > profile.max.batch:
+        raise InvalidJobs(f"--batch-size {batch_size} is more images per call than the profile serves "
+                          f"(batch {profile.range_text('batch')}).")
+    errors = []
+    for job in jobs:
+        try:
+            profile.check(ImageShape(1, job.height, job.width))
+        except ShapeOutOfProfile as error:
+            errors.append(f"{job.source}: {error}")
+        if max_steps is not None and job.steps > max_steps:
+            errors.append(f"{job.source}: `steps` must be at most {max_steps} (the scheduler's training steps) "
+                          f"but is {job.steps}.")
+    if errors:
+        hint = " (`kasoku batch` takes the same --height/--width MIN:MAX flags)"
+        raise InvalidJobs(_listing(errors, "jobs do not fit the compiled engines") + hint)
+
+
+def plan_batches(jobs: list[Job], batch_size: int) -> list[list[Job]]:
+    """Jobs that can share a call, in calls of up to `batch_size`, in file order (so two runs of the
+    same jobs make the same calls)."""
+    groups: dict[tuple, list[Job]] = {}
+    for job in jobs:
+        groups.setdefault(job.call_key, []).append(job)
+    return [group[i:i + batch_size] for group in groups.values() for i in range(0, len(group), batch_size)]
+

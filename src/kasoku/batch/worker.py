@@ -1,0 +1,162 @@
+"""What a worker holds (one compiled pipeline) and does (a batch of jobs into PNGs); the same class
+runs in this process and as a Ray actor, so both make the same pipeline calls and write the same bytes."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import socket
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+from ..components import ShapeProfile
+from ..options import CompileOptions
+from .jobs import Job
+from .output import STATE_DIR, JobResult, write_atomically
+
+StageHook = Callable[[str, str], contextlib.AbstractContextManager]
+
+
+@dataclass(frozen=True)
+class PipelineRecipe:
+    """How a worker loads its compiled pipeline from the cache. Small and picklable: it travels to
+    Ray workers, so paths are absolute, the cache folder is explicit and, once the driver has
+    compiled, `options.backend` is the mapping component -> backend that `auto` resolved to, so every
+    worker runs exactly the driver's engines."""
+
+    model: str
+    options: CompileOptions
+
+    def load(self, reference=None, on_stage: StageHook | None = None):
+        """A KasokuPipeline; from the cache when the engines are built (the usual case)."""
+        from ..loading import load_pipeline
+        from ..pipeline import compile
+
+        reference = reference if reference is not None else load_pipeline(self.model, lazy=True)
+        options = self.options
+        if options.components is None:
+            options = options.replace(components=txt2img_components(reference))
+        return compile(reference, options=options, on_stage=on_stage, label=self.model)
+
+    def resolved(self, pipeline) -> PipelineRecipe:
+        """This recipe with the backends a compiled pipeline runs (what `auto` chose)."""
+        backends = dict(pipeline.compile_report.backends)
+        return replace(self, options=self.options.replace(backend=backends, components=tuple(backends)))
+
+
+def txt2img_components(pipe) -> tuple[str, ...]:
+    """The components text-to-image runs (never the VAE encoder)."""
+    from ..families import family_of
+
+    return family_of(pipe).task_components("txt2img", pipe)
+
+
+def batch_profile(pipe, batch_size: int, height: tuple[int, ...] | None = None,
+                  width: tuple[int, ...] | None = None) -> ShapeProfile:
+    """The model's default profile (the one `kasoku compile MODEL` builds), widened to `batch_size`
+    images per call, with the height and width ranges (MIN:MAX or MIN:OPT:MAX, as for `kasoku
+    compile`) where given."""
+    from ..components import default_profile, profile_with_ranges
+
+    base = default_profile(pipe)
+    batch = (base.min.batch, base.opt.batch, max(base.max.batch, batch_size))
+    return profile_with_ranges(base, batch, height, width)
+
+
+# ---- the worker --------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class WorkerInfo:
+    """What starting one worker cost, timed inside it (and, for Ray workers, by the driver)."""
+
+    name: str  # host:pid
+    node: str
+    pid: int
+    import_seconds: float  # torch, diffusers, kasoku: paid once per fresh process
+    model_seconds: float  # the diffusers pipeline (tokenizer, scheduler, configs, weights to fingerprint)
+    engine_seconds: float  # the engines: loaded from the cache, or built first where `built_stages`
+    built_stages: int = 0  # cache entries this worker had to build (0 on Ray: the driver built them)
+    startup_seconds: float | None = None  # Ray: from asking for the worker to its first answer (spawn and all)
+
+    @property
+    def load_seconds(self) -> float:
+        return self.model_seconds + self.engine_seconds
+
+
+def describe_backends(pipeline) -> str:
+    """"onnxruntime" when every engine runs on it, else "text_encoder=openvino, unet=onnxruntime, ..."."""
+    backends = {name: engine.backend for name, engine in pipeline.engines.items()}
+    if len(set(backends.values())) == 1:
+        return next(iter(backends.values()))
+    return ", ".join(f"{name}={backend}" for name, backend in backends.items())
+
+
+class BatchWorker:
+    """Holds one compiled pipeline and turns batches of jobs into PNGs in the output folder.
+
+    The same class runs in this process (run_local) and as a Ray actor (run_ray): both make the same
+    pipeline calls, so they write the same bytes."""
+
+    def __init__(self, recipe: PipelineRecipe, out_dir: str, reference=None, on_stage: StageHook | None = None):
+        start = time.perf_counter()
+        import torch
+
+        from ..console import quiet_third_party_logs
+        from ..loading import load_pipeline
+
+        quiet_third_party_logs()
+        imported = time.perf_counter()
+        if recipe.options.threads:  # the scheduler's and latents' torch ops share the worker's CPUs
+            torch.set_num_threads(recipe.options.threads)
+        reference = reference if reference is not None else load_pipeline(recipe.model, lazy=True)
+        loaded = time.perf_counter()
+        self.pipeline = recipe.load(reference, on_stage)
+        self.seconds = (imported - start, loaded - imported, time.perf_counter() - loaded)
+        self.node = socket.gethostname()
+        self.name = f"{self.node}:{os.getpid()}"
+        self.backend = describe_backends(self.pipeline)
+        self.out = Path(out_dir)
+        self.tmp = self.out / STATE_DIR / "tmp"
+        self.status_file = self.out / STATE_DIR / "workers" / f"{self.node}-{os.getpid()}.json"
+        self._write_status([])  # also proves that this node can write the output folder
+
+    def info(self) -> WorkerInfo:
+        imports, model, engines = (round(s, 3) for s in self.seconds)
+        report = self.pipeline.compile_report
+        built = sum(stage.status != "reused" for stage in report.stages) if report else 0
+        return WorkerInfo(self.name, self.node, os.getpid(), imports, model, engines, built)
+
+    def run(self, batch: list[Job]) -> list[JobResult]:
+        """Generate one call's images, write each atomically; the results for the driver to record."""
+        self._write_status(batch)
+        images, seconds = self._generate(batch)
+        for job, image in zip(batch, images):
+            write_atomically(self.out / job.file, lambda f, image=image: image.save(f, format="PNG"), self.tmp)
+        self._write_status([])
+        share = seconds / len(batch)
+        return [JobResult(job.id, job.seed, job.file, round(share, 6), self.backend, self.name, len(batch), job.key)
+                for job in batch]
+
+    def _generate(self, batch: list[Job]):
+        import torch
+
+        first = batch[0]
+        start = time.perf_counter()
+        images = self.pipeline(
+            [job.prompt for job in batch],
+            negative_prompt=None if first.negative_prompt is None else [job.negative_prompt for job in batch],
+            generator=[torch.Generator().manual_seed(job.seed) for job in batch],  # one per job: its own noise
+            num_inference_steps=first.steps, guidance_scale=first.guidance, height=first.height, width=first.width,
+        ).images
+        return images, time.perf_counter() - start
+
+    def _write_status(self, batch: list[Job]) -> None:
+        """Which jobs this worker is on (a folder of these shows a run's progress per worker)."""
+        status = {"worker": self.name, "pid": os.getpid(), "jobs": [job.id for job in batch], "since": time.time()}
+        write_atomically(self.status_file, lambda f: f.write(json.dumps(status).encode()), self.tmp)
+
+

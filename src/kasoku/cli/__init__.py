@@ -1,0 +1,67 @@
+"""`kasoku`: compile diffusers Stable Diffusion pipelines into fast engines, and prove them.
+
+Every command is a small :class:`~kasoku.cli.base.Command` that declares its own arguments beside
+its code and is a thin layer over a library call that returns data. A user error ends in one line
+and a non-zero exit, never a traceback, and nothing is written.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from ..errors import KasokuError
+from .admin import CacheCommand, Info
+from .base import Command
+from .build import Compile, Export, Tiny
+from .check import Bench, Demo, Verify
+from .generate import Batch, Generate
+
+COMMANDS: dict[str, Command] = {c.name: c for c in (Demo(), Generate(), Batch(), Tiny(), Export(), Compile(),
+                                                     CacheCommand(), Verify(), Bench(), Info())}
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse, with its errors on one line: what is wrong and where the help is."""
+
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: error: {message} (see `{self.prog} --help`)\n")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = _Parser(
+        prog="kasoku",
+        description=(
+            "kasoku (加速) compiles diffusers Stable Diffusion 1.x, 2.x and XL pipelines into ONNX Runtime, OpenVINO "
+            "and TensorRT engines and proves they compute the same thing. Start with `kasoku demo`."
+        ),
+    )
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True, parser_class=_Parser)
+    for name, command in COMMANDS.items():
+        doc = (type(command).__doc__ or "").strip()
+        command.add_arguments(sub.add_parser(name, help=command.summary(), description=doc))
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    from rich.markup import escape
+
+    from ..console import console, quiet_third_party_logs
+
+    quiet_third_party_logs()
+    try:
+        return COMMANDS[args.command].run(args)
+    except KasokuError as error:
+        console.print("[bold red]error:[/]", escape(str(error)), soft_wrap=True)
+        return 1
+    except KeyboardInterrupt:
+        console.print("interrupted")
+        return 130
+
+
+__all__ = ["COMMANDS", "Command", "build_parser", "main"]
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,185 @@
+"""What every command shares: the Command base (its arguments beside its code, Polygraphy-style),
+argument types that refuse bad values at parse time, and the argument groups several commands take."""
+
+from __future__ import annotations
+
+import argparse
+import math
+from collections.abc import Callable
+from pathlib import Path
+from typing import ClassVar
+
+from ..errors import KasokuError
+
+
+class Command:
+    """One `kasoku` subcommand: its docstring is its help, `add_arguments` its flags, `run` its work.
+
+    `run` calls the library and prints what it returns; it returns the exit status. A user error is a
+    :class:`KasokuError` (printed as one line by `main`), raised before anything is written."""
+
+    name: ClassVar[str]
+
+    def add_arguments(self, parser: argparse.ArgumentParser) -> None:
+        """Declare this command's arguments."""
+
+    def run(self, args: argparse.Namespace) -> int:
+        raise NotImplementedError
+
+    @classmethod
+    def summary(cls) -> str:
+        return (cls.__doc__ or "").strip().splitlines()[0]
+
+
+# ---- argument types: a bad value is a one-line parse error, never a traceback later ----------
+
+
+def _number(kind: Callable, text: str, rule: str, ok: Callable) -> int | float:
+    try:
+        value = kind(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected {rule}, got {text!r}") from None
+    if not ok(value):
+        raise argparse.ArgumentTypeError(f"expected {rule}, got {text!r}")
+    return value
+
+
+def positive_int(text: str) -> int:
+    return _number(int, text, "a positive integer", lambda v: v >= 1)
+
+
+def non_negative_int(text: str) -> int:
+    return _number(int, text, "an integer >= 0", lambda v: v >= 0)
+
+
+def fraction(text: str) -> float:
+    return _number(float, text, "a number in [0, 1]", lambda v: 0.0 <= v <= 1.0)
+
+
+def finite_float(text: str) -> float:
+    return _number(float, text, "a finite number", math.isfinite)
+
+
+def size_range(text: str) -> tuple[int, ...]:
+    """MIN:MAX or MIN:OPT:MAX, positive integers."""
+    rule = "MIN:MAX or MIN:OPT:MAX (positive integers)"
+    try:
+        values = tuple(int(v) for v in text.split(":"))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected {rule}, got {text!r}") from None
+    if len(values) not in (2, 3) or any(v < 1 for v in values):
+        raise argparse.ArgumentTypeError(f"expected {rule}, got {text!r}")
+    return values
+
+
+# ---- argument groups several commands take -------------------------------------------------
+
+
+def add_model(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("model", help="a diffusers pipeline folder (or a hub id when online)")
+
+
+def add_cache_dir(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--cache-dir", type=Path, default=None, help="default: $KASOKU_CACHE or ~/.cache/kasoku")
+
+
+def add_json(parser: argparse.ArgumentParser, what: str = "the report") -> None:
+    parser.add_argument("--json", type=Path, metavar="PATH", help=f"also write {what} as JSON")
+
+
+def add_backend_arguments(parser: argparse.ArgumentParser) -> None:
+    """--backend and --precision, with the choices the code accepts."""
+    from ..backends import BACKEND_CHOICES
+    from ..components import Precision
+
+    parser.add_argument("--backend", choices=BACKEND_CHOICES, default="auto",
+                        help="auto (default): TensorRT then ONNX Runtime CUDA on a GPU; on a CPU the faster of "
+                             "onnxruntime and openvino per component, measured once per model and machine")
+    parser.add_argument("--precision", choices=[p.value for p in Precision], default="fp32", help="default fp32")
+
+
+def add_engine_arguments(parser: argparse.ArgumentParser, *, profile_flags: bool = True) -> None:
+    """The options that say which engines to build (compile, generate, verify, bench)."""
+    from ..families import component_names
+    from ..options import DEFAULT_EXPORTER, DEFAULT_OPSET, EXPORTERS, TRT_OPT_LEVELS
+
+    add_backend_arguments(parser)
+    if profile_flags:
+        parser.add_argument("--batch", type=size_range, metavar="MIN:MAX", help="images per call the engines serve")
+        parser.add_argument("--height", type=size_range, metavar="MIN:MAX", help="image heights in pixels")
+        parser.add_argument("--width", type=size_range, metavar="MIN:MAX", help="image widths in pixels")
+    names = component_names()
+    parser.add_argument("--components", nargs="+", choices=names, default=None, metavar="NAME",
+                        help=f"which of {' '.join(names)} (default: all the model has)")
+    parser.add_argument("--exporter", choices=EXPORTERS, default=DEFAULT_EXPORTER, help=argparse.SUPPRESS)
+    parser.add_argument("--opset", type=positive_int, default=DEFAULT_OPSET, help=argparse.SUPPRESS)
+    parser.add_argument("--threads", type=positive_int, default=None,
+                        help="CPU threads per engine (default: the runtime's)")
+    parser.add_argument("--trt-opt-level", type=int, choices=list(TRT_OPT_LEVELS), default=3,
+                        help="TensorRT builder optimization level 0-5 (default 3)")
+    add_cache_dir(parser)
+
+
+def options_from_args(args: argparse.Namespace, profile=None):
+    """The CompileOptions of the engine arguments, checked before anything is loaded or written."""
+    from ..options import CompileOptions
+
+    options = CompileOptions(
+        backend=args.backend, precision=args.precision, profile=profile,
+        components=getattr(args, "components", None), cache_dir=args.cache_dir, threads=args.threads,
+        exporter=getattr(args, "exporter", None) or CompileOptions.exporter,
+        opset=getattr(args, "opset", None) or CompileOptions.opset,
+        trt_opt_level=getattr(args, "trt_opt_level", CompileOptions.trt_opt_level),
+    )
+    check_backend(options)
+    return options
+
+
+def check_backend(options) -> None:
+    """An explicit backend must be installed and build the asked precision: say so before any work."""
+    from ..backends import get_backend
+
+    names = set(options.backend.values()) if isinstance(options.backend, dict) else {options.backend}
+    for name in names - {"auto"}:
+        backend = get_backend(name, options)
+        backend.require()
+        backend.check_precision(options.precision)
+
+
+def profile_from_args(args: argparse.Namespace):
+    """A ShapeProfile from --batch/--height/--width, the model's defaults for the rest (None: defaults)."""
+    if not (getattr(args, "batch", None) or getattr(args, "height", None) or getattr(args, "width", None)):
+        return None
+    from ..components import default_profile, profile_with_ranges
+    from ..loading import load_pipeline
+
+    return profile_with_ranges(default_profile(load_pipeline(args.model, lazy=True)), args.batch, args.height,
+                               args.width)
+
+
+def show_stage(component: str, name: str):
+    """A spinner while one compile stage of one component runs."""
+    from ..console import stage
+
+    return stage(f"{component}: {name}")
+
+
+def open_image(path: Path, flag: str):
+    from PIL import Image, UnidentifiedImageError
+
+    try:
+        return Image.open(path).convert("RGB")
+    except FileNotFoundError:
+        raise KasokuError(f"{flag} {path} does not exist.") from None
+    except (UnidentifiedImageError, IsADirectoryError):
+        raise KasokuError(f"{flag} {path} is not an image PIL can read.") from None
+
+
+def check_output_file(path: Path, flag: str = "-o") -> Path:
+    """A file the command will write: its folder must exist and the path must not be a folder."""
+    path = Path(path)
+    if not path.parent.exists():
+        raise KasokuError(f"cannot write {path}: the folder {path.parent} does not exist.")
+    if path.is_dir():
+        raise KasokuError(f"{flag} {path} is a folder; give a file name.")
+    return path

@@ -1,0 +1,126 @@
+"""`kasoku tiny`, `kasoku export`, `kasoku compile`: models in, ONNX files and engines out."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from .base import (
+    Command,
+    add_engine_arguments,
+    add_json,
+    add_model,
+    non_negative_int,
+    options_from_args,
+    positive_int,
+    profile_from_args,
+    show_stage,
+)
+
+
+class Tiny(Command):
+    """Write a built-in tiny Stable Diffusion pipeline (SD 1.x, 2.x or XL) as a diffusers folder."""
+
+    name = "tiny"
+
+    def add_arguments(self, p: argparse.ArgumentParser) -> None:
+        from ..families import FAMILIES
+        from ..tiny import PREDICTION_TYPES
+
+        p.add_argument("dir", type=Path, help="an empty or new folder to write the pipeline into")
+        p.add_argument("--family", choices=list(FAMILIES), default="sd1",
+                       help="; ".join(f"{name}: {family.title}" for name, family in FAMILIES.items())
+                       + " (default sd1)")
+        p.add_argument("--prediction", choices=PREDICTION_TYPES, default="epsilon",
+                       help="the scheduler's prediction type: epsilon (default; SD 2 base at 512) or v_prediction "
+                            "(SD 2 at 768)")
+        p.add_argument("--inpainting", action="store_true", help="the 9-input-channel inpainting U-Net variant")
+        p.add_argument("--seed", type=non_negative_int, default=0, help="seed of the deterministic weights (default 0)")
+
+    def run(self, args: argparse.Namespace) -> int:
+        from ..console import console
+        from ..families import FAMILIES
+        from ..tiny import check_tiny_folder, write_tiny_pipeline
+
+        check_tiny_folder(args.dir)
+        path = write_tiny_pipeline(args.dir, family=args.family, inpainting=args.inpainting,
+                                   prediction=args.prediction, seed=args.seed)
+        kind = "inpainting " if args.inpainting else ""
+        console.print(f"wrote the tiny {FAMILIES[args.family].title} {kind}pipeline ({args.prediction}, "
+                      f"seed {args.seed}) to {path}")
+        return 0
+
+
+class Export(Command):
+    """Export a pipeline's components to ONNX, with a parity check against torch."""
+
+    name = "export"
+
+    def add_arguments(self, p: argparse.ArgumentParser) -> None:
+        from ..families import component_names
+        from ..options import DEFAULT_EXPORTER, DEFAULT_OPSET, EXPORTERS
+
+        add_model(p)
+        p.add_argument("outdir", type=Path, help="folder for <component>/model.onnx and manifest.json")
+        p.add_argument("--exporter", choices=EXPORTERS, default=DEFAULT_EXPORTER,
+                       help=f"torch.onnx exporter (default {DEFAULT_EXPORTER})")
+        p.add_argument("--opset", type=positive_int, default=DEFAULT_OPSET,
+                       help=f"ONNX opset (default {DEFAULT_OPSET})")
+        names = component_names()
+        p.add_argument("--components", nargs="+", choices=names, default=None,
+                       metavar="NAME", help=f"which of {' '.join(names)} (default: all the model has)")
+        add_json(p, "the manifest")
+
+    def run(self, args: argparse.Namespace) -> int:
+        from ..console import console, stage, table, write_json
+        from ..errors import KasokuError
+        from ..export import export_pipeline
+
+        if args.outdir.exists() and not args.outdir.is_dir():
+            raise KasokuError(f"{args.outdir} is a file; give a folder for the ONNX files.")
+        with stage(f"exporting {args.model} ({args.exporter}, opset {args.opset})"):
+            manifest = export_pipeline(args.model, args.outdir, components=args.components, exporter=args.exporter,
+                                       opset=args.opset)
+        rows = []
+        for c in manifest.components:
+            worst = max(c.parity, key=lambda p: p.max_abs / p.limit)
+            rows.append(
+                [c.name, c.path, f"{c.size_bytes / 1e6:.1f} MB", f"{c.seconds:.1f} s",
+                 f"{worst.max_abs:.1e} (tol {worst.limit:.0e})", len({p.shape for p in c.parity})]
+            )
+        console.print(table("ONNX export", ["component", "file", "size", "time", "worst max|Δ| vs torch",
+                                            "shapes checked"], rows))
+        console.print(f"manifest: {Path(args.outdir) / 'manifest.json'}")
+        if args.json:
+            write_json(args.json, manifest)
+        return 0
+
+
+class Compile(Command):
+    """Build the engines of every component into the cache (export, optimize, engine)."""
+
+    name = "compile"
+
+    def add_arguments(self, p: argparse.ArgumentParser) -> None:
+        add_model(p)
+        add_engine_arguments(p)
+        add_json(p)
+
+    def run(self, args: argparse.Namespace) -> int:
+        from ..build import compile_components
+        from ..console import console, table, write_json
+        from ..families import FAMILIES
+
+        options = options_from_args(args, profile_from_args(args))
+        _, report = compile_components(args.model, options, on_stage=show_stage)
+        rows = [[s.component, s.stage, s.status, f"{s.seconds:.1f} s", s.key[:12]] for s in report.stages]
+        console.print(table(f"compile {report.model} ({FAMILIES[report.family].title}, {report.precision})",
+                            ["component", "stage", "cache", "time", "entry"], rows))
+        for note in report.notes:
+            console.print(f"note: {note}", markup=False)
+        console.print("backends: " + ", ".join(f"{c}={b}" for c, b in report.backends.items()))
+        console.print(f"{report.built} built, {len(report.stages) - report.built} reused from the cache, "
+                      f"{report.seconds:.1f} s in all")
+        if args.json:
+            write_json(args.json, report)
+        return 0

@@ -1,0 +1,107 @@
+"""Model families: which diffusers pipelines kasoku compiles, and how to tell them apart.
+
+Each family is one object (see :mod:`kasoku.families.base`); this module is the registry and
+the detection. The family is read from a folder's model_index.json and component configs before
+any weight is loaded, so an unsupported model fails fast with the list of what is supported.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from .base import TASKS, Family, NotADiffusersPipeline
+from .sd import StableDiffusion1, StableDiffusion2
+from .sdxl import StableDiffusionXL
+
+# The registry: adding a family is a module beside these and one entry here.
+FAMILIES: dict[str, Family] = {f.name: f for f in (StableDiffusion1(), StableDiffusion2(), StableDiffusionXL())}
+SUPPORTED_PIPELINES = tuple(dict.fromkeys(c for f in FAMILIES.values() for c in f.pipelines.values()))
+
+__all__ = ["FAMILIES", "SUPPORTED_PIPELINES", "TASKS", "Family", "NotADiffusersPipeline", "classify", "component_names",
+           "detect_family", "family_of", "family_only_arguments", "read_model_index"]
+
+
+def component_names() -> tuple[str, ...]:
+    """Every component name any family has (what `--components` accepts)."""
+    return tuple(dict.fromkeys(n for f in FAMILIES.values() for n in f.component_names()))
+
+
+def family_only_arguments() -> dict[str, tuple[Family, ...]]:
+    """Call argument -> the families whose pipelines take it (only those some family alone takes)."""
+    owners: dict[str, list[Family]] = {}
+    for family in FAMILIES.values():
+        for name in family.call_arguments:
+            owners.setdefault(name, []).append(family)
+    return {name: tuple(found) for name, found in owners.items()}
+
+
+def _unsupported(where: str, pipeline_class: Any) -> NotADiffusersPipeline:
+    return NotADiffusersPipeline(
+        f"{where} is a {pipeline_class!r}; kasoku supports {', '.join(SUPPORTED_PIPELINES)}."
+    )
+
+
+def classify(
+    pipeline_class: str,
+    components: Mapping[str, Any],
+    unet_config: Mapping[str, Any],
+    text_config: Mapping[str, Any],
+    *,
+    where: str = "the model",
+) -> Family:
+    """The family from the pipeline class name, its component names and two configs."""
+    for family in FAMILIES.values():
+        if family.matches(pipeline_class, components, unet_config, text_config):
+            family.check_layout(components, where)
+            return family
+    raise _unsupported(where, pipeline_class)
+
+
+def family_of(pipe) -> Family:
+    """The family of a live diffusers pipeline."""
+    text_encoder = getattr(pipe, "text_encoder", None)
+    return classify(
+        type(pipe).__name__,
+        pipe.components,
+        dict(pipe.unet.config),
+        text_encoder.config.to_dict() if text_encoder is not None else {},
+        where=type(pipe).__name__,
+    )
+
+
+def _read_json(path: Path) -> dict[str, Any]:
+    try:
+        return json.loads(path.read_text())
+    except FileNotFoundError:
+        return {}
+    except json.JSONDecodeError as error:
+        raise NotADiffusersPipeline(f"{path} is not valid JSON ({error}).") from None
+
+
+def read_model_index(folder: Path) -> dict[str, Any]:
+    index = Path(folder) / "model_index.json"
+    if not index.is_file():
+        raise NotADiffusersPipeline(
+            f"{folder} is not a diffusers pipeline folder: it has no model_index.json. "
+            "Save one with `pipe.save_pretrained(DIR)`, or write a built-in tiny pipeline "
+            f"with `kasoku tiny DIR [--family {'|'.join(FAMILIES)}]`."
+        )
+    return _read_json(index)
+
+
+def detect_family(folder: str | Path) -> Family:
+    """The family of a diffusers folder, from model_index.json and the configs (no weights read)."""
+    folder = Path(folder)
+    index = read_model_index(folder)
+    # model_index.json lists a component as [library, class], or [null, null] when absent.
+    components = {k: v for k, v in index.items() if isinstance(v, list) and v and v[0] is not None}
+    return classify(
+        index.get("_class_name"),
+        components,
+        _read_json(folder / "unet" / "config.json"),
+        _read_json(folder / "text_encoder" / "config.json"),
+        where=str(folder),
+    )

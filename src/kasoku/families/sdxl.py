@@ -1,0 +1,159 @@
+"""Stable Diffusion XL (base): StableDiffusionXL* pipelines on two text encoders.
+
+The pipeline reads the penultimate hidden state of both encoders and the projected pooled
+embedding of the second; the U-Net takes that pooled embedding and six size/crop ids as added
+conditioning (two more engine inputs). SDXL's VAE overflows in fp16 unless it is a fp16-safe one.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+
+from ..components import TensorSpec, UNetModule
+from ..standins import EngineTextEncoder, InvalidInput
+from .base import Axes, Family, NotADiffusersPipeline
+
+# SDXL's size/crop conditioning: (height, width) or (top, left) pairs in pixels.
+SIZE_IDS = ("original_size", "target_size", "crops_coords_top_left", "negative_original_size",
+            "negative_target_size", "negative_crops_coords_top_left")
+VAE_FP32 = (
+    "SDXL's VAE overflows in fp16 (its config sets force_upcast), so it is built in fp32; give the pipeline "
+    "a fp16-safe VAE (force_upcast false, such as madebyollin/sdxl-vae-fp16-fix) to build it in fp16"
+)
+TIME_IDS = 6  # original size, crop top-left, target size
+
+
+class _PenultimateOnly(tuple):
+    """The hidden states an SDXL pipeline reads: only the penultimate layer (index -2) is there."""
+
+    def __getitem__(self, index):
+        if index != -2:
+            raise InvalidInput("`clip_skip` needs more hidden states than the compiled text encoders return "
+                               "(the penultimate layer only); call without clip_skip.")
+        return tuple.__getitem__(self, 0)
+
+
+class _TextEncoderOutput(tuple):
+    """What diffusers indexes: out[0] (the second encoder's projected pooled embedding) and .hidden_states."""
+
+    hidden_states = None
+
+
+class PenultimateTextEncoder(EngineTextEncoder):
+    """SDXL calls both encoders with output_hidden_states and reads hidden_states[-2]."""
+
+    def forward(self, input_ids, attention_mask=None, output_hidden_states=None, return_dict=None, **kwargs):
+        out = self._run(self._component, input_ids=input_ids.to(torch.int64))
+        first = out["text_embeds"] if "text_embeds" in out else out["penultimate_hidden_state"]
+        result = _TextEncoderOutput((first,))
+        result.hidden_states = _PenultimateOnly((out["penultimate_hidden_state"],))
+        return result
+
+
+class SDXLUNetModule(UNetModule):
+    """SDXL's U-Net: the pooled text embedding and the size/crop ids as two more inputs."""
+
+    def forward(self, sample, timestep, encoder_hidden_states, text_embeds, time_ids):
+        added = {"text_embeds": text_embeds, "time_ids": time_ids}
+        return (self.unet(sample, timestep, encoder_hidden_states, added_cond_kwargs=added, return_dict=False)[0],)
+
+
+class StableDiffusionXL(Family):
+    name = "sdxl"
+    title = "Stable Diffusion XL"
+    pipelines = {
+        "txt2img": "StableDiffusionXLPipeline",
+        "img2img": "StableDiffusionXLImg2ImgPipeline",
+        "inpaint": "StableDiffusionXLInpaintPipeline",
+    }
+    text_encoders = ("text_encoder", "text_encoder_2")
+    call_arguments = ("prompt_2", "negative_prompt_2", "pooled_prompt_embeds", "negative_pooled_prompt_embeds",
+                      *SIZE_IDS, "aesthetic_score", "negative_aesthetic_score")
+
+    def check_layout(self, components: Mapping[str, Any], where: str) -> None:
+        missing = [name for name in self.text_encoders if components.get(name) is None]
+        if missing:  # the SDXL refiner has only the second text encoder and aesthetic-score ids
+            raise NotADiffusersPipeline(
+                f"{where} is an SDXL pipeline without {', '.join(missing)} (an SDXL refiner?); kasoku supports "
+                "SDXL base pipelines with both text encoders."
+            )
+
+    def text_encoder_outputs(self, pipe, name: str, axes: Axes) -> tuple[TensorSpec, ...]:
+        config = getattr(pipe, name).config
+        hidden = TensorSpec("penultimate_hidden_state", (axes.guided, pipe.tokenizer.model_max_length,
+                                                         config.hidden_size))
+        if name == "text_encoder_2":
+            return (TensorSpec("text_embeds", (axes.guided, config.projection_dim)), hidden)
+        return (hidden,)
+
+    def unet_added_inputs(self, pipe, axes: Axes) -> tuple[TensorSpec, ...]:
+        config = pipe.unet.config
+        pooled = pipe.text_encoder_2.config.projection_dim
+        time_ids = (config.projection_class_embeddings_input_dim - pooled) // config.addition_time_embed_dim
+        return (TensorSpec("text_embeds", (axes.guided, pooled)), TensorSpec("time_ids", (axes.guided, time_ids)))
+
+    def unet_module(self, unet: torch.nn.Module) -> torch.nn.Module:
+        return SDXLUNetModule(unet)
+
+    def vae_keep_fp32(self, pipe) -> str | None:
+        return VAE_FP32 if pipe.vae.config.get("force_upcast", True) else None
+
+    def text_encoder_stand_in(self, pipe, name: str, engines, times):
+        return PenultimateTextEncoder(getattr(pipe, name), engines, times, name)
+
+    def check_arguments(self, kwargs: Mapping[str, Any]) -> None:
+        for name in SIZE_IDS:
+            value = kwargs.get(name)
+            if value is not None and (len(tuple(value)) != 2 or any(int(v) < 0 for v in value)):
+                raise InvalidInput(f"`{name}` must be a pair of non-negative ints (height, width) or "
+                                   f"(top, left) but is {value!r}.")
+
+    # ---- the built-in tiny model -----------------------------------------------------------
+
+    def tiny_unet(self, in_channels: int):
+        # Attention only in the deeper blocks, several transformer layers there, and the pooled text
+        # embedding plus the six size/crop ids added to the time embedding.
+        from diffusers import UNet2DConditionModel
+
+        from ..tiny import TINY_SIZES, tiny_unet_common
+
+        sizes = TINY_SIZES
+        return UNet2DConditionModel(
+            down_block_types=("DownBlock2D", "CrossAttnDownBlock2D"),
+            up_block_types=("CrossAttnUpBlock2D", "UpBlock2D"),
+            cross_attention_dim=sizes.text_hidden + sizes.text_hidden_2,
+            attention_head_dim=sizes.heads_per_block,
+            transformer_layers_per_block=(1, 2),
+            use_linear_projection=True,
+            addition_embed_type="text_time",
+            addition_time_embed_dim=sizes.time_ids_embed_dim,
+            projection_class_embeddings_input_dim=sizes.time_ids_embed_dim * TIME_IDS + sizes.text_projection_2,
+            **tiny_unet_common(in_channels),
+        )
+
+    def tiny_scheduler(self, prediction: str):
+        from diffusers import EulerDiscreteScheduler
+
+        from ..tiny import SCHEDULER_COMMON
+
+        return EulerDiscreteScheduler(timestep_spacing="leading", interpolation_type="linear",
+                                      prediction_type=prediction, **SCHEDULER_COMMON)
+
+    def tiny_pipeline(self, *, inpainting: bool = False, prediction: str = "epsilon", seed: int = 0):
+        from ..tiny import seeded, tiny_text_encoder, tiny_tokenizer, tiny_vae
+
+        tokenizer, tokenizer_2 = tiny_tokenizer("<|endoftext|>"), tiny_tokenizer("!")
+        components = dict(
+            vae=seeded(seed, 1, lambda: tiny_vae(scaling_factor=0.13025, force_upcast=True)),  # SDXL's VAE config
+            text_encoder=seeded(seed, 2, lambda: tiny_text_encoder(tokenizer)),
+            tokenizer=tokenizer,
+            unet=seeded(seed, 3, lambda: self.tiny_unet(9 if inpainting else 4)),
+            scheduler=self.tiny_scheduler(prediction),
+            text_encoder_2=seeded(seed, 4, lambda: tiny_text_encoder(tokenizer_2, openclip=True, second=True)),
+            tokenizer_2=tokenizer_2,
+            add_watermarker=False,
+        )
+        return self.pipeline_class("inpaint" if inpainting else "txt2img")(**components)

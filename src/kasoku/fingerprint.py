@@ -1,0 +1,107 @@
+"""Weight digests: what the cache keys an exported graph on, computed as rarely as possible.
+
+The digest of a module is SHA-256 over its state dict in name order: each tensor's name, shape and
+the CRC-32 of its fp32 bytes, so a module gives the same digest however it was loaded. CRC-32 runs
+at memory speed (zlib releases the GIL, so two threads share the work): about half a second for
+SD 1.5's 4 GB, where SHA-256 of the bytes took three. It is a change detector, not a defence
+against forgery: a changed tensor goes unnoticed with probability 2^-32, and a fine-tune or a
+LoRA changes hundreds of tensors at once.
+
+A module that kasoku loaded itself from a diffusers folder is remembered by its weights files:
+the digest is stored under `<cache>/fingerprints/`, keyed by each file's path, size and
+modification time, so a warm start never reads the weights at all (see
+:func:`kasoku.loading.load_pipeline` with ``lazy=True``). A live module handed to kasoku is always
+hashed: its weights may have changed in memory since it was loaded (a fused LoRA, say).
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import hashlib
+import json
+import os
+import zlib
+from pathlib import Path
+
+import torch
+
+from .cache import atomic_write_text
+
+THREADS = 2
+FINGERPRINTS = "fingerprints"
+
+
+def _tensor_digest(tensor: torch.Tensor) -> bytes:
+    data = tensor.detach().to(torch.float32).contiguous().reshape(-1).numpy()
+    return zlib.crc32(memoryview(data).cast("B")).to_bytes(4, "little")
+
+
+def module_fingerprint(module: torch.nn.Module) -> str:
+    """SHA-256 of the module's state dict: names, shapes and the CRC-32 of the fp32 values."""
+    items = sorted(module.state_dict().items())
+    with concurrent.futures.ThreadPoolExecutor(THREADS) as pool:
+        digests = list(pool.map(lambda item: _tensor_digest(item[1]), items))
+    total = hashlib.sha256()
+    for (name, tensor), digest in zip(items, digests):
+        total.update(f"{name}:{tuple(tensor.shape)}:".encode())
+        total.update(digest)
+    return total.hexdigest()
+
+
+def weights_files(folder: Path) -> list[Path]:
+    """The safetensors files a diffusers component folder loads its weights from."""
+    return sorted(p for p in Path(folder).glob("*.safetensors") if p.is_file())
+
+
+def _files_key(files: list[Path], config: dict) -> str:
+    stats = []
+    for path in files:
+        info = path.stat()
+        stats.append([str(path.resolve()), info.st_size, info.st_mtime_ns])
+    described = json.dumps({"files": stats, "config": config}, sort_keys=True, default=str)
+    return hashlib.sha256(described.encode()).hexdigest()[:32]
+
+
+class WeightsFingerprints:
+    """Digests of a pipeline's modules, each computed once per call and, for modules loaded from a
+    folder by kasoku, once per weights file (remembered under `root`)."""
+
+    def __init__(self, root: str | Path | None = None):
+        self.root = Path(root) / FINGERPRINTS if root is not None else None
+        self._computed: dict[int, str] = {}
+
+    def of(self, pipe, attribute: str) -> str:
+        """The digest of `pipe.<attribute>` (a torch module), loading it only when it must."""
+        from .loading import lazy_source, real_module
+
+        module = getattr(pipe, attribute)
+        if id(module) in self._computed:
+            return self._computed[id(module)]
+        source = lazy_source(module)
+        memo = None
+        if source is not None and self.root is not None:
+            files = weights_files(source)
+            if files:
+                memo = self.root / f"{_files_key(files, config_dict(module))}.json"
+                if memo.is_file():
+                    try:
+                        return self._remember(digest=json.loads(memo.read_text())["fingerprint"], modules=[module])
+                    except (ValueError, KeyError):
+                        pass  # a damaged memo: compute it again
+        real = real_module(pipe, attribute)
+        digest = module_fingerprint(real)
+        if memo is not None:
+            memo.parent.mkdir(parents=True, exist_ok=True)
+            atomic_write_text(memo, json.dumps({"fingerprint": digest, "folder": str(source), "pid": os.getpid()}))
+        return self._remember(digest=digest, modules=[module, real])
+
+    def _remember(self, *, digest: str, modules: list[torch.nn.Module]) -> str:
+        for module in modules:  # a lazy module and the real one that replaced it share a digest
+            self._computed[id(module)] = digest
+        return digest
+
+
+def config_dict(module) -> dict:
+    """A diffusers or transformers module's config as a plain dict."""
+    config = module.config
+    return config.to_dict() if hasattr(config, "to_dict") else dict(config)

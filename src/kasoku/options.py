@@ -1,0 +1,98 @@
+"""CompileOptions: everything that says which engines to build and how, in one frozen object.
+
+`kasoku.compile`, `KasokuPipeline.from_pretrained`, `compile_components`, `verify`, `bench` and
+`kasoku batch` all take one of these (or its fields as keywords), so an option is declared once,
+checked once, and travels unchanged to a Ray worker.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from .components import Precision, ShapeProfile
+from .errors import KasokuError
+
+DEFAULT_EXPORTER = "dynamo"
+EXPORTERS = ("dynamo", "torchscript")
+DEFAULT_OPSET = 18
+TRT_OPT_LEVELS = range(0, 6)
+
+
+class InvalidOptions(KasokuError, ValueError):
+    """Compile options that cannot work together."""
+
+
+@dataclass(frozen=True)
+class CompileOptions:
+    """Which engines to build, and how.
+
+    `backend` is a backend name (see ``kasoku info``), ``"auto"``, or a mapping component -> backend
+    (what ``auto`` resolved to; ``kasoku batch`` hands it to its workers so that every worker runs
+    exactly the driver's engines).
+    """
+
+    backend: str | Mapping[str, str] = "auto"
+    precision: Precision = Precision.FP32
+    profile: ShapeProfile | None = None  # None: the model's default (half to double its native size)
+    components: tuple[str, ...] | None = None  # None: every component the model has
+    cache_dir: Path | None = None  # None: $KASOKU_CACHE or ~/.cache/kasoku
+    threads: int | None = None  # CPU threads per engine; None: the runtime's default
+    exporter: str = DEFAULT_EXPORTER
+    opset: int = DEFAULT_OPSET
+    trt_opt_level: int = 3  # TensorRT builder optimization level
+    cuda_graph: bool = False  # TensorRT: replay CUDA graphs (static shapes only)
+    check_parity: bool = True  # prove every built artefact against torch
+    onnx_dir: Path | None = None  # build from these ONNX files (a `kasoku export` folder) instead of exporting
+    extra: Mapping[str, Any] = field(default_factory=dict)  # backend-specific settings
+
+    def __post_init__(self) -> None:
+        set_ = object.__setattr__  # normalise once, here, so every reader sees one form
+        set_(self, "precision", _precision(self.precision))
+        if isinstance(self.backend, Mapping):
+            set_(self, "backend", dict(self.backend))
+        if self.components is not None:
+            set_(self, "components", tuple(self.components))
+        for name in ("cache_dir", "onnx_dir"):
+            value = getattr(self, name)
+            if value is not None:
+                set_(self, name, Path(value).expanduser())
+        if self.exporter not in EXPORTERS:
+            raise InvalidOptions(f"`exporter` must be one of {', '.join(EXPORTERS)} but is {self.exporter!r}.")
+        if self.threads is not None and int(self.threads) < 1:
+            raise InvalidOptions(f"`threads` must be at least 1 but is {self.threads}.")
+        if self.trt_opt_level not in TRT_OPT_LEVELS:
+            raise InvalidOptions(f"`trt_opt_level` must be 0..5 but is {self.trt_opt_level}.")
+
+    def replace(self, **changes: Any) -> CompileOptions:
+        return dataclasses.replace(self, **changes)
+
+    def backend_for(self, component: str) -> str:
+        """The backend asked for `component` (``"auto"`` until resolved)."""
+        if isinstance(self.backend, dict):
+            if component not in self.backend:
+                raise InvalidOptions(f"no backend is given for {component}; the mapping names "
+                                     f"{', '.join(self.backend)}.")
+            return self.backend[component]
+        return self.backend
+
+    @classmethod
+    def of(cls, options: CompileOptions | None = None, **fields: Any) -> CompileOptions:
+        """`options` with the given fields replaced (fields left None keep their value)."""
+        base = options or cls()
+        given = {k: v for k, v in fields.items() if v is not None}
+        unknown = sorted(set(given) - {f.name for f in dataclasses.fields(cls)})
+        if unknown:
+            raise TypeError(f"unknown compile option(s) {unknown}")
+        return dataclasses.replace(base, **given) if given else base
+
+
+def _precision(value: Any) -> Precision:
+    try:
+        return Precision(value)
+    except ValueError:
+        raise InvalidOptions(f"`precision` must be one of {', '.join(p.value for p in Precision)} "
+                             f"but is {value!r}.") from None

@@ -1,0 +1,163 @@
+"""Every command, given bad arguments, ends in one line and a non-zero exit: no traceback, nothing written.
+
+The same checks hold in the Python API (a KasokuPipeline on the torch reference backend is built in
+an instant, so these are unit tests)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+import kasoku
+from kasoku.cli import main
+from kasoku.pipeline import InvalidInput
+
+BAD = {
+    "tiny": [
+        ["tiny", "{full}"],  # a folder that is not empty
+        ["tiny", "{new}", "--family", "sd3"],
+        ["tiny", "{new}", "--seed", "-1"],
+        ["tiny", "{file}"],
+    ],
+    "generate": [
+        ["generate", "{model}", "a cat", "-o", "{out}", "--steps", "0"],
+        ["generate", "{model}", "a cat", "-o", "{out}", "--steps", "-3"],
+        ["generate", "{model}", "a cat", "-o", "{out}", "--height", "0"],
+        ["generate", "{model}", "a cat", "-o", "{out}", "--height", "60"],
+        ["generate", "{model}", "a cat", "-o", "{out}", "--width", "-64"],
+        ["generate", "{model}", "a cat", "-o", "{out}", "--num-images", "0"],
+        ["generate", "{model}", "a cat", "-o", "{out}", "--guidance", "nan"],
+        ["generate", "{model}", "a cat", "-o", "{out}", "--strength", "2", "--image", "{image}"],
+        ["generate", "{model}", "a cat", "-o", "{out}", "--backend", "torch", "--precision", "fp16"],
+        ["generate", "{model}", "a cat", "-o", "{out}", "--backend", "tensorrt"],
+        ["generate", "{model}", "a cat", "-o", "{out}", "--image", "{missing}"],
+        ["generate", "{model}", "a cat", "-o", "{out}", "--mask", "{image}"],
+        ["generate", "{model}", "a cat", "-o", "{out}", "--threads", "0"],
+        ["generate", "{missing}", "a cat", "-o", "{out}"],
+        ["generate", "{model}", "a cat", "-o", "{new}/x.png"],
+        ["generate", "{model}", "a cat", "-o", "{full}"],
+    ],
+    "batch": [
+        ["batch", "{model}", "{jobs}", "--out", "{new}", "--batch-size", "0"],
+        ["batch", "{model}", "{jobs}", "--out", "{new}", "--workers", "2"],
+        ["batch", "{model}", "{missing}", "--out", "{new}"],
+        ["batch", "{model}", "{bad_jobs}", "--out", "{new}"],
+        ["batch", "{model}", "{jobs}", "--out", "{new}", "--backend", "torch", "--precision", "fp16"],
+        ["batch", "{model}", "{jobs}", "--out", "{new}", "--height", "64:0"],
+        ["batch", "{model}", "{jobs}", "--out", "{file}"],
+    ],
+    "export": [
+        ["export", "{missing}", "{new}"],
+        ["export", "{model}", "{file}"],
+        ["export", "{model}", "{new}", "--components", "magic"],
+    ],
+    "compile": [
+        ["compile", "{model}", "--height", "64:48"],
+        ["compile", "{model}", "--batch", "0:2"],
+        ["compile", "{model}", "--backend", "torch", "--precision", "fp16"],
+        ["compile", "{model}", "--threads", "0"],
+        ["compile", "{model}", "--trt-opt-level", "9"],
+        ["compile", "{model}", "--components", "text_encoder_2"],
+        ["compile", "{file}"],
+    ],
+    "cache": [
+        ["cache", "frobnicate"],
+        ["cache", "ls", "{model}"],
+        ["cache", "ls", "--repair"],
+    ],
+    "verify": [
+        ["verify", "{model}", "--backend", "torch", "--precision", "fp16"],
+        ["verify", "{missing}"],
+    ],
+    "bench": [
+        ["bench", "{model}", "--repeats", "2"],
+        ["bench", "{model}", "--backends", "magic"],
+        ["bench", "{model}", "--steps", "0"],
+    ],
+    "demo": [
+        ["demo", "-o", "{new}/x.png"],
+    ],
+    "info": [
+        ["info", "--bogus"],
+    ],
+}
+CASES = [(command, args) for command, cases in BAD.items() for args in cases]
+
+
+@pytest.fixture
+def places(tmp_path, tiny_dir):
+    full = tmp_path / "full"
+    full.mkdir()
+    (full / "keep.txt").write_text("keep")
+    (tmp_path / "file.txt").write_text("not a folder")
+    from PIL import Image
+
+    Image.new("RGB", (64, 64)).save(tmp_path / "in.png")
+    (tmp_path / "jobs.jsonl").write_text(json.dumps({"prompt": "a cat"}) + "\n")
+    (tmp_path / "bad.jsonl").write_text('{"prompt": "a cat", "steps": 0}\n')
+    return {"model": str(tiny_dir), "out": str(tmp_path / "out.png"), "new": str(tmp_path / "new"),
+            "full": str(full), "file": str(tmp_path / "file.txt"), "image": str(tmp_path / "in.png"),
+            "missing": str(tmp_path / "missing"), "jobs": str(tmp_path / "jobs.jsonl"),
+            "bad_jobs": str(tmp_path / "bad.jsonl"), "cache": str(tmp_path / "cache")}
+
+
+def _tree(path):
+    return sorted((str(p.relative_to(path)), p.stat().st_size if p.is_file() else -1) for p in path.rglob("*"))
+
+
+@pytest.mark.parametrize("command, args", CASES, ids=[f"{c}-{i}" for c, cases in BAD.items()
+                                                       for i in range(len(cases))])
+def test_bad_arguments_end_in_one_line_and_write_nothing(command, args, places, tmp_path, capsys):
+    argv = [a.format(**places) for a in args]
+    if argv[0] not in ("tiny", "info") and "--cache-dir" not in argv:
+        argv += ["--cache-dir", places["cache"]]
+    before = _tree(tmp_path)
+    try:
+        code = main(argv)
+    except SystemExit as exit_:  # argparse's parse errors
+        code = exit_.code
+    out = capsys.readouterr()
+    text = out.out + out.err
+    assert code not in (0, None), f"{argv} succeeded:\n{text}"
+    assert "Traceback" not in text
+    lines = [line for line in text.splitlines() if line.strip()]
+    assert len(lines) == 1 and "error" in lines[0], f"{argv} printed:\n{text}"
+    assert _tree(tmp_path) == before, f"{argv} wrote files"
+
+
+@pytest.fixture(scope="module")
+def torch_pipeline(tiny_pipe, tmp_path_factory):
+    """A KasokuPipeline on the torch reference backend: no export, built in an instant."""
+    return kasoku.compile(tiny_pipe, "torch", cache_dir=tmp_path_factory.mktemp("cache"))
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    ({"num_inference_steps": 0}, "`num_inference_steps` must be a positive int but is 0"),
+    ({"num_inference_steps": -3}, "`num_inference_steps` must be a positive int but is -3"),
+    ({"num_inference_steps": 2000}, "must be at most 1000"),
+    ({"height": 0}, "`height` must be a positive int but is 0"),
+    ({"width": -64}, "`width` must be a positive int but is -64"),
+    ({"height": 60}, "have to be divisible by 8 but are 60 and 64"),
+    ({"num_images_per_prompt": 0}, "`num_images_per_prompt` must be a positive int"),
+    ({"guidance_scale": float("nan")}, "`guidance_scale` must be a finite number"),
+    ({"prompt_2": "a dog"}, "`prompt_2`: only Stable Diffusion XL pipelines take this argument"),
+])
+def test_python_api_refuses_the_same_values(torch_pipeline, kwargs, message):
+    calls_before = dict(torch_pipeline.times.calls)
+    with pytest.raises(InvalidInput, match=message.replace("(", r"\(").replace(")", r"\)")):
+        torch_pipeline("a cat", generator=torch.Generator().manual_seed(0), **kwargs)
+    assert dict(torch_pipeline.times.calls) == calls_before  # no engine ran
+
+
+def test_img2img_with_no_denoising_step_is_refused(torch_pipeline):
+    from PIL import Image
+
+    with pytest.raises(InvalidInput, match="at least 1 step of denoising but is 3 x 0.1"):
+        torch_pipeline("a cat", image=Image.new("RGB", (64, 64)), strength=0.1, num_inference_steps=3)
+
+
+def test_verify_and_bench_are_public():
+    assert callable(kasoku.verify) and callable(kasoku.bench) and callable(kasoku.compile)
+    assert kasoku.CompileOptions().backend == "auto"
