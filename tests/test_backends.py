@@ -81,12 +81,27 @@ def test_auto_measures_once_and_remembers(tiny_dir, tiny_cache, tiny_compiled):
     _, first = compile_components(tiny_dir, backend="auto", cache=tiny_cache, components=["vae_encoder"])
     choose = [s for s in first.stages if s.stage == "choose"]
     assert len(choose) == 1
-    timings = choose[0].detail["median_seconds"]
+    timings = choose[0].detail["seconds"]
     assert set(timings) == {"onnxruntime", "openvino"}
     assert first.backends["vae_encoder"] == min(timings, key=timings.get)
     _, second = compile_components(tiny_dir, backend="auto", cache=tiny_cache, components=["vae_encoder"])
     assert {s.status for s in second.stages} == {"reused"}
     assert second.backends == first.backends
+    # the choice does not depend on the thread count, and passing it back builds the same engines
+    _, third = compile_components(tiny_dir, backend="auto", cache=tiny_cache, components=["vae_encoder"], threads=1)
+    assert third.backends == first.backends and third.built == 0
+    _, resolved = compile_components(tiny_dir, backend=first.backends, cache=tiny_cache, components=["vae_encoder"])
+    assert resolved.built == 0 and resolved.backends == first.backends
+
+
+def test_auto_keeps_only_the_winners_engine(tiny_dir, tmp_path):
+    from kasoku.build import compile_components
+    from kasoku.cache import Cache
+
+    _, report = compile_components(tiny_dir, backend="auto", cache=tmp_path, components=["vae_decoder"])
+    engines = [e for e in Cache(tmp_path).list() if e.kind == "engine"]
+    assert [e.parts["backend"] for e in engines] == [report.backends["vae_decoder"]]
+    assert [s.stage for s in report.stages].count("engine") == 1
 
 
 def test_info_cli(capsys):

@@ -7,6 +7,7 @@ import os
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 
 from kasoku.build import compile_components
@@ -20,7 +21,7 @@ pytestmark = pytest.mark.integration  # exports or builds engines
 
 def test_second_compile_opens_only_the_engine_entries(tiny_dir, tiny_cache, tiny_compiled, monkeypatch):
     _, first = tiny_compiled["onnxruntime"]
-    assert {s.stage for s in first.stages} == {"export", "optimize", "engine"}
+    assert {s.stage for s in first.stages} == {"export", "engine"}  # ONNX Runtime optimizes the graph itself
     hashed = []
     monkeypatch.setattr("kasoku.cache.file_sha256", lambda path: hashed.append(path) or "x")
     _, again = compile_components(tiny_dir, backend="onnxruntime", cache=tiny_cache)
@@ -40,13 +41,42 @@ def test_a_warm_start_from_a_folder_reads_no_weights(tiny_dir, tiny_cache, tiny_
     assert report.built == 0 and set(engines) == set(SD_COMPONENTS)
 
 
-def test_backends_share_export_and_optimization_but_not_engines(tiny_compiled):
+def test_backends_share_the_export_but_not_engines(tiny_compiled):
     ort = {(s.component, s.stage): s.key for s in tiny_compiled["onnxruntime"][1].stages}
     ov = {(s.component, s.stage): s.key for s in tiny_compiled["openvino"][1].stages}
     for name in SD_COMPONENTS:
         assert ort[(name, "export")] == ov[(name, "export")]
-        assert ort[(name, "optimize")] == ov[(name, "optimize")]
         assert ort[(name, "engine")] != ov[(name, "engine")]
+    assert not any(stage == "optimize" for _, stage in [*ort, *ov])  # both optimize the graph themselves
+
+
+def test_only_the_engine_is_proven_and_a_failure_names_the_stage(tiny_dir, tmp_path, monkeypatch):
+    """Parity is checked once, on the engine (at two shapes); when it fails, the chain's ONNX files are
+    checked to say which stage broke it."""
+    import kasoku.build
+    from kasoku.parity import ParityError
+
+    _, report = compile_components(tiny_dir, backend="onnxruntime", cache=tmp_path, components=["text_encoder"])
+    engine = next(s for s in report.stages if s.stage == "engine")
+    assert len({p["shape"] for p in engine.detail["parity"]}) == 2
+    assert "parity" not in next(s for s in report.stages if s.stage == "export").detail
+
+    def export_then_break(spec, path, **kwargs):  # a broken exporter: its file computes something else
+        import onnx
+        from onnx import numpy_helper
+
+        result = real_export(spec, path, **kwargs)
+        model = onnx.load(str(path))
+        matrices = [t for t in model.graph.initializer if t.data_type == onnx.TensorProto.FLOAT and len(t.dims) == 2]
+        weight = matrices[len(matrices) // 2]  # a projection inside the encoder
+        weight.CopyFrom(numpy_helper.from_array(numpy_helper.to_array(weight) * -2.0, weight.name))
+        onnx.save(model, str(path))
+        return result
+
+    real_export = kasoku.build.export_component
+    monkeypatch.setattr(kasoku.build, "export_component", export_then_break)
+    with pytest.raises(ParityError, match="export of text_encoder"):
+        compile_components(tiny_dir, backend="onnxruntime", cache=tmp_path / "other", components=["text_encoder"])
 
 
 def test_precision_and_profile_make_new_entries(tiny_dir, tiny_cache, tiny_compiled):
@@ -87,11 +117,13 @@ def test_two_processes_compile_the_same_model_once(tiny_dir, tmp_path):
         out, _ = p.communicate(timeout=600)
         assert p.returncode == 0, out
     reports = [json.loads((tmp_path / f"r{i}.json").read_text()) for i in range(2)]
-    stages = [{(s["component"], s["stage"]): s["status"] for s in r["stages"]} for r in reports]
-    assert stages[0].keys() == stages[1].keys() and len(stages[0]) == 6
-    for stage in stages[0]:
-        assert sorted([stages[0][stage], stages[1][stage]]) == ["built", "reused"], stage
-    assert len(Cache(tmp_path / "cache").list()) == 6
+    records = [(s["component"], s["stage"], s["status"]) for r in reports for s in r["stages"]]
+    built = [(component, stage) for component, stage, status in records if status == "built"]
+    # each entry is built by one process; the other waited on its lock and reused it
+    assert sorted(built) == sorted({(c, s) for c in ("text_encoder", "vae_encoder") for s in ("export", "engine")})
+    for report in reports:
+        assert {s["component"] for s in report["stages"] if s["stage"] == "engine"} == {"text_encoder", "vae_encoder"}
+    assert len(Cache(tmp_path / "cache").list()) == 4
 
 
 def test_compile_cli_reports_stages(tiny_dir, tiny_cache, tiny_compiled, capsys):

@@ -29,7 +29,7 @@ import onnx
 import onnxruntime
 import torch
 
-from .backends import Engine, cpu_candidates, get_backend, gpu_candidates
+from .backends import Engine, UnsupportedPrecision, cpu_candidates, get_backend, gpu_candidates
 from .backends.base import Backend, cpu_name
 from .cache import Cache, CacheEntry, default_cache_dir, digest_key, file_sha256
 from .components import ComponentSpec, Precision, component_specs
@@ -38,7 +38,7 @@ from .export import EXPORT_CODE_VERSION, check_onnx_parity, default_check_shapes
 from .families import family_of
 from .fingerprint import WeightsFingerprints
 from .optimize import optimize
-from .options import CompileOptions
+from .options import FASTEST, CompileOptions
 from .parity import parity_against_torch, raise_on_failure
 
 ONNX_FILE = "model.onnx"
@@ -49,6 +49,16 @@ StageHook = Callable[[str, str], contextlib.AbstractContextManager]
 
 class EngineLoadError(KasokuError):
     """A cached engine that its runtime cannot load although its files are intact."""
+
+
+@dataclass
+class KeyChain:
+    """The key parts of one engine and of the entries it is built from (computed, not walked)."""
+
+    export: dict[str, Any]
+    optimized: dict[str, Any] | None  # None: the backend runs no ONNX passes
+    engine: dict[str, Any]
+    calibration: dict[str, Any] | None  # int8 components calibrated on recorded inputs
 
 
 @dataclass
@@ -100,13 +110,22 @@ def _versions() -> dict[str, str]:
 class Compiler:
     """One compile: the cache, the options and the hooks; :meth:`compile` is the entry point."""
 
-    def __init__(self, cache: Cache, options: CompileOptions, *, on_stage: StageHook = _no_hook, label: str = "?"):
+    def __init__(self, cache: Cache, options: CompileOptions, *, on_stage: StageHook = _no_hook, label: str = "?",
+                 pipe=None, weights: WeightsFingerprints | None = None):
         self.cache = cache
         self.options = options
         self.on_stage = on_stage
         self.model = label
+        self.pipe = pipe  # the diffusers pipeline: calibration runs it
+        self.weights = weights or WeightsFingerprints(cache.root)
         self.records: list[StageRecord] = []
         self.load_seconds: dict[str, float] = {}
+        self.references: dict = {}  # torch's outputs for the parity checks, computed once per component and shape
+        self.built: dict[tuple[str, str], str] = {}  # (component, backend) -> the engine entry this compile built
+
+    def precision(self, spec: ComponentSpec) -> Precision:
+        """What `spec` is built in: the precision asked for it, unless its family keeps it fp32."""
+        return spec.precision_for(self.options.precision_of(spec.name))
 
     # ---- key parts, computed without opening any entry --------------------------------------
 
@@ -118,15 +137,52 @@ class Compiler:
                 "opset": self.options.opset, "profile": spec.profile.to_dict(), **_versions()}
 
     def optimized_parts(self, spec: ComponentSpec, backend: Backend, source: str) -> dict[str, Any]:
-        precision = spec.precision_for(self.options.precision)
+        # The passes say everything precision changes in the graph (the fp16 pass); precisions that
+        # are an inference setting (bf16) or NNCF's rewrite (int8) share the fp32 graph.
+        precision = self.precision(spec)
         return {"kind": "optimized", "component": spec.name, "source": source,
-                "passes": backend.optimization_passes(precision), "precision": precision.value,
-                "onnx": onnx.__version__, "onnxruntime": onnxruntime.__version__}
+                "passes": backend.optimization_passes(precision), "onnx": onnx.__version__,
+                "onnxruntime": onnxruntime.__version__}
+
+    def calibration_parts(self, spec: ComponentSpec, source: str) -> dict[str, Any]:
+        from .backends.openvino import native_bf16
+        from .calibration import CalibrationPlan
+
+        plan = CalibrationPlan(samples=self.options.calibration_samples)
+        precision = Precision.BF16 if native_bf16() else Precision.FP32
+        return {"kind": "calibration", "component": spec.name, "source": source, "shape": vars(spec.profile.opt),
+                "plan": plan.to_dict(), "precision": precision.value, "backend": "openvino"}
 
     def engine_parts(self, spec: ComponentSpec, backend: Backend, source: str) -> dict[str, Any]:
-        precision = spec.precision_for(self.options.precision)
+        precision = self.precision(spec)
         return {"kind": "engine", "component": spec.name, "source": source, "profile": spec.profile.to_dict(),
                 **backend.key(precision)}
+
+    def chain(self, spec: ComponentSpec, backend: Backend) -> KeyChain:
+        """The key parts of every entry from the export to `backend`'s engine of `spec`."""
+        precision = self.precision(spec)
+        export_parts = self.export_parts(spec)
+        optimized_parts = self.optimized_parts(spec, backend, digest_key(export_parts))
+        if not optimized_parts["passes"]:  # no passes: the engine is built from the export itself
+            optimized_parts = None
+        engine_parts = self.engine_parts(spec, backend, digest_key(optimized_parts or export_parts))
+        calibration_parts = None
+        if backend.needs_calibration(spec, precision):
+            calibration_parts = self.calibration_parts(spec, digest_key(export_parts))
+            engine_parts["calibration"] = digest_key(calibration_parts)
+        return KeyChain(export_parts, optimized_parts, engine_parts, calibration_parts)
+
+    def cached(self, spec: ComponentSpec) -> bool:
+        """Whether `spec`'s engine is in the cache (for `auto`, with its choice recorded); builds nothing."""
+        name = self.options.backend_for(spec.name)
+        if name == "auto":
+            name = self._recorded_choice(spec)
+            if name is None:
+                return False
+        backend = self.backend(name)
+        if not backend.needs_onnx:
+            return True
+        return self.cache.lookup(self.chain(spec, backend).engine) is not None
 
     # ---- stages ------------------------------------------------------------------------------
 
@@ -160,35 +216,61 @@ class Compiler:
             return self._stage(spec, "export", parts, copy)
 
         def build(tmp: Path) -> dict:
-            shapes = None if self.options.check_parity else []
+            # Proven against torch once, at the end of the chain (the engine); a failure there checks
+            # this file again to name the stage that broke it (see `engine_parity`).
             result = export_component(spec, tmp / ONNX_FILE, exporter=self.options.exporter, opset=self.options.opset,
-                                      check_shapes=shapes)
-            return {"parity": [p.to_dict() for p in result.parity], "export_seconds": result.seconds}
+                                      check_shapes=[])
+            return {"export_seconds": result.seconds}
 
         return self._stage(spec, "export", parts, build)
 
     def optimized(self, spec: ComponentSpec, parts: dict, source: CacheEntry) -> CacheEntry:
-        precision = spec.precision_for(self.options.precision)
+        precision = self.precision(spec)
 
         def build(tmp: Path) -> dict:
             report = optimize(source.file(ONNX_FILE), tmp / ONNX_FILE, parts["passes"], spec=spec,
                               precision=precision)
-            parity = []
-            if self.options.check_parity:
-                parity = check_onnx_parity(spec, tmp / ONNX_FILE, default_check_shapes(spec.profile),
-                                           stage="optimization", precision=precision)
-            return {"passes": report.to_dict()["passes"], "parity": [p.to_dict() for p in parity]}
+            return {"passes": report.to_dict()["passes"]}
 
         return self._stage(spec, "optimize", parts, build)
 
-    def built_engine(self, spec: ComponentSpec, backend: Backend, parts: dict, source: CacheEntry) -> CacheEntry:
-        precision = spec.precision_for(self.options.precision)
+    def calibrated(self, spec: ComponentSpec, parts: dict) -> CacheEntry:
+        """Inputs of `spec`'s component recorded during the pipeline's own runs (kasoku.calibration), on
+        engines of the calibration precision built by a compile of their own."""
+        from .calibration import CalibrationPlan, record_inputs, save_samples
 
         def build(tmp: Path) -> dict:
-            meta = backend.build(spec, source.file(ONNX_FILE), tmp, precision) or {}
+            if self.pipe is None:
+                raise KasokuError(f"calibrating {spec.name} for int8 needs the pipeline; compile through "
+                                  "kasoku.compile or compile_components.")
+            family = family_of(self.pipe)
+            names = family.calibration_components(spec.name)
+            specs = component_specs(self.pipe, spec.profile, [n for n in names if n != spec.name],
+                                    weights=self.weights)
+            specs[spec.name] = spec
+            sub = Compiler(self.cache, self.options.replace(precision=Precision(parts["precision"]),
+                                                            backend=parts["backend"]),
+                           on_stage=self.on_stage, label=self.model, pipe=self.pipe, weights=self.weights)
+            engines = {name: sub.engine(specs[name], parts["backend"]) for name in names}
+            plan = CalibrationPlan(**{k: tuple(v) if k == "prompts" else v for k, v in parts["plan"].items()})
+            with self.on_stage(spec.name, f"calibrating on {plan.samples} denoising steps"):
+                samples = record_inputs(self.pipe, engines, spec.name, spec.profile.opt, plan)
+            self.records += [StageRecord(r.component, f"calibration {r.stage}", r.status, r.key, r.seconds, r.detail)
+                             for r in sub.records]
+            save_samples(samples, tmp / "calibration.npz")
+            return {"samples": len(samples)}
+
+        return self._stage(spec, "calibrate", parts, build)
+
+    def built_engine(self, spec: ComponentSpec, backend: Backend, parts: dict, sources: list[CacheEntry],
+                     calibration: Callable[[], list] | None = None) -> CacheEntry:
+        precision = self.precision(spec)
+
+        def build(tmp: Path) -> dict:
+            meta = backend.build(spec, sources[-1].file(ONNX_FILE), tmp, precision, calibration=calibration) or {}
             if self.options.check_parity:
                 engine = backend.load(spec, tmp, precision)
-                meta["parity"] = [p.to_dict() for p in engine_parity(spec, engine, precision)]
+                meta["parity"] = [p.to_dict() for p in self.engine_parity(spec, engine, precision, sources)]
             return meta
 
         return self._stage(spec, "engine", parts, build)
@@ -196,18 +278,23 @@ class Compiler:
     def backend(self, name: str) -> Backend:
         backend = get_backend(name, self.options, shared_dir=self.cache.root / "shared" / name)
         backend.require()
-        backend.check_precision(self.options.precision)
         return backend
 
     def engine(self, spec: ComponentSpec, backend_name: str) -> Engine:
         """The engine of `spec` on `backend_name`: loaded from the cache, or built first."""
         backend = self.backend(backend_name)
-        precision = spec.precision_for(self.options.precision)
+        precision = self.precision(spec)
+        backend.check_precision(precision)
         if not backend.needs_onnx:
             return backend.load(spec, None, precision)
-        export_parts = self.export_parts(spec)
-        optimized_parts = self.optimized_parts(spec, backend, digest_key(export_parts))
-        engine_parts = self.engine_parts(spec, backend, digest_key(optimized_parts))
+        chain = self.chain(spec, backend)
+        export_parts, optimized_parts, engine_parts = chain.export, chain.optimized, chain.engine
+        calibration = None
+        if chain.calibration is not None:
+            def calibration() -> list:
+                from .calibration import load_samples
+
+                return load_samples(self.calibrated(spec, chain.calibration).file("calibration.npz"))
         start = time.perf_counter()
         entry = self.cache.lookup(engine_parts)
         if entry is not None:
@@ -215,14 +302,33 @@ class Compiler:
             if engine is not None:
                 self._record(spec, "engine", "reused", entry, time.perf_counter() - start)
                 return engine
-        source = self.exported(spec, export_parts)
-        optimized = self.optimized(spec, optimized_parts, source)
-        entry = self.built_engine(spec, backend, engine_parts, optimized)
+        sources = [self.exported(spec, export_parts)]
+        if optimized_parts is not None:
+            sources.append(self.optimized(spec, optimized_parts, sources[0]))
+        entry = self.built_engine(spec, backend, engine_parts, sources, calibration)
+        if self.records[-1].status != "reused":
+            self.built[(spec.name, backend_name)] = entry.key
         engine = self._load(spec, backend, entry, precision)
         if engine is None:  # damaged between its build and its load
             raise EngineLoadError(f"the {backend.name} engine of {spec.name} in {entry.path} was damaged right "
                                   "after it was built; check the disk, then `kasoku cache check --repair`.")
         return engine
+
+    def engine_parity(self, spec: ComponentSpec, engine: Engine, precision: Precision,
+                      sources: list[CacheEntry]) -> list:
+        """The new engine against torch at two shapes of its profile: one check for the whole chain
+        (export, passes, engine build). A mismatch checks the ONNX files of the chain in ONNX Runtime to
+        name the stage that broke parity."""
+        from .parity import ParityError
+
+        shapes = default_check_shapes(spec.profile)
+        try:
+            return engine_parity(spec, engine, precision, self.references, shapes)
+        except ParityError as error:
+            for stage, entry in zip(("export", "optimization"), sources):
+                check_onnx_parity(spec, entry.file(ONNX_FILE), shapes, stage=stage,
+                                  precision=Precision.FP32 if stage == "export" else precision)
+            raise error
 
     def _load(self, spec: ComponentSpec, backend: Backend, entry: CacheEntry, precision: Precision) -> Engine | None:
         """The runtime's load of an entry; None when the entry turned out damaged (it is removed)."""
@@ -241,43 +347,93 @@ class Compiler:
 
     # ---- backend choice ----------------------------------------------------------------------
 
-    def choose(self, spec: ComponentSpec) -> str:
-        """The backend for `spec`: the one asked for, or what `auto` resolves to here."""
-        asked = self.options.backend_for(spec.name)
-        if asked != "auto":
-            return asked
-        gpu = gpu_candidates()
+    def _auto_candidates(self, spec: ComponentSpec) -> tuple[list[str], dict[str, Any] | None]:
+        """(the backends `auto` picks from, the key parts of the recorded choice when it must measure)."""
+        precision = self.precision(spec)
+        gpu = [name for name in gpu_candidates() if _builds(name, precision)]
         if gpu:
-            return gpu[0]
-        candidates = cpu_candidates()
+            return gpu[:1], None
+        candidates = [name for name in cpu_candidates() if _builds(name, precision)]
+        if not candidates:
+            reasons = "; ".join(_refusal(name, precision) for name in cpu_candidates())
+            raise UnsupportedPrecision(f"no backend here builds {precision.value}: {reasons}.")
         if len(candidates) == 1:
-            return candidates[0]
-        parts = {
+            return candidates, None
+        return candidates, {
             "kind": "auto-choice", "component": spec.name, "architecture": spec.architecture,
-            "profile": spec.profile.to_dict(), "precision": spec.precision_for(self.options.precision).value,
+            "profile": spec.profile.to_dict(), "precision": precision.value,
             "machine": cpu_name(), "candidates": {name: get_backend(name).availability().version
                                                   for name in candidates},
         }
-        entry = self.cache.lookup(parts)
-        if entry is None:
-            def build(tmp: Path) -> dict:
-                timings = {name: measure(self.engine(spec, name), spec) for name in candidates}
-                choice = min(timings, key=timings.get)
-                (tmp / "choice.txt").write_text(choice)
-                return {"choice": choice, "median_seconds": timings}
 
-            entry = self._stage(spec, "choose", parts, build)
-        return entry.meta["choice"]
+    def _recorded_choice(self, spec: ComponentSpec) -> str | None:
+        candidates, parts = self._auto_candidates(spec)
+        if parts is None:
+            return candidates[0]
+        entry = self.cache.lookup(parts)
+        return entry.meta["choice"] if entry is not None else None
+
+    def choose(self, spec: ComponentSpec) -> tuple[str, Engine | None]:
+        """The backend for `spec` (the one asked for, or what `auto` resolves to here), and its engine
+        where choosing already loaded it."""
+        asked = self.options.backend_for(spec.name)
+        if asked != "auto":
+            return asked, None
+        candidates, parts = self._auto_candidates(spec)
+        if parts is None:
+            return candidates[0], None
+        entry = self.cache.lookup(parts)
+        if entry is not None:
+            self._record(spec, "choose", "reused", entry, 0.0)
+            return entry.meta["choice"], None
+        engines: dict[str, Engine] = {}
+
+        def build(tmp: Path) -> dict:
+            # One warm-up and one timed call of each candidate at the profile's optimum: the choice is a
+            # ratio, and at full size each call is seconds.
+            timings = {}
+            for name in candidates:
+                engines[name] = self.engine(spec, name)
+                timings[name] = measure(engines[name], spec, repeats=1)
+            choice = min(timings, key=timings.get)
+            (tmp / "choice.txt").write_text(choice)
+            return {"choice": choice, "seconds": timings}
+
+        entry = self._stage(spec, "choose", parts, build)
+        choice = entry.meta["choice"]
+        self._drop_losers(spec, {name: engine for name, engine in engines.items() if name != choice})
+        return choice, engines.get(choice)
+
+    def _drop_losers(self, spec: ComponentSpec, losers: dict[str, Engine]) -> None:
+        """Engines `auto` built only to measure: once the choice is recorded, they leave the cache."""
+        for name in losers:
+            key = self.built.pop((spec.name, name), None)
+            if key is not None:
+                self.cache.remove(key)
+                self.records = [r for r in self.records if r.key != key]
 
     def compile(self, specs: dict[str, ComponentSpec], on_done: Callable[[str], None] | None = None
                 ) -> tuple[dict[str, Engine], dict[str, str]]:
         engines, chosen = {}, {}
         for name, spec in specs.items():
-            chosen[name] = self.choose(spec)
-            engines[name] = self.engine(spec, chosen[name])
+            chosen[name], engine = self.choose(spec)
+            engines[name] = engine or self.engine(spec, chosen[name])
             if on_done:
                 on_done(name)
         return engines, chosen
+
+
+def _builds(backend: str, precision: Precision) -> bool:
+    return not _refusal(backend, precision)
+
+
+def _refusal(backend: str, precision: Precision) -> str:
+    """Why `backend` cannot build `precision` here ("" when it can)."""
+    try:
+        get_backend(backend).check_precision(precision)
+    except UnsupportedPrecision as error:
+        return str(error)
+    return ""
 
 
 def measure(engine: Engine, spec: ComponentSpec, repeats: int = AUTO_REPEATS) -> float:
@@ -292,9 +448,11 @@ def measure(engine: Engine, spec: ComponentSpec, repeats: int = AUTO_REPEATS) ->
     return statistics.median(samples)
 
 
-def engine_parity(spec: ComponentSpec, engine: Engine, precision: Precision) -> list:
-    """The built engine against torch at the profile's optimum; raises on mismatch."""
-    results = parity_against_torch(spec, engine.run, [spec.profile.opt], precision, seed=2)
+def engine_parity(spec: ComponentSpec, engine: Engine, precision: Precision, references: dict | None = None,
+                  shapes=None) -> list:
+    """The engine against torch (default: at the profile's optimum); raises on mismatch."""
+    results = parity_against_torch(spec, engine.run, shapes or [spec.profile.opt], precision, seed=2,
+                                   references=references)
     raise_on_failure(results, f"{engine.backend} engine of {spec.name}")
     return results
 
@@ -321,11 +479,20 @@ def compile_components(
     options = CompileOptions.of(options, **fields)
     pipe = load_pipeline(model, lazy=True)
     root = cache.root if isinstance(cache, Cache) else Path(cache or options.cache_dir or default_cache_dir())
-    specs = specs or component_specs(pipe, options.profile, options.components, weights=WeightsFingerprints(root))
+    weights = WeightsFingerprints(root)
+    specs = specs or component_specs(pipe, options.profile, options.components, weights=weights)
     if not isinstance(cache, Cache):  # created only once the model and its components are known to be fine
         cache = Cache(root)
     label = label or model_label(model)
-    compiler = Compiler(cache, options, on_stage=on_stage, label=label)
+    notes: list[str] = []
+    asked = options.precision_label
+    if options.precision == FASTEST:
+        from .fastest import choose_precisions
+
+        chosen_precisions, notes = choose_precisions(pipe, specs, options, cache, on_stage=on_stage, label=label,
+                                                     weights=weights)
+        options = options.replace(precision=chosen_precisions)
+    compiler = Compiler(cache, options, on_stage=on_stage, label=label, pipe=pipe, weights=weights)
     order = list(specs)
 
     def release_unneeded(done: str) -> None:
@@ -338,23 +505,48 @@ def compile_components(
             release_module(pipe, attr)
 
     engines, chosen = compiler.compile(specs, on_done=release_unneeded)
-    precision = options.precision
     report = CompileReport(
         model=label,
-        precision=precision.value,
+        precision=asked,
         profile=next(iter(specs.values())).profile.to_dict(),
         backends=chosen,
         stages=compiler.records,
         seconds=time.perf_counter() - start,
         family=family_of(pipe).name,
-        precisions={name: spec.precision_for(precision).value for name, spec in specs.items()},
-        notes=precision_notes(specs, precision),
+        precisions={name: compiler.precision(spec).value for name, spec in specs.items()},
+        notes=notes + precision_notes(specs, options),
         load_seconds=compiler.load_seconds,
     )
     return engines, report
 
 
-def precision_notes(specs: dict[str, ComponentSpec], precision: Precision) -> list[str]:
+def precision_notes(specs: dict[str, ComponentSpec], options: CompileOptions) -> list[str]:
     """One line per component built in another precision than asked, saying why."""
-    return [f"{name}: {spec.keep_fp32}." for name, spec in specs.items()
-            if spec.precision_for(precision) != precision]
+    notes = []
+    for name, spec in specs.items():
+        asked = options.precision_of(name)
+        if spec.precision_for(asked) != asked:
+            notes.append(f"{name}: {spec.fp32_for[asked]}.")
+    return notes
+
+
+def cached_profile(model, options: CompileOptions, profiles, *, cache: Cache | None = None):
+    """The first of `profiles` whose engines (every component `options` asks for) are all in the
+    cache, or None; builds and measures nothing. `kasoku generate` asks this before it compiles a new
+    exact-shape engine set: engines already built for a wider profile that serves the call are used."""
+    from .loading import load_pipeline
+
+    if options.precision == FASTEST:
+        return None
+    pipe = load_pipeline(model, lazy=True)
+    root = cache.root if cache is not None else Path(options.cache_dir or default_cache_dir())
+    if not (root / "entries").is_dir():
+        return None
+    cache = cache or Cache(root)
+    weights = WeightsFingerprints(root)
+    for profile in profiles:
+        specs = component_specs(pipe, profile, options.components, weights=weights)
+        compiler = Compiler(cache, options.replace(profile=profile), pipe=pipe, weights=weights)
+        if all(compiler.cached(spec) for spec in specs.values()):
+            return profile
+    return None

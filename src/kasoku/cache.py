@@ -208,6 +208,11 @@ class Cache:
             self.events.append((str(parts.get("kind", "entry")), key, "reused"))
         return entry
 
+    def remove(self, key: str) -> None:
+        """Delete an entry (under its lock: a builder or loader of the same key waits)."""
+        with self._lock(key):
+            shutil.rmtree(self.entries / key, ignore_errors=True)
+
     def discard_if_damaged(self, entry: CacheEntry) -> bool:
         """After a runtime failed to load `entry`: if its full checksums do not match, warn and remove
         it (the caller rebuilds it) and return True; False when the entry is intact."""

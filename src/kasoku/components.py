@@ -25,8 +25,19 @@ from .errors import KasokuError
 
 
 class Precision(str, Enum):
+    """What an engine computes in. fp32 is exact and the default; every other precision has a
+    fidelity contract in kasoku.parity's one tolerance table.
+
+    bf16: bfloat16 compute (OpenVINO on CPUs with native bf16, AVX512-BF16 or AMX; TensorRT).
+    int8: NNCF's int8 on OpenVINO: the U-Net's convolutions in int8 weights and activations,
+    calibrated on the pipeline's own denoising runs, every other layer's weights in int8 (text
+    encoders and VAE: weights only); what is not quantized computes in bf16 where the CPU has it
+    natively, else fp32."""
+
     FP32 = "fp32"
     FP16 = "fp16"
+    BF16 = "bf16"
+    INT8 = "int8"
 
 
 class ShapeOutOfProfile(KasokuError, ValueError):
@@ -60,6 +71,9 @@ class ShapeProfile:
     opt: ImageShape
     max: ImageShape
     multiple: int = 8
+    # True: every call uses classifier-free guidance (the U-Net and text encoder see 2x the images);
+    # False: no call does; None: either (their batch ranges from 1x to 2x).
+    guidance: bool | None = None
 
     def __post_init__(self) -> None:
         for dim in IMAGE_DIMS:
@@ -73,8 +87,20 @@ class ShapeProfile:
 
     @property
     def is_static(self) -> bool:
-        """One image size (any batch range): what exact-shape engines serve."""
-        return all(getattr(self.min, d) == getattr(self.max, d) for d in ("height", "width"))
+        """One shape (images, height, width and guidance): what exact-shape engines serve."""
+        return self.min == self.max and self.guidance is not None
+
+    def serves(self, shape: ImageShape, guidance: bool) -> bool:
+        try:
+            self.check(shape)
+        except ShapeOutOfProfile:
+            return False
+        return self.guidance in (None, guidance)
+
+    @classmethod
+    def exact(cls, shape: ImageShape, guidance: bool, multiple: int) -> ShapeProfile:
+        """The profile of one shape: engines built for it are exact-shape (static) engines."""
+        return cls(shape, shape, shape, multiple, guidance)
 
     def range_text(self, dim: str) -> str:
         return f"{getattr(self.min, dim)}..{getattr(self.max, dim)}"
@@ -96,16 +122,20 @@ class ShapeProfile:
                 )
 
     def to_dict(self) -> dict:
-        return {
+        data = {
             "min": vars(self.min).copy(),
             "opt": vars(self.opt).copy(),
             "max": vars(self.max).copy(),
             "multiple": self.multiple,
         }
+        if self.guidance is not None:  # absent for a profile that serves both (keys stay as they were)
+            data["guidance"] = self.guidance
+        return data
 
     @classmethod
     def from_dict(cls, data: Mapping) -> ShapeProfile:
-        return cls(*(ImageShape(**data[k]) for k in ("min", "opt", "max")), multiple=int(data["multiple"]))
+        return cls(*(ImageShape(**data[k]) for k in ("min", "opt", "max")), multiple=int(data["multiple"]),
+                   guidance=data.get("guidance"))
 
     @classmethod
     def from_ranges(
@@ -114,8 +144,10 @@ class ShapeProfile:
         height: tuple[int, int, int],
         width: tuple[int, int, int],
         multiple: int,
+        guidance: bool | None = None,
     ) -> ShapeProfile:
-        return cls(*(ImageShape(b, h, w) for b, h, w in zip(batch, height, width)), multiple=multiple)
+        return cls(*(ImageShape(b, h, w) for b, h, w in zip(batch, height, width)), multiple=multiple,
+                   guidance=guidance)
 
 
 @dataclass(frozen=True)
@@ -135,6 +167,14 @@ class Axis:
         scale = self.min_scale if (minimum and self.min_scale is not None) else self.scale
         return int(getattr(shape, self.of) * scale)
 
+    def in_profile(self, profile: ShapeProfile, which: str) -> int:
+        """The axis at the profile's "min", "opt" or "max": a guidance axis takes 1x the images where
+        the profile has no guidance, and 1x only at its minimum where the profile allows either."""
+        shape = getattr(profile, which)
+        if self.min_scale is not None and profile.guidance is not None:
+            return self.at(shape, minimum=not profile.guidance)
+        return self.at(shape, minimum=which == "min")
+
 
 Dim = int | Axis
 
@@ -148,6 +188,9 @@ class TensorSpec:
 
     def shape_at(self, shape: ImageShape, *, minimum: bool = False) -> tuple[int, ...]:
         return tuple(d if isinstance(d, int) else d.at(shape, minimum=minimum) for d in self.dims)
+
+    def in_profile(self, profile: ShapeProfile, which: str) -> tuple[int, ...]:
+        return tuple(d if isinstance(d, int) else d.in_profile(profile, which) for d in self.dims)
 
     @property
     def dynamic_axes(self) -> dict[int, Axis]:
@@ -193,15 +236,17 @@ class ComponentSpec:
     sample_input: Callable[[TensorSpec, tuple[int, ...], torch.Generator], torch.Tensor] = field(
         default=_sample_input, repr=False, compare=False
     )
-    keep_fp32: str | None = None  # why this component stays fp32 when a lower precision is asked for
+    # precision -> why this component is built in fp32 when that precision is asked for (SDXL's VAE in fp16)
+    fp32_for: Mapping[Precision, str] = field(default_factory=dict, compare=False)
     graph_kind: str = ""  # what ONNX Runtime's transformer optimizer calls this graph: clip, unet, vae
     fp16_keep_ops: tuple[str, ...] = ()  # ops that overflow in fp16 in this component, kept fp32
     modules: tuple[str, ...] = ()  # the pipeline attributes whose weights it uses ("vae", "unet", ...)
+    int8: str = "weights"  # int8 recipe (kasoku.quantize): "weights" only, or "hybrid" (calibrated activations)
 
     def precision_for(self, requested: Precision | str) -> Precision:
         """The precision this component is built in when `requested` is asked for."""
         requested = Precision(requested)
-        return Precision.FP32 if requested != Precision.FP32 and self.keep_fp32 else requested
+        return Precision.FP32 if requested in self.fp32_for else requested
 
     @functools.cached_property
     def module(self) -> torch.nn.Module:
@@ -228,9 +273,9 @@ class ComponentSpec:
                 out[axis.name] = (
                     axis,
                     AxisRange(
-                        min=axis.at(self.profile.min, minimum=True),
-                        opt=axis.at(self.profile.opt),
-                        max=axis.at(self.profile.max),
+                        min=axis.in_profile(self.profile, "min"),
+                        opt=axis.in_profile(self.profile, "opt"),
+                        max=axis.in_profile(self.profile, "max"),
                         step=max(1, int(step)),
                     ),
                 )
@@ -259,17 +304,15 @@ class ComponentSpec:
 
     def profile_shapes(self) -> dict[str, tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...]]]:
         """min/opt/max shape of every input (what a TensorRT optimization profile needs)."""
-        p = self.profile
-        return {
-            t.name: (t.shape_at(p.min, minimum=True), t.shape_at(p.opt), t.shape_at(p.max))
-            for t in self.inputs
-        }
+        return {t.name: tuple(t.in_profile(self.profile, w) for w in ("min", "opt", "max")) for t in self.inputs}
 
     def sample_inputs(self, shape: ImageShape, seed: int = 0) -> dict[str, torch.Tensor]:
-        """Deterministic random inputs for one image shape (the parity and timing inputs)."""
+        """Deterministic random inputs for one image shape (the parity and timing inputs); with
+        guidance unless the profile has none."""
         generator = torch.Generator().manual_seed(seed)
+        no_guidance = self.profile.guidance is False
         return {
-            t.name: self.sample_input(t, t.shape_at(shape), generator) for t in self.inputs
+            t.name: self.sample_input(t, t.shape_at(shape, minimum=no_guidance), generator) for t in self.inputs
         }
 
     @functools.cached_property
@@ -398,14 +441,14 @@ def profile_with_ranges(base: ShapeProfile, batch: tuple[int, ...] | None = None
             low, high = given[0], given[-1]
             opt = given[1] if len(given) == 3 else min(max(opt, low), high)
         ranges[dim] = (low, opt, high)
-    return ShapeProfile.from_ranges(ranges["batch"], ranges["height"], ranges["width"], base.multiple)
+    return ShapeProfile.from_ranges(ranges["batch"], ranges["height"], ranges["width"], base.multiple, base.guidance)
 
 
 def profile_serving(base: ShapeProfile, shape: ImageShape) -> ShapeProfile:
-    """`base` widened just enough to serve `shape` (what `kasoku generate` compiles)."""
+    """`base` widened just enough to serve `shape`."""
     low = ImageShape(*(min(getattr(base.min, d), getattr(shape, d)) for d in IMAGE_DIMS))
     high = ImageShape(*(max(getattr(base.max, d), getattr(shape, d)) for d in IMAGE_DIMS))
-    return ShapeProfile(low, base.opt, high, base.multiple)
+    return ShapeProfile(low, base.opt, high, base.multiple, base.guidance)
 
 
 # ---- the components of a pipeline: asked of its family -------------------------------------

@@ -16,6 +16,8 @@ from typing import Any
 from .components import Precision, ShapeProfile
 from .errors import KasokuError
 
+FASTEST = "fastest"  # a precision request: per component, the fastest precision whose measured drift fits min_psnr
+DEFAULT_MIN_PSNR = 35.0  # dB against the fp32 engines: bf16's floor in the fidelity contract
 DEFAULT_EXPORTER = "dynamo"
 EXPORTERS = ("dynamo", "torchscript")
 DEFAULT_OPSET = 18
@@ -36,7 +38,9 @@ class CompileOptions:
     """
 
     backend: str | Mapping[str, str] = "auto"
-    precision: Precision = Precision.FP32
+    # a Precision, FASTEST (resolved per component when compiling), or a mapping component -> Precision
+    precision: Precision | str | Mapping[str, Precision] = Precision.FP32
+    min_psnr: float = DEFAULT_MIN_PSNR  # with FASTEST: the image drift each choice must stay within
     profile: ShapeProfile | None = None  # None: the model's default (half to double its native size)
     components: tuple[str, ...] | None = None  # None: every component the model has
     cache_dir: Path | None = None  # None: $KASOKU_CACHE or ~/.cache/kasoku
@@ -47,11 +51,15 @@ class CompileOptions:
     cuda_graph: bool = False  # TensorRT: replay CUDA graphs (static shapes only)
     check_parity: bool = True  # prove every built artefact against torch
     onnx_dir: Path | None = None  # build from these ONNX files (a `kasoku export` folder) instead of exporting
+    calibration_samples: int = 32  # int8: U-Net calls recorded from the pipeline's own runs to calibrate on
     extra: Mapping[str, Any] = field(default_factory=dict)  # backend-specific settings
 
     def __post_init__(self) -> None:
         set_ = object.__setattr__  # normalise once, here, so every reader sees one form
-        set_(self, "precision", _precision(self.precision))
+        if isinstance(self.precision, Mapping):
+            set_(self, "precision", {name: _precision(p) for name, p in self.precision.items()})
+        elif self.precision != FASTEST:
+            set_(self, "precision", _precision(self.precision))
         if isinstance(self.backend, Mapping):
             set_(self, "backend", dict(self.backend))
         if self.components is not None:
@@ -69,6 +77,26 @@ class CompileOptions:
 
     def replace(self, **changes: Any) -> CompileOptions:
         return dataclasses.replace(self, **changes)
+
+    def precision_of(self, component: str) -> Precision:
+        """The precision asked for `component` (FASTEST must be resolved first)."""
+        if isinstance(self.precision, dict):
+            if component not in self.precision:
+                raise InvalidOptions(f"no precision is given for {component}; the mapping names "
+                                     f"{', '.join(self.precision)}.")
+            return self.precision[component]
+        if self.precision == FASTEST:
+            raise InvalidOptions("precision 'fastest' is resolved per component when compiling; ask for one "
+                                 "component's precision after that.")
+        return self.precision
+
+    @property
+    def precision_label(self) -> str:
+        """How reports name the asked precision."""
+        if isinstance(self.precision, dict):
+            return "mixed: " + ", ".join(f"{n}={p.value}" for n, p in self.precision.items())
+        return self.precision if isinstance(self.precision, str) and self.precision == FASTEST else \
+            self.precision.value
 
     def backend_for(self, component: str) -> str:
         """The backend asked for `component` (``"auto"`` until resolved)."""
@@ -90,9 +118,11 @@ class CompileOptions:
         return dataclasses.replace(base, **given) if given else base
 
 
+PRECISION_CHOICES = (*(p.value for p in Precision), FASTEST)
+
+
 def _precision(value: Any) -> Precision:
     try:
         return Precision(value)
     except ValueError:
-        raise InvalidOptions(f"`precision` must be one of {', '.join(p.value for p in Precision)} "
-                             f"but is {value!r}.") from None
+        raise InvalidOptions(f"`precision` must be one of {', '.join(PRECISION_CHOICES)} but is {value!r}.") from None

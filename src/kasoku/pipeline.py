@@ -162,6 +162,12 @@ class KasokuPipeline:
         if per_prompt is not None and (not _is_count(per_prompt) or per_prompt < 1):
             raise InvalidInput(f"`num_images_per_prompt` must be a positive int but is {per_prompt!r}.")
         self.profile.check(ImageShape(batch=prompts * (per_prompt or 1), height=height, width=width))
+        guided = float(kwargs.get("guidance_scale", 7.5)) > 1  # diffusers' rule for classifier-free guidance
+        if self.profile.guidance is not None and self.profile.guidance != guided:
+            compiled = "with" if self.profile.guidance else "without"
+            raise InvalidInput(f"these engines were compiled for calls {compiled} classifier-free guidance "
+                               f"(exact-shape engines) but `guidance_scale` is {kwargs.get('guidance_scale', 7.5)}; "
+                               "compile for this call (kasoku generate does) or a profile with guidance=None.")
         self._check_family_arguments(kwargs)
         missing = [name for name in self.family.task_components(task, self._source) if name not in self.engines]
         if missing:

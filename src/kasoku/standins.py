@@ -50,7 +50,9 @@ class EngineModule(torch.nn.Module):
 
     @property
     def engine(self) -> Engine:
-        return self._engines[self._component]
+        """This stand-in's engine (for its dtype and device: another of the pipeline's engines when its
+        own was not compiled, e.g. the VAE in a run that keeps the latents)."""
+        return self._engines.get(self._component) or next(iter(self._engines.values()))
 
     @property
     def dtype(self) -> torch.dtype:

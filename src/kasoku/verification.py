@@ -16,21 +16,27 @@ import torch
 from .components import ImageShape, Precision, ShapeProfile, component_specs
 from .families import family_of
 from .options import CompileOptions
-from .parity import TOLERANCES, OutputParity, parity_against_torch, psnr
+from .parity import TOLERANCES, OutputParity, parity_against_torch, psnr, ssim
 
 VERIFY_PROMPT = "a photo of an astronaut riding a horse on mars"
-VERIFY_STEPS = 4
 VERIFY_SEED = 0
+# A lower precision's images are held to the fp32 engines' on these prompts (the fidelity contract).
+FIDELITY_PROMPTS = (VERIFY_PROMPT, "a watercolor painting of a red fox in the snow",
+                    "a photograph of a lighthouse at sunset, detailed")
 
 
 @dataclass
 class ImageParity:
-    psnr_db: float
+    psnr_db: float  # the worst over the prompts
     max_abs: float
     bound_db: float
     nan: int
     passed: bool
     shape: str
+    ssim: float = 1.0  # the worst over the prompts
+    bound_ssim: float = 0.0
+    reference: str = "diffusers"  # what the images are compared with
+    per_prompt: list[dict] = field(default_factory=list)
 
 
 @dataclass
@@ -85,7 +91,7 @@ def verify(
     kwargs = {"on_stage": on_stage} if on_stage else {}
     pipe: KasokuPipeline = compile(reference, options=options, label=label, **kwargs)
     specs = component_specs(reference, pipe.profile)
-    report = VerifyReport(model=label, precision=options.precision.value,
+    report = VerifyReport(model=label, precision=options.precision_label,
                           backends={n: e.backend for n, e in pipe.engines.items()},
                           family=family_of(reference).title, notes=pipe.compile_report.notes)
     cache = Cache(options.cache_dir)
@@ -96,41 +102,71 @@ def verify(
                 report.damaged_entries.append(f"{stage.component} engine {stage.key[:12]}: {problem}")
     for name, engine in pipe.engines.items():
         shapes = dict.fromkeys(verification_shapes(pipe.profile).values())
-        built_in = specs[name].precision_for(options.precision)  # an SDXL VAE stays fp32: hold it to fp32's bound
+        built_in = Precision(pipe.compile_report.precisions[name])  # an SDXL VAE kept fp32 is held to fp32's bound
         report.components += parity_against_torch(specs[name], engine.run, shapes, built_in, seed=11)
     if image:
-        report.image = image_parity(reference, pipe, options.precision)
+        report.image = image_parity(reference, pipe, _image_precision(pipe), options, on_stage)
     return report
 
 
-def image_parity(reference, pipe, precision: Precision) -> ImageParity:
-    family = family_of(reference)
-    if family.tasks(reference)[0] == "inpaint":  # an inpainting model: inpaint a square
-        size = pipe.profile.opt.height, pipe.profile.opt.width
-        rng = np.random.default_rng(VERIFY_SEED)
-        from PIL import Image
+def image_parity(reference, pipe, precision: Precision, options: CompileOptions | None = None,
+                 on_stage=None) -> ImageParity:
+    """The precision's image contract: fp32 against diffusers' own torch image; a lower precision
+    against kasoku's fp32 engines on the same backend, on FIDELITY_PROMPTS at the contract's steps,
+    with the same initial latents (the same seed). PSNR and SSIM, the worst over the prompts."""
+    from .pipeline import compile
 
-        image = Image.fromarray(rng.integers(0, 255, (*size, 3), dtype=np.uint8))
-        mask = np.zeros(size, dtype=np.uint8)
-        mask[size[0] // 4: 3 * size[0] // 4, size[1] // 4: 3 * size[1] // 4] = 255
-        extra = {"image": image, "mask_image": Image.fromarray(mask)}
-        torch_pipe = family.task_pipeline(reference, "inpaint")
+    tolerance = TOLERANCES[precision]
+    family = family_of(reference)
+    task = family.tasks(reference)[0]
+    extra = _inpaint_inputs(pipe.profile.opt) if task == "inpaint" else {}
+    if tolerance.image_reference == "diffusers":
+        expected_pipe, prompts = family.task_pipeline(reference, task), (VERIFY_PROMPT,)
     else:
-        extra = {}
-        torch_pipe = family.task_pipeline(reference, "txt2img")
+        kwargs = {"on_stage": on_stage} if on_stage else {}
+        fp32 = (options or CompileOptions()).replace(precision=Precision.FP32, profile=pipe.profile)
+        expected_pipe, prompts = compile(reference, options=fp32, **kwargs), FIDELITY_PROMPTS
     shape = pipe.profile.opt
 
-    def run(p):
-        return p(VERIFY_PROMPT, num_inference_steps=VERIFY_STEPS, height=shape.height, width=shape.width,
+    def run(p, prompt):
+        return p(prompt, num_inference_steps=tolerance.image_steps, height=shape.height, width=shape.width,
                  generator=torch.Generator().manual_seed(VERIFY_SEED), output_type="np", **extra).images
 
-    expected, actual = run(torch_pipe), run(pipe)
-    value = float(psnr(expected, actual))
-    bound = TOLERANCES[precision].image_psnr_db
-    nan = int(np.isnan(actual).sum())
-    return ImageParity(psnr_db=value, max_abs=float(np.abs(np.nan_to_num(actual) - expected).max()),
-                       bound_db=bound, nan=nan, passed=nan == 0 and value >= bound,
-                       shape=f"1x{shape.height}x{shape.width}, {VERIFY_STEPS} steps")
+    rows = []
+    for prompt in prompts:
+        expected, actual = run(expected_pipe, prompt), run(pipe, prompt)
+        rows.append({"prompt": prompt, "psnr_db": float(psnr(expected, actual)), "ssim": ssim(expected, actual),
+                     "max_abs": float(np.abs(np.nan_to_num(actual) - expected).max()),
+                     "nan": int(np.isnan(actual).sum())})
+    worst_psnr, worst_ssim = min(r["psnr_db"] for r in rows), min(r["ssim"] for r in rows)
+    nan = sum(r["nan"] for r in rows)
+    return ImageParity(psnr_db=worst_psnr, max_abs=max(r["max_abs"] for r in rows), bound_db=tolerance.image_psnr_db,
+                       nan=nan, ssim=worst_ssim, bound_ssim=tolerance.image_ssim, reference=tolerance.image_reference,
+                       passed=nan == 0 and worst_psnr >= tolerance.image_psnr_db and worst_ssim >= tolerance.image_ssim,
+                       shape=f"1x{shape.height}x{shape.width}, {tolerance.image_steps} steps, {len(prompts)} prompt(s)",
+                       per_prompt=rows)
+
+
+def _image_precision(pipe) -> Precision:
+    """The contract an image is held to: the lowest precision among its engines' (fp32 < fp16 < bf16 < int8)."""
+    order = list(Precision)
+    return max((Precision(p) for p in pipe.compile_report.precisions.values()), key=order.index)
+
+
+def _inpaint_inputs(shape: ImageShape) -> dict:
+    """An inpainting model inpaints a square of a random image."""
+    from PIL import Image
+
+    size = shape.height, shape.width
+    rng = np.random.default_rng(VERIFY_SEED)
+    image = Image.fromarray(rng.integers(0, 255, (*size, 3), dtype=np.uint8))
+    mask = np.zeros(size, dtype=np.uint8)
+    mask[size[0] // 4: 3 * size[0] // 4, size[1] // 4: 3 * size[1] // 4] = 255
+    return {"image": image, "mask_image": Image.fromarray(mask)}
+
+
+def _bound(c: OutputParity) -> str:
+    return f"max abs {c.limit:.1e}" if c.limit != float("inf") else f"rel error {c.rel_error_limit:.1e}"
 
 
 def markdown(report: VerifyReport) -> str:
@@ -138,17 +174,18 @@ def markdown(report: VerifyReport) -> str:
     lines = [
         f"# kasoku verify: {report.model} ({', '.join(filter(None, (report.family, report.precision)))})",
         "",
-        "| status | component | output | shape | max abs | max rel | cosine | NaN | Inf | tolerance |",
+        "| status | component | output | shape | max abs | rel error | cosine | NaN | Inf | tolerance |",
         "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     for c in report.components:
         lines.append(f"| {'PASSED' if c.passed else 'FAILED'} | {c.component} ({report.backends[c.component]}) | "
-                     f"{c.output} | {c.shape} | {c.max_abs:.2e} | {c.max_rel:.2e} | {c.cosine:.6f} | {c.nan} | "
-                     f"{c.inf} | {c.limit:.1e} |")
+                     f"{c.output} | {c.shape} | {c.max_abs:.2e} | {c.rel_error:.2e} | {c.cosine:.6f} | {c.nan} | "
+                     f"{c.inf} | {_bound(c)} |")
     if report.image:
         i = report.image
-        lines += ["", f"Image vs diffusers ({i.shape}): PSNR {i.psnr_db:.1f} dB (bound {i.bound_db:.0f} dB), "
-                      f"max pixel difference {i.max_abs:.2e}, NaN {i.nan}: {'PASSED' if i.passed else 'FAILED'}"]
+        lines += ["", f"Image vs {i.reference} ({i.shape}): PSNR {i.psnr_db:.1f} dB (bound {i.bound_db:.0f} dB), "
+                      f"SSIM {i.ssim:.4f} (bound {i.bound_ssim:.2f}), max pixel difference {i.max_abs:.2e}, "
+                      f"NaN {i.nan}: {'PASSED' if i.passed else 'FAILED'}"]
     lines += [""] + [f"Note: {note}" for note in report.notes] if report.notes else []
     lines += [""] + [f"Damaged cache entry: {entry}" for entry in report.damaged_entries] \
         if report.damaged_entries else []

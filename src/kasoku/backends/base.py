@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import platform
 from abc import ABC, abstractmethod
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, ClassVar
@@ -154,8 +154,9 @@ class Backend(ABC):
     name: ClassVar[str]
     extra: ClassVar[str | None] = None  # the pip extra that installs it
     needs_onnx: ClassVar[bool] = True
-    # optimization passes for this backend (see kasoku.optimize.PASSES); precision passes are added per precision
-    passes: ClassVar[tuple[str, ...]] = ("cleanup", "fold_constants", "infer_shapes")
+    # ONNX passes before this backend builds (see kasoku.optimize.PASSES); precision passes are added per
+    # precision. Empty: the backend's own graph optimizer does it all when it builds (ONNX Runtime, OpenVINO).
+    passes: ClassVar[tuple[str, ...]] = ()
     precisions: ClassVar[tuple[Precision, ...]] = (Precision.FP32, Precision.FP16)
     # why a precision the backend does not build is refused, by precision (a one-line reason)
     refused: ClassVar[Mapping[Precision, str]] = {}
@@ -201,9 +202,15 @@ class Backend(ABC):
             passes.append("fp16")
         return passes
 
+    def needs_calibration(self, spec: ComponentSpec, precision: Precision) -> bool:
+        """Whether building `spec` in `precision` needs calibration samples (recorded inputs)."""
+        return False
+
     @abstractmethod
-    def build(self, spec: ComponentSpec, onnx_path: Path, out_dir: Path, precision: Precision) -> dict[str, Any]:
-        """Write the engine files for `spec` into `out_dir`; return metadata for the manifest."""
+    def build(self, spec: ComponentSpec, onnx_path: Path, out_dir: Path, precision: Precision, *,
+              calibration: Callable[[], list] | None = None) -> dict[str, Any]:
+        """Write the engine files for `spec` into `out_dir`; return metadata for the manifest.
+        `calibration` returns the recorded input samples where :meth:`needs_calibration` says so."""
 
     @abstractmethod
     def load(self, spec: ComponentSpec, entry_dir: Path, precision: Precision) -> Engine:

@@ -93,9 +93,17 @@ class OnnxRuntimeEngine(Engine):
         return {**super().describe(), "providers": ",".join(self.session.get_providers())}
 
 
+NO_BF16 = ("ONNX Runtime's CPU execution provider has no bfloat16 kernels (bf16 Conv and MatMul fail with "
+           "NOT_IMPLEMENTED; its only bf16 GEMM mode is ARM64-only); use --backend openvino for bf16")
+
+
 class OnnxRuntimeBackend(Backend):
     name = "onnxruntime"
     extra = None  # a core dependency; `kasoku[gpu]` brings onnxruntime-gpu
+    precisions = (Precision.FP32, Precision.FP16)
+    refused = {Precision.BF16: NO_BF16,
+               Precision.INT8: "kasoku's int8 is NNCF's, on OpenVINO (ONNX Runtime's own static QDQ quantization "
+                               "measured slower on the SD 1.5 U-Net, see the README); use --backend openvino"}
 
     def __init__(self, options=None, shared_dir=None, provider: str = "cpu"):
         super().__init__(options, shared_dir)
@@ -147,7 +155,8 @@ class OnnxRuntimeBackend(Backend):
         providers = provider_options(spec, self.provider, precision, cache_dir)
         return ort.InferenceSession(str(path), options, providers=providers)
 
-    def build(self, spec: ComponentSpec, onnx_path: Path, out_dir: Path, precision: Precision) -> dict[str, Any]:
+    def build(self, spec: ComponentSpec, onnx_path: Path, out_dir: Path, precision: Precision, *,
+              calibration=None) -> dict[str, Any]:
         self.require()
         target = out_dir / MODEL_FILE
         if self.provider == "cpu":

@@ -1,31 +1,56 @@
 """OpenVINO on the CPU, through its own API on the same optimized ONNX file.
 
-The model is reshaped to the component's bounded dynamic profile, saved as IR in the cache
-entry and compiled once at build time with OpenVINO's model cache pointed inside the entry,
-so a warm load reads the compiled blob instead of compiling again. Engines read their inputs
-from the torch tensors' memory and write their outputs into torch tensors (no copies).
+The model is reshaped to the component's profile (static dimensions where the profile holds one
+value: an exact-shape engine; bounded dynamic ones elsewhere), int8-quantized through NNCF when
+asked (kasoku.quantize), saved as IR in the cache entry and compiled once at build time with
+OpenVINO's model cache pointed inside the entry, so a warm load reads the compiled blob instead
+of compiling again. The inference precision is always explicit (OpenVINO otherwise picks bf16 on
+CPUs that have it) and read back after compiling: a precision the CPU did not apply is an error,
+never a silent fp32 run. Engines read their inputs from the torch tensors' memory and write their
+outputs into torch tensors (no copies).
 """
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from ..components import ComponentSpec, Precision
-from .base import Availability, Backend, Engine
+from .base import Availability, Backend, BackendUnavailable, Engine, UnsupportedPrecision
 
 MODEL_FILE = "model.xml"
 BLOB_DIR = "compiled"
-_PRECISION_HINT = {Precision.FP32: "f32", Precision.FP16: "f16"}
+_HINTS = {Precision.FP32: "f32", Precision.FP16: "f16", Precision.BF16: "bf16"}
+NO_BF16 = ("this CPU has no native bf16 (neither AVX512-BF16 nor AMX, OpenVINO's BF16 capability): OpenVINO "
+           "would emulate it slowly or run fp32")
+
+
+@functools.cache
+def native_bf16() -> bool:
+    """Whether OpenVINO's CPU plugin has native bf16 here (AVX512-BF16 or AMX)."""
+    import openvino as ov
+
+    return "BF16" in ov.Core().get_property("CPU", "OPTIMIZATION_CAPABILITIES")
+
+
+def inference_hint(precision: Precision) -> str:
+    """The CPU plugin's inference precision: int8 models compute what is not quantized in bf16
+    where the CPU has it natively, else in fp32."""
+    precision = Precision(precision)
+    if precision == Precision.INT8:
+        return "bf16" if native_bf16() else "f32"
+    return _HINTS[precision]
 
 
 def openvino_config(precision: Precision, threads: int | None, blob_dir: Path | None) -> dict[str, Any]:
-    """compile_model properties: explicit inference precision (OpenVINO otherwise picks bf16 on
-    CPUs that have it, which would break fp32 parity), latency mode, optional thread count."""
+    """compile_model properties: explicit inference precision, latency mode, optional thread count,
+    the entry's blob cache (OpenVINO's cache key leaves the precision out: one blob serves all)."""
     config: dict[str, Any] = {
-        "INFERENCE_PRECISION_HINT": _PRECISION_HINT[Precision(precision)],
+        "INFERENCE_PRECISION_HINT": inference_hint(precision),
         "PERFORMANCE_HINT": "LATENCY",
     }
     if threads:
@@ -36,11 +61,16 @@ def openvino_config(precision: Precision, threads: int | None, blob_dir: Path | 
 
 
 def bounded_shapes(spec: ComponentSpec) -> dict[str, list[tuple[int, int]]]:
-    """Per input, (min, max) of every dimension over the profile."""
+    """Per input, (min, max) of every dimension over the profile (min == max: a static dimension)."""
     out = {}
     for name, (low, _opt, high) in spec.profile_shapes().items():
         out[name] = list(zip(low, high))
     return out
+
+
+def _applied_precision(compiled) -> str:
+    value = str(compiled.get_property("INFERENCE_PRECISION_HINT"))
+    return {"<Type: 'float32'>": "f32", "<Type: 'bfloat16'>": "bf16", "<Type: 'float16'>": "f16"}.get(value, value)
 
 
 class OpenVinoEngine(Engine):
@@ -64,6 +94,7 @@ class OpenVinoEngine(Engine):
 class OpenVinoBackend(Backend):
     name = "openvino"
     extra = "openvino"
+    precisions = (Precision.FP32, Precision.FP16, Precision.BF16, Precision.INT8)
 
     @classmethod
     def availability(cls) -> Availability:
@@ -76,10 +107,20 @@ class OpenVinoBackend(Backend):
             return Availability(cls.name, False, ov.__version__, reason="OpenVINO sees no CPU device")
         return Availability(cls.name, True, ov.__version__, f"CPU: {core.get_property('CPU', 'FULL_DEVICE_NAME')}")
 
-    def optimization_passes(self, precision: Precision) -> list[str]:
-        return list(self.passes)  # precision is an inference hint, not a graph rewrite
+    def check_precision(self, precision: Precision | str) -> None:
+        super().check_precision(precision)
+        if Precision(precision) == Precision.BF16 and not native_bf16():
+            raise UnsupportedPrecision(f"the {self.name} backend cannot build bf16 here: {NO_BF16}. Choose "
+                                       "--precision fp32 or int8.")
 
-    def build(self, spec: ComponentSpec, onnx_path: Path, out_dir: Path, precision: Precision) -> dict[str, Any]:
+    def optimization_passes(self, precision: Precision) -> list[str]:
+        return list(self.passes)  # precision is an inference hint (or NNCF's rewrite), not an ONNX pass
+
+    def needs_calibration(self, spec: ComponentSpec, precision: Precision) -> bool:
+        return Precision(precision) == Precision.INT8 and spec.int8 == "hybrid"
+
+    def build(self, spec: ComponentSpec, onnx_path: Path, out_dir: Path, precision: Precision, *,
+              calibration: Callable[[], list] | None = None) -> dict[str, Any]:
         self.require()
         import openvino as ov
 
@@ -89,10 +130,25 @@ class OpenVinoBackend(Backend):
             name: ov.PartialShape([ov.Dimension(lo, hi) for lo, hi in dims])
             for name, dims in bounded_shapes(spec).items()
         })
+        meta: dict[str, Any] = {"static": not model.is_dynamic()}
+        if Precision(precision) == Precision.INT8:
+            from ..quantize import quantize
+
+            samples = calibration() if spec.int8 == "hybrid" and calibration is not None else None
+            model = quantize(model, spec.int8, samples)
+            meta["int8"] = {"recipe": spec.int8, "calibration_samples": len(samples or [])}
         ov.save_model(model, str(out_dir / MODEL_FILE), compress_to_fp16=False)
-        core.compile_model(str(out_dir / MODEL_FILE), "CPU", openvino_config(precision, self.options.threads,
-                                                                             out_dir / BLOB_DIR))
-        return {"config": openvino_config(precision, self.options.threads, None)}
+        config = openvino_config(precision, self.options.threads, out_dir / BLOB_DIR)
+        compiled = core.compile_model(str(out_dir / MODEL_FILE), "CPU", config)
+        self._check_applied(compiled, precision)
+        return {**meta, "config": openvino_config(precision, self.options.threads, None)}
+
+    def _check_applied(self, compiled, precision: Precision) -> None:
+        wanted = inference_hint(precision)
+        applied = _applied_precision(compiled)
+        if applied != wanted:
+            raise BackendUnavailable(f"OpenVINO compiled this engine in {applied} where {wanted} was asked for "
+                                     f"({Precision(precision).value}); this CPU cannot run it as asked.")
 
     def load(self, spec: ComponentSpec, entry_dir: Path, precision: Precision) -> Engine:
         self.require()
@@ -100,4 +156,5 @@ class OpenVinoBackend(Backend):
 
         config = openvino_config(precision, self.options.threads, entry_dir / BLOB_DIR)
         compiled = ov.Core().compile_model(str(entry_dir / MODEL_FILE), "CPU", config)
+        self._check_applied(compiled, precision)
         return OpenVinoEngine(spec, precision, compiled)

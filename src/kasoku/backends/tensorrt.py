@@ -168,6 +168,9 @@ class TensorRTEngine(Engine):
 class TensorRTBackend(Backend):
     name = "tensorrt"
     extra = "tensorrt"
+    precisions = (Precision.FP32, Precision.FP16)
+    # the seed's flow: onnx-graphsurgeon cleans and folds the graph before TensorRT's parser sees it
+    passes = ("cleanup", "fold_constants", "infer_shapes")
 
     @classmethod
     def availability(cls) -> Availability:
@@ -198,7 +201,8 @@ class TensorRTBackend(Backend):
         folder.mkdir(parents=True, exist_ok=True)
         return folder / TIMING_CACHE_FILE
 
-    def build(self, spec: ComponentSpec, onnx_path: Path, out_dir: Path, precision: Precision) -> dict[str, Any]:
+    def build(self, spec: ComponentSpec, onnx_path: Path, out_dir: Path, precision: Precision, *,
+              calibration=None) -> dict[str, Any]:
         self.require()
         from polygraphy.backend.trt import engine_bytes_from_network, network_from_onnx_path
 

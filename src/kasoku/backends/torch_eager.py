@@ -40,7 +40,8 @@ class TorchBackend(Backend):
         device = "cpu" + (f", cuda: {torch.cuda.get_device_name()}" if torch.cuda.is_available() else "")
         return Availability(cls.name, True, torch.__version__, device)
 
-    def build(self, spec: ComponentSpec, onnx_path: Path, out_dir: Path, precision: Precision) -> dict[str, Any]:
+    def build(self, spec: ComponentSpec, onnx_path: Path, out_dir: Path, precision: Precision, *,
+              calibration=None) -> dict[str, Any]:
         return {}
 
     def load(self, spec: ComponentSpec, entry_dir: Path | None, precision: Precision) -> Engine:

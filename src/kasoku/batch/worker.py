@@ -55,15 +55,25 @@ def txt2img_components(pipe) -> tuple[str, ...]:
 
 
 def batch_profile(pipe, batch_size: int, height: tuple[int, ...] | None = None,
-                  width: tuple[int, ...] | None = None) -> ShapeProfile:
-    """The model's default profile (the one `kasoku compile MODEL` builds), widened to `batch_size`
-    images per call, with the height and width ranges (MIN:MAX or MIN:OPT:MAX, as for `kasoku
-    compile`) where given."""
+                  width: tuple[int, ...] | None = None, jobs=()) -> ShapeProfile:
+    """What the engines serve: up to `batch_size` images per call; the height and width ranges
+    (MIN:MAX or MIN:OPT:MAX, as for `kasoku compile`) where given, else the jobs' one size when they
+    share it (exact-shape engines: static height and width), else the model's default range; and
+    guidance when every job uses it, none when no job does."""
+    from dataclasses import replace
+
     from ..components import default_profile, profile_with_ranges
 
     base = default_profile(pipe)
-    batch = (base.min.batch, base.opt.batch, max(base.max.batch, batch_size))
-    return profile_with_ranges(base, batch, height, width)
+    sizes = {(job.height, job.width) for job in jobs}
+    if len(sizes) == 1 and None not in next(iter(sizes)):
+        (h, w), = sizes
+        height, width = height or (h, h, h), width or (w, w, w)
+    guided = {job.guidance > 1 for job in jobs}
+    batch = (1, 1, max(base.max.batch, batch_size)) if jobs else \
+        (base.min.batch, base.opt.batch, max(base.max.batch, batch_size))
+    profile = profile_with_ranges(base, batch, height, width)
+    return replace(profile, guidance=next(iter(guided))) if len(guided) == 1 else profile
 
 
 # ---- the worker --------------------------------------------------------------------------------

@@ -90,12 +90,19 @@ def add_json(parser: argparse.ArgumentParser, what: str = "the report") -> None:
 def add_backend_arguments(parser: argparse.ArgumentParser) -> None:
     """--backend and --precision, with the choices the code accepts."""
     from ..backends import BACKEND_CHOICES
-    from ..components import Precision
+    from ..options import DEFAULT_MIN_PSNR, PRECISION_CHOICES
 
     parser.add_argument("--backend", choices=BACKEND_CHOICES, default="auto",
                         help="auto (default): TensorRT then ONNX Runtime CUDA on a GPU; on a CPU the faster of "
                              "onnxruntime and openvino per component, measured once per model and machine")
-    parser.add_argument("--precision", choices=[p.value for p in Precision], default="fp32", help="default fp32")
+    parser.add_argument("--precision", choices=PRECISION_CHOICES, default="fp32",
+                        help="fp32 (default: exact); fp16; bf16 (CPUs with AVX512-BF16 or AMX, on OpenVINO); int8 "
+                             "(NNCF on OpenVINO: the U-Net calibrated on the pipeline's own runs); fastest: per "
+                             "component the fastest precision whose image drift stays within --min-psnr. Each has "
+                             "a fidelity contract (`kasoku verify --precision X` checks it)")
+    parser.add_argument("--min-psnr", type=finite_float, default=DEFAULT_MIN_PSNR, metavar="DB",
+                        help=f"with --precision fastest: the least image PSNR against the fp32 engines "
+                             f"(default {DEFAULT_MIN_PSNR:g} dB)")
 
 
 def add_engine_arguments(parser: argparse.ArgumentParser, *, profile_flags: bool = True) -> None:
@@ -125,7 +132,7 @@ def options_from_args(args: argparse.Namespace, profile=None):
     from ..options import CompileOptions
 
     options = CompileOptions(
-        backend=args.backend, precision=args.precision, profile=profile,
+        backend=args.backend, precision=args.precision, min_psnr=args.min_psnr, profile=profile,
         components=getattr(args, "components", None), cache_dir=args.cache_dir, threads=args.threads,
         exporter=getattr(args, "exporter", None) or CompileOptions.exporter,
         opset=getattr(args, "opset", None) or CompileOptions.opset,
@@ -138,12 +145,15 @@ def options_from_args(args: argparse.Namespace, profile=None):
 def check_backend(options) -> None:
     """An explicit backend must be installed and build the asked precision: say so before any work."""
     from ..backends import get_backend
+    from ..options import FASTEST
 
     names = set(options.backend.values()) if isinstance(options.backend, dict) else {options.backend}
+    precisions = set(options.precision.values()) if isinstance(options.precision, dict) else {options.precision}
     for name in names - {"auto"}:
         backend = get_backend(name, options)
         backend.require()
-        backend.check_precision(options.precision)
+        for precision in precisions - {FASTEST}:
+            backend.check_precision(precision)
 
 
 def profile_from_args(args: argparse.Namespace):

@@ -79,7 +79,7 @@ class Generate(Command):
         reference = load_pipeline(args.model, lazy=True)  # configs only: weights load only for what must be built
         native = native_size(reference)
         check_size(args.height or native, args.width or native)  # before a compile that could take minutes
-        options = options.replace(profile=_profile_for(args, image, reference))
+        options = options.replace(profile=_profile_for(args, image, reference, options))
         pipe = compile(reference, options=options, on_stage=show_stage, label=str(args.model))
         load_seconds = time.perf_counter() - start
         if args.scheduler:
@@ -119,18 +119,23 @@ class Generate(Command):
         return 0
 
 
-def _profile_for(args: argparse.Namespace, image, pipe):
-    """The model's default profile, widened to serve the requested size and image count, so
-    `generate` compiles what it needs (a size that is not a multiple of the model's is left for the
-    pipeline's own check to explain)."""
-    from ..components import ImageShape, default_profile, profile_serving
+def _profile_for(args: argparse.Namespace, image, pipe, options):
+    """What `generate` compiles for: engines already in the cache that serve this call (built for the
+    exact shape, or for the model's default range), else exact-shape engines for this call's size,
+    image count and guidance (static shapes: faster on CPU backends, see the README)."""
+    from ..build import cached_profile
+    from ..components import ImageShape, ShapeProfile, default_profile
 
     base = default_profile(pipe)
     height = args.height or (image.size[1] if image else base.opt.height)
     width = args.width or (image.size[0] if image else base.opt.width)
     if height % base.multiple or width % base.multiple:
-        return base
-    return profile_serving(base, ImageShape(args.num_images, height, width))
+        raise KasokuError(f"--height and --width must be multiples of {base.multiple} for this model (the VAE's 8x "
+                          f"times the U-Net's downsampling) but are {height} and {width}.")
+    shape = ImageShape(args.num_images, height, width)
+    exact = ShapeProfile.exact(shape, guidance=args.guidance > 1, multiple=base.multiple)
+    served = [p for p in (exact, base) if p.serves(shape, args.guidance > 1)]
+    return cached_profile(args.model, options, served) or exact
 
 
 class Batch(Command):
@@ -186,7 +191,8 @@ class Batch(Command):
         if args.ray is not None:
             import_ray()  # a missing extra is the first thing to say
         threads = args.threads or (1 if args.ray is not None else None)  # Ray: one CPU per worker unless asked
-        options = CompileOptions(backend=args.backend, precision=args.precision, cache_dir=args.cache_dir,
+        options = CompileOptions(backend=args.backend, precision=args.precision, min_psnr=args.min_psnr,
+                                 cache_dir=args.cache_dir,
                                  threads=threads)
         check_backend(options)
         jobs = read_jobs(args.prompts)

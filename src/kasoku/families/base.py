@@ -19,6 +19,7 @@ import torch
 from ..components import (
     Axis,
     ComponentSpec,
+    Precision,
     ShapeProfile,
     TensorSpec,
     TextEncoderModule,
@@ -82,6 +83,11 @@ class Family:
     def component_names(self, pipe=None) -> tuple[str, ...]:
         return (*self.text_encoders, *IMAGE_COMPONENTS)
 
+    def calibration_components(self, component: str) -> tuple[str, ...]:
+        """What a text-to-image run needs to reach `component` (its calibration records its inputs
+        with the latents left undecoded): the text encoders and the component."""
+        return (*self.text_encoders, component)
+
     def tasks(self, pipe) -> tuple[str, ...]:
         """The tasks this model runs: an inpainting model (a U-Net that also reads the mask and the
         masked image, 9 channels) inpaints only."""
@@ -115,11 +121,12 @@ class Family:
         return builders
 
     def text_encoder_outputs(self, pipe, name: str, axes: Axes) -> tuple[TensorSpec, ...]:
-        """What the family's pipeline reads from text encoder `name` (SD 1.x/2.x: the last hidden state)."""
+        """What the family's pipeline reads from text encoder `name` (SD 1.x/2.x: the last hidden state).
+        The pipelines encode the prompts and the negative prompts in separate calls: one row per image."""
         config = getattr(pipe, name).config
         length = pipe.tokenizer.model_max_length
-        return (TensorSpec("last_hidden_state", (axes.guided, length, config.hidden_size)),
-                TensorSpec("pooler_output", (axes.guided, config.hidden_size)))
+        return (TensorSpec("last_hidden_state", (axes.images, length, config.hidden_size)),
+                TensorSpec("pooler_output", (axes.images, config.hidden_size)))
 
     def text_encoder_spec(self, pipe, name: str, profile: ShapeProfile, axes: Axes, weights) -> ComponentSpec:
         from ..loading import real_module
@@ -129,7 +136,7 @@ class Family:
         output_names = tuple(t.name for t in outputs)
         return ComponentSpec(
             name=name,
-            inputs=(TensorSpec("input_ids", (axes.guided, pipe.tokenizer.model_max_length), torch.int64,
+            inputs=(TensorSpec("input_ids", (axes.images, pipe.tokenizer.model_max_length), torch.int64,
                                high=encoder.config.vocab_size),),
             outputs=outputs,
             profile=profile,
@@ -169,11 +176,12 @@ class Family:
             config=dict(config),
             graph_kind="unet",
             modules=("unet",),
+            int8="hybrid",
         )
 
-    def vae_keep_fp32(self, pipe) -> str | None:
-        """Why the VAE stays fp32 when a lower precision is asked for (None: it need not)."""
-        return None
+    def vae_fp32_for(self, pipe) -> dict[Precision, str]:
+        """Precision -> why the VAE is built in fp32 when that precision is asked for (empty: never)."""
+        return {}
 
     def vae_decoder_spec(self, pipe, profile: ShapeProfile, axes: Axes, weights) -> ComponentSpec:
         from ..loading import real_module
@@ -187,7 +195,7 @@ class Family:
             load_module=lambda: VaeDecoderModule(real_module(pipe, "vae")),
             weights=lambda: weights.of(pipe, "vae"),
             config=dict(config),
-            keep_fp32=self.vae_keep_fp32(pipe),
+            fp32_for=self.vae_fp32_for(pipe),
             graph_kind="vae",
             fp16_keep_ops=(*_VAE_FP16_KEEP, "Resize"),  # the decoder's upsampling activations too
             modules=("vae",),
@@ -206,7 +214,7 @@ class Family:
             load_module=lambda: VaeEncoderModule(real_module(pipe, "vae")),
             weights=lambda: weights.of(pipe, "vae"),
             config=dict(config),
-            keep_fp32=self.vae_keep_fp32(pipe),
+            fp32_for=self.vae_fp32_for(pipe),
             graph_kind="vae",
             fp16_keep_ops=_VAE_FP16_KEEP,
             modules=("vae",),

@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-from ..components import TensorSpec, UNetModule
+from ..components import Precision, TensorSpec, UNetModule
 from ..standins import EngineTextEncoder, InvalidInput
 from .base import Axes, Family, NotADiffusersPipeline
 
@@ -83,10 +83,10 @@ class StableDiffusionXL(Family):
 
     def text_encoder_outputs(self, pipe, name: str, axes: Axes) -> tuple[TensorSpec, ...]:
         config = getattr(pipe, name).config
-        hidden = TensorSpec("penultimate_hidden_state", (axes.guided, pipe.tokenizer.model_max_length,
+        hidden = TensorSpec("penultimate_hidden_state", (axes.images, pipe.tokenizer.model_max_length,
                                                          config.hidden_size))
         if name == "text_encoder_2":
-            return (TensorSpec("text_embeds", (axes.guided, config.projection_dim)), hidden)
+            return (TensorSpec("text_embeds", (axes.images, config.projection_dim)), hidden)
         return (hidden,)
 
     def unet_added_inputs(self, pipe, axes: Axes) -> tuple[TensorSpec, ...]:
@@ -98,8 +98,9 @@ class StableDiffusionXL(Family):
     def unet_module(self, unet: torch.nn.Module) -> torch.nn.Module:
         return SDXLUNetModule(unet)
 
-    def vae_keep_fp32(self, pipe) -> str | None:
-        return VAE_FP32 if pipe.vae.config.get("force_upcast", True) else None
+    def vae_fp32_for(self, pipe) -> dict[Precision, str]:
+        # fp16's range is what overflows; bf16 and int8 (which computes in bf16 or fp32) keep fp32's range.
+        return {Precision.FP16: VAE_FP32} if pipe.vae.config.get("force_upcast", True) else {}
 
     def text_encoder_stand_in(self, pipe, name: str, engines, times):
         return PenultimateTextEncoder(getattr(pipe, name), engines, times, name)

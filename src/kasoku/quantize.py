@@ -1,0 +1,107 @@
+"""int8 through NNCF, the OpenVINO toolkit's own quantizer (no hand-written quantizer here).
+
+Two recipes, chosen per component by its spec (`ComponentSpec.int8`):
+
+- "weights" (text encoders, the VAE): weight-only int8 (`nncf.compress_weights`, INT8_ASYM), data-free.
+  OpenVINO's CPU plugin runs the compressed MatMuls as u8 kernels; compressed convolutions are
+  decompressed when the model is compiled, so they save disk and memory, not time.
+- "hybrid" (the U-Net): optimum-intel's hybrid mode. Weighted MatMuls and embedding Gathers get
+  weight-only int8; everything else NNCF quantizes (the convolutions above all) gets int8 weights
+  and activations, calibrated on U-Net inputs recorded during the pipeline's own denoising runs
+  (see :mod:`kasoku.calibration`): 1) compress the weights of everything but convolutions,
+  2) `nncf.quantize` the result with those weighted MatMuls in the ignored scope (preset MIXED,
+  SmoothQuant and the overflow fix off, fast bias correction).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import logging
+from collections.abc import Sequence
+from typing import Any
+
+from .errors import KasokuError
+
+NNCF_EXTRA = "pip install 'kasoku[openvino]'"
+RECIPES = ("weights", "hybrid")
+# Ops that only reshape or re-type a weight on its way to a MatMul.
+_PASS_THROUGH = {"Convert", "FakeQuantize", "Reshape"}
+
+
+class QuantizationError(KasokuError):
+    """NNCF is missing, or a model could not be quantized."""
+
+
+def _nncf():
+    try:
+        import nncf
+    except ImportError:
+        raise QuantizationError(f"--precision int8 needs NNCF, which is not installed here: {NNCF_EXTRA}") from None
+    nncf.set_log_level(logging.ERROR)  # its statistics tables are for its own developers; kasoku reports the result
+    return nncf
+
+
+@contextlib.contextmanager
+def _quiet():
+    """NNCF draws progress bars on stdout; kasoku shows its own stage spinner."""
+    with contextlib.redirect_stdout(io.StringIO()):
+        yield
+
+
+def _comes_from_constant(output) -> bool:
+    node = output.get_node()
+    while node.get_type_name() in _PASS_THROUGH:
+        node = node.input_value(0).get_node()
+    return node.get_type_name() == "Constant"
+
+
+def weighted_matmuls_and_embeddings(model) -> list[str]:
+    """Friendly names of the MatMuls with a constant operand and of the embedding Gathers (float
+    constant tables): the ops hybrid quantization keeps to weight-only int8."""
+    names = []
+    for op in model.get_ordered_ops():
+        kind = op.get_type_name()
+        if kind == "MatMul" and any(_comes_from_constant(op.input_value(i)) for i in range(2)):
+            names.append(op.get_friendly_name())
+        elif kind == "Gather" and _comes_from_constant(op.input_value(0)) and \
+                op.input_value(0).get_element_type().is_real():
+            names.append(op.get_friendly_name())
+    return names
+
+
+def weights_only(model):
+    """int8 weights (asymmetric, per channel), data-free."""
+    nncf = _nncf()
+    with _quiet():
+        return nncf.compress_weights(model, mode=nncf.CompressWeightsMode.INT8_ASYM)
+
+
+def hybrid(model, samples: Sequence[dict[str, Any]]):
+    """Weight-only int8 for weighted MatMuls and embeddings; int8 weights and activations, calibrated
+    on `samples` (input dicts), for the rest (see the module docstring)."""
+    nncf = _nncf()
+    if not samples:
+        raise QuantizationError("hybrid int8 needs calibration samples; none were recorded.")
+    keep_weight_only = weighted_matmuls_and_embeddings(model)
+    has_convolutions = any(op.get_type_name() == "Convolution" for op in model.get_ops())
+    advanced = nncf.AdvancedQuantizationParameters(
+        overflow_fix=nncf.OverflowFix.DISABLE,
+        smooth_quant_alphas=nncf.AdvancedSmoothQuantParameters(matmul=-1))
+    with _quiet():
+        compressed = nncf.compress_weights(
+            model, mode=nncf.CompressWeightsMode.INT8_ASYM,
+            ignored_scope=nncf.IgnoredScope(types=["Convolution"]) if has_convolutions else None)
+        return nncf.quantize(
+            compressed, nncf.Dataset(list(samples)), preset=nncf.QuantizationPreset.MIXED, subset_size=len(samples),
+            fast_bias_correction=True, model_type=nncf.ModelType.TRANSFORMER,
+            ignored_scope=nncf.IgnoredScope(names=keep_weight_only, validate=False), advanced_parameters=advanced)
+
+
+def quantize(model, recipe: str, samples: Sequence[dict[str, Any]] | None = None):
+    """The int8 model of `recipe` ("weights" or "hybrid")."""
+    if recipe == "weights":
+        return weights_only(model)
+    if recipe == "hybrid":
+        return hybrid(model, samples or [])
+    raise ValueError(f"unknown int8 recipe {recipe!r}; recipes are {RECIPES}")

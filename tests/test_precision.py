@@ -1,0 +1,220 @@
+"""bf16 and int8 engines, exact-shape engines, `fastest`, and the fidelity contract of each precision.
+
+The tiny pipeline's engines are held to the same contract as the full-size ones (kasoku.parity's
+table): every output's relative error against torch fp32, and the images' PSNR and SSIM against
+kasoku's fp32 engines at 20 steps with the same latents."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+
+import kasoku
+from kasoku.backends import UnsupportedPrecision, get_backend
+from kasoku.backends.openvino import native_bf16
+from kasoku.cli import main
+from kasoku.components import ImageShape, Precision, ShapeProfile
+from kasoku.parity import TOLERANCES, compare_output, psnr, ssim
+from tests.conftest import SD_COMPONENTS
+
+needs_bf16 = pytest.mark.skipif(not native_bf16(), reason="this CPU has no native bf16 (AVX512-BF16 or AMX)")
+
+
+@pytest.fixture(scope="module")
+def precision_cache(tmp_path_factory):
+    return tmp_path_factory.mktemp("precision-cache")
+
+
+@pytest.fixture(scope="module")
+def fp32_openvino(tiny_pipe, precision_cache):
+    return kasoku.compile(tiny_pipe, "openvino", cache_dir=precision_cache)
+
+
+def _images(pipe, prompt="a photo of a cat", steps=20):
+    return pipe(prompt, num_inference_steps=steps, generator=torch.Generator().manual_seed(0), output_type="np").images
+
+
+# ---- the contract itself ---------------------------------------------------------------------------
+
+
+def test_every_precision_has_a_contract_that_a_drifted_output_fails():
+    reference = np.random.default_rng(0).standard_normal((2, 4, 8, 8))
+    for precision, tolerance in TOLERANCES.items():
+        assert tolerance.image_psnr_db >= 25 and 0 < tolerance.image_ssim <= 1
+        bound = tolerance.rel_error if tolerance.rel_error is not None else tolerance.rel_to_peak
+        drifted = reference * (1 + 3 * bound)  # three times the bound away
+        assert not compare_output("unet", "out_sample", "x", reference, drifted, precision).passed, precision
+        assert compare_output("unet", "out_sample", "x", reference, reference, precision).passed
+    assert TOLERANCES[Precision.BF16].image_psnr_db >= 35  # the floor the issue sets
+
+
+def test_ssim_is_one_for_equal_images_and_falls_with_noise():
+    image = np.random.default_rng(0).random((1, 64, 64, 3))
+    noisy = np.clip(image + np.random.default_rng(1).normal(0, 0.1, image.shape), 0, 1)
+    assert ssim(image, image) == pytest.approx(1.0)
+    assert 0.5 < ssim(image, noisy) < 0.95
+    assert ssim(image, np.random.default_rng(2).random(image.shape)) < 0.1
+
+
+# ---- who builds what --------------------------------------------------------------------------------
+
+
+def test_onnxruntime_refuses_bf16_and_int8_with_a_reason(tiny_dir, tmp_path, capsys):
+    with pytest.raises(UnsupportedPrecision, match="no bfloat16 kernels"):
+        get_backend("onnxruntime").check_precision("bf16")
+    with pytest.raises(UnsupportedPrecision, match="int8 is NNCF's, on OpenVINO"):
+        get_backend("onnxruntime").check_precision("int8")
+    assert main(["compile", str(tiny_dir), "--backend", "onnxruntime", "--precision", "bf16",
+                 "--cache-dir", str(tmp_path / "c")]) == 1
+    out = capsys.readouterr().out
+    assert "onnxruntime backend cannot build bf16" in out and not (tmp_path / "c").exists()
+
+
+def test_bf16_on_a_cpu_without_it_is_an_error_not_an_fp32_run(monkeypatch, tiny_pipe, tmp_path):
+    import kasoku.backends.openvino as ov_backend
+
+    monkeypatch.setattr(ov_backend, "native_bf16", lambda: False)
+    with pytest.raises(UnsupportedPrecision, match="no native bf16"):
+        get_backend("openvino").check_precision("bf16")
+    with pytest.raises(UnsupportedPrecision, match="no backend here builds bf16"):
+        kasoku.compile(tiny_pipe, "auto", precision="bf16", cache_dir=tmp_path)
+    assert ov_backend.inference_hint(Precision.INT8) == "f32"  # int8 computes the rest in fp32 there
+
+
+# ---- bf16 and int8 engines against the contract -------------------------------------------------------
+
+
+@pytest.mark.integration
+@needs_bf16
+def test_bf16_engines_keep_their_contract(tiny_pipe, tiny_specs, fp32_openvino, precision_cache):
+    fast = kasoku.compile(tiny_pipe, "auto", precision="bf16", cache_dir=precision_cache)
+    assert set(fast.compile_report.backends.values()) == {"openvino"}  # auto routes bf16 to OpenVINO
+    assert set(fast.compile_report.precisions.values()) == {"bf16"}
+    for name in SD_COMPONENTS:
+        inputs = tiny_specs[name].sample_inputs(ImageShape(1, 64, 64), seed=5)
+        expected = tiny_specs[name].run_torch(inputs)
+        for output, value in fast.engines[name].run(inputs).items():
+            result = compare_output(name, output, "1x64x64", expected[output], value, Precision.BF16)
+            assert result.passed, result.line()
+            assert result.max_abs > 0  # it really runs in bf16
+    expected, actual = _images(fp32_openvino), _images(fast)
+    contract = TOLERANCES[Precision.BF16]
+    assert psnr(expected, actual) >= contract.image_psnr_db and ssim(expected, actual) >= contract.image_ssim
+
+
+@pytest.mark.integration
+def test_int8_is_calibrated_once_and_keeps_its_contract(tiny_pipe, fp32_openvino, precision_cache):
+    first = kasoku.compile(tiny_pipe, "openvino", precision="int8", cache_dir=precision_cache)
+    stages = first.compile_report.statuses()
+    assert stages[("unet", "calibrate")] == "built"
+    entry = next(s for s in first.compile_report.stages if s.component == "unet" and s.stage == "engine")
+    assert entry.detail["int8"] == {"recipe": "hybrid", "calibration_samples": 32}
+    ops = _ir_ops(precision_cache, entry.key)
+    assert "FakeQuantize" in ops  # activations quantized (the convolutions)
+    text = next(s for s in first.compile_report.stages if s.component == "text_encoder" and s.stage == "engine")
+    assert text.detail["int8"]["recipe"] == "weights" and "FakeQuantize" not in _ir_ops(precision_cache, text.key)
+    again = kasoku.compile(tiny_pipe, "openvino", precision="int8", cache_dir=precision_cache)
+    assert {s.status for s in again.compile_report.stages} == {"reused"}
+    expected, actual = _images(fp32_openvino), _images(again)
+    contract = TOLERANCES[Precision.INT8]
+    assert psnr(expected, actual) >= contract.image_psnr_db and ssim(expected, actual) >= contract.image_ssim
+
+
+def _ir_ops(cache_root, key) -> set[str]:
+    import openvino as ov
+
+    model = ov.Core().read_model(str(cache_root / "entries" / key / "model.xml"))
+    return {op.get_type_name() for op in model.get_ops()}
+
+
+@pytest.mark.integration
+@needs_bf16
+def test_verify_checks_the_contract_and_fails_when_it_is_broken(tiny_dir, precision_cache, tmp_path, monkeypatch):
+    out = tmp_path / "v.json"
+    args = ["verify", str(tiny_dir), "--backend", "openvino", "--precision", "bf16", "--cache-dir",
+            str(precision_cache), "--json", str(out)]
+    assert main(args) == 0
+    report = json.loads(out.read_text())
+    image = report["image"]
+    assert image["reference"] == "fp32 engines" and len(image["per_prompt"]) == 3
+    assert image["psnr_db"] >= 35 and image["ssim"] >= TOLERANCES[Precision.BF16].image_ssim
+    assert all(c["rel_error"] <= TOLERANCES[Precision.BF16].rel_error for c in report["components"])
+    from dataclasses import replace
+
+    import kasoku.parity
+
+    strict = {**kasoku.parity.TOLERANCES, Precision.BF16: replace(TOLERANCES[Precision.BF16], image_psnr_db=120.0)}
+    monkeypatch.setattr(kasoku.parity, "TOLERANCES", strict)
+    monkeypatch.setattr("kasoku.verification.TOLERANCES", strict)
+    assert main(args) == 1
+
+
+# ---- exact-shape engines ------------------------------------------------------------------------------
+
+
+@pytest.mark.integration
+def test_generate_builds_exact_shape_engines_unless_cached_ones_serve(tiny_dir, tmp_path, capsys):
+    cache = tmp_path / "cache"
+    args = ["generate", str(tiny_dir), "a cat", "--steps", "2", "--backend", "openvino", "--cache-dir", str(cache),
+            "--components", "text_encoder", "unet", "vae_decoder"]
+    assert main([*args, "-o", str(tmp_path / "a.png")]) == 0
+    from kasoku.cache import Cache
+
+    engines = [e for e in Cache(cache).list() if e.kind == "engine"]
+    profiles = {json.dumps(e.parts["profile"], sort_keys=True) for e in engines}
+    assert len(profiles) == 1
+    profile = ShapeProfile.from_dict(json.loads(profiles.pop()))
+    assert profile.is_static and profile.guidance is True and profile.min == ImageShape(1, 64, 64)
+    manifest = json.loads((cache / "entries" / engines[0].key / "kasoku-entry.json").read_text())
+    assert manifest["meta"]["static"] is True  # OpenVINO compiled it with static shapes
+    # once the model's default (dynamic) engines are in the cache, generate uses them
+    assert main(["compile", str(tiny_dir), "--backend", "openvino", "--cache-dir", str(cache),
+                 "--components", "text_encoder", "unet", "vae_decoder"]) == 0
+    before = len(Cache(cache).list())
+    assert main([*args, "-o", str(tmp_path / "b.png"), "--height", "96", "--width", "96"]) == 0
+    assert len(Cache(cache).list()) == before  # 96x96 is served by the default range: nothing built
+    capsys.readouterr()
+
+
+def test_exact_profiles_serve_their_shape_and_guidance_only():
+    exact = ShapeProfile.exact(ImageShape(1, 64, 64), guidance=True, multiple=16)
+    assert exact.is_static and exact.serves(ImageShape(1, 64, 64), True)
+    assert not exact.serves(ImageShape(1, 64, 64), False) and not exact.serves(ImageShape(2, 64, 64), True)
+    dynamic = ShapeProfile.from_ranges((1, 1, 4), (32, 64, 128), (32, 64, 128), 16)
+    assert not dynamic.is_static and dynamic.serves(ImageShape(3, 96, 32), False)
+
+
+def test_guidance_outside_an_exact_profile_is_refused_before_any_engine(tiny_pipe, tmp_path):
+    from kasoku.pipeline import InvalidInput
+
+    profile = ShapeProfile.exact(ImageShape(1, 64, 64), guidance=True, multiple=16)
+    fast = kasoku.compile(tiny_pipe, "torch", profile=profile, cache_dir=tmp_path)
+    with pytest.raises(InvalidInput, match="compiled for calls with classifier-free guidance"):
+        fast("a cat", guidance_scale=1.0, num_inference_steps=2)
+    assert not fast.times.calls
+
+
+# ---- fastest ------------------------------------------------------------------------------------------
+
+
+@pytest.mark.integration
+def test_fastest_keeps_fp32_when_no_precision_fits_and_says_why(tiny_pipe, precision_cache):
+    fast = kasoku.compile(tiny_pipe, "openvino", precision="fastest", min_psnr=200.0, cache_dir=precision_cache)
+    report = fast.compile_report
+    assert report.precision == "fastest" and set(report.precisions.values()) == {"fp32"}
+    unet = next(note for note in report.notes if note.startswith("unet:"))
+    assert "int8" in unet and ("drifts to" in unet or "not faster" in unet)
+
+
+@pytest.mark.integration
+def test_fastest_lowers_precision_where_the_drift_fits(tiny_pipe, fp32_openvino, precision_cache):
+    fast = kasoku.compile(tiny_pipe, "openvino", precision="fastest", min_psnr=30.0, cache_dir=precision_cache)
+    report = fast.compile_report
+    lowered = {name: p for name, p in report.precisions.items() if p != "fp32"}
+    assert lowered, report.notes
+    assert report.precisions["vae_encoder"] == "fp32"  # txt2img does not run it: not measured, not lowered
+    expected, actual = _images(fp32_openvino, steps=20), _images(fast, steps=20)
+    assert psnr(expected, actual) >= 30.0
