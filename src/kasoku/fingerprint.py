@@ -71,10 +71,11 @@ class WeightsFingerprints:
         self._computed: dict[int, str] = {}
 
     def of(self, pipe, attribute: str) -> str:
-        """The digest of `pipe.<attribute>` (a torch module), loading it only when it must."""
-        from .loading import lazy_source, real_module
+        """The digest of the torch module at `attribute` of `pipe` (a dotted path such as
+        "controlnet.nets.0"), loading it only when it must."""
+        from .loading import lazy_source, module_at, real_module
 
-        module = getattr(pipe, attribute)
+        module = module_at(pipe, attribute)
         if id(module) in self._computed:
             return self._computed[id(module)]
         source = lazy_source(module)

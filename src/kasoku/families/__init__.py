@@ -18,7 +18,7 @@ from .sdxl import StableDiffusionXL
 
 # The registry: adding a family is a module beside these and one entry here.
 FAMILIES: dict[str, Family] = {f.name: f for f in (StableDiffusion1(), StableDiffusion2(), StableDiffusionXL())}
-SUPPORTED_PIPELINES = tuple(dict.fromkeys(c for f in FAMILIES.values() for c in f.pipelines.values()))
+SUPPORTED_PIPELINES = tuple(dict.fromkeys(c for f in FAMILIES.values() for c in f.class_names()))
 
 __all__ = ["FAMILIES", "SUPPORTED_PIPELINES", "TASKS", "Family", "NotADiffusersPipeline", "classify", "component_names",
            "detect_family", "family_of", "family_only_arguments", "read_model_index"]
