@@ -66,6 +66,22 @@ def _is_finite(value: Any) -> bool:
     return isinstance(value, numbers.Real) and not isinstance(value, bool) and math.isfinite(value)
 
 
+def check_control_images(per_net: list, prompts: int, height: int, width: int) -> None:
+    """Each ControlNet's control images: one, or one per prompt, each of the generated image's size
+    (diffusers would resize them, distorting a pose or an edge map drawn for another size)."""
+    for index, images in enumerate(per_net):
+        which = f" of ControlNet {index + 1}" if len(per_net) > 1 else ""
+        count = _image_count(images)
+        if count not in (1, prompts):
+            raise InvalidInput(f"`control_image`{which} must be one image or one per prompt ({prompts}) but is "
+                               f"{count} images.")
+        for one in (_as_list(images) if isinstance(images, (list, tuple)) else [images]):
+            if _image_size(one) != (height, width):
+                got = "x".join(map(str, _image_size(one)))
+                raise InvalidInput(f"`control_image`{which} is {got} (height x width) but the image is "
+                                   f"{height}x{width}; give control images of the generated image's size.")
+
+
 # diffusers' ControlNet call arguments (a pipeline without ControlNet refuses them).
 CONTROL_ARGUMENTS = ("controlnet_conditioning_scale", "guess_mode", "control_guidance_start", "control_guidance_end")
 
@@ -255,22 +271,12 @@ class KasokuPipeline:
         return list(control_image)
 
     def _check_control(self, per_net: list, prompts: int, height: int, width: int, kwargs) -> None:
-        """Control images of the image's size (diffusers would resize them), one or one per prompt for each
-        ControlNet; a scale and a guidance window per ControlNet, or one for all."""
+        """Control images as :func:`check_control_images` says; a scale and a guidance window per ControlNet,
+        or one for all."""
         n = self.controlnets
-        for index, images in enumerate(per_net):
-            which = f" of ControlNet {index + 1}" if n > 1 else ""
-            count = _image_count(images)
-            if count not in (1, prompts):
-                raise InvalidInput(f"`control_image`{which} must be one image or one per prompt ({prompts}) but "
-                                   f"is {count} images.")
-            for one in (_as_list(images) if isinstance(images, (list, tuple)) else [images]):
-                if _image_size(one) != (height, width):
-                    got = "x".join(map(str, _image_size(one)))
-                    raise InvalidInput(f"`control_image`{which} is {got} (height x width) but the image is "
-                                       f"{height}x{width}; give control images of the generated image's size.")
         if not n:
             return
+        check_control_images(per_net, prompts, height, width)
         for name, default in (("controlnet_conditioning_scale", 1.0), ("control_guidance_start", 0.0),
                               ("control_guidance_end", 1.0)):
             value = kwargs.get(name, default)

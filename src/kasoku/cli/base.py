@@ -79,6 +79,23 @@ def add_model(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("model", help="a diffusers pipeline folder (or a hub id when online)")
 
 
+def add_controlnet(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--controlnet", action="append", type=Path, default=None, metavar="PATH",
+                        help="a ControlNet folder (a diffusers ControlNetModel; `kasoku tiny DIR --controlnet` writes "
+                             "one in DIR/controlnet); repeat for several ControlNets")
+
+
+def controlnets_from_args(args: argparse.Namespace) -> list[str] | None:
+    """The --controlnet folders, checked to be ControlNet folders (None: no ControlNet)."""
+    if not getattr(args, "controlnet", None):
+        return None
+    from ..loading import load_controlnets
+
+    folders = [str(path) for path in args.controlnet]
+    load_controlnets(folders, lazy=True)  # reads configs only: a bad folder is the first thing said
+    return folders
+
+
 def add_cache_dir(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--cache-dir", type=Path, default=None, help="default: $KASOKU_CACHE or ~/.cache/kasoku")
 
