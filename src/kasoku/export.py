@@ -88,15 +88,17 @@ def _dynamo_dims(spec: ComponentSpec) -> dict[str, object]:
 
     axes = spec.axes()
     dims: dict[str, object] = {}
+    bases: dict[str, object] = {}  # image dim -> the one Dim its scaled axes derive from
+    multiple = spec.profile.multiple
     for name, (axis, rng) in axes.items():
         if rng.min == rng.max:
             continue
         scaled = [a for a, _ in axes.values() if a.of == axis.of and a.of != "batch"]
         if len(scaled) > 1:
-            multiple = spec.profile.multiple
-            base = Dim(f"{axis.of}_div{multiple}", min=getattr(spec.profile.min, axis.of) // multiple,
-                       max=getattr(spec.profile.max, axis.of) // multiple)
-            dims[name] = int(multiple * axis.scale) * base
+            if axis.of not in bases:
+                bases[axis.of] = Dim(f"{axis.of}_div{multiple}", min=getattr(spec.profile.min, axis.of) // multiple,
+                                     max=getattr(spec.profile.max, axis.of) // multiple)
+            dims[name] = int(multiple * axis.scale) * bases[axis.of]
         elif rng.step > 1:
             base = Dim(f"{name}_div{rng.step}", min=math.ceil(rng.min / rng.step), max=rng.max // rng.step)
             dims[name] = rng.step * base
@@ -276,11 +278,13 @@ def export_pipeline(
     opset: int = DEFAULT_OPSET,
     profile: ShapeProfile | None = None,
     on_component=None,
+    controlnet=None,
 ) -> ExportManifest:
-    """Export the components of a diffusers pipeline into `outdir` with a manifest.json."""
+    """Export the components of a diffusers pipeline (with `controlnet`: its ControlNet pipeline's) into
+    `outdir` with a manifest.json."""
     from .loading import load_pipeline
 
-    pipe = load_pipeline(model)
+    pipe = load_pipeline(model, controlnet=controlnet)
     specs = component_specs(pipe, profile, components)
     outdir = Path(outdir)
     outdir.mkdir(parents=True, exist_ok=True)

@@ -171,20 +171,26 @@ def tiny_vae(sizes: TinySizes = TINY_SIZES, **config):
     )
 
 
-def tiny_controlnet(unet, sizes: TinySizes = TINY_SIZES):
-    """A ControlNet for `unet` (diffusers' ControlNetModel.from_unet layout) with random weights everywhere.
+def random_controlnet(unet, conditioning_channels: tuple[int, ...] = (16, 32, 96, 256)):
+    """A ControlNet for `unet` (diffusers' ControlNetModel.from_unet layout; its default conditioning
+    embedding is SD 1.5's ControlNets') with random weights everywhere.
 
     A trained ControlNet starts with its output convolutions at zero (diffusers' zero_module), which makes
     every residual zero; here they get the usual random initialisation, so that the control image changes
     the image and a test of it can fail."""
     from diffusers import ControlNetModel
 
-    controlnet = ControlNetModel.from_unet(unet, conditioning_embedding_out_channels=sizes.controlnet_embedding,
+    controlnet = ControlNetModel.from_unet(unet, conditioning_embedding_out_channels=conditioning_channels,
                                            load_weights_from_unet=False)
     for layer in (controlnet.controlnet_cond_embedding.conv_out, *controlnet.controlnet_down_blocks,
                   controlnet.controlnet_mid_block):
         layer.reset_parameters()
     return controlnet.eval()
+
+
+def tiny_controlnet(unet, sizes: TinySizes = TINY_SIZES):
+    """A tiny ControlNet for a tiny U-Net (see :func:`random_controlnet`)."""
+    return random_controlnet(unet, sizes.controlnet_embedding)
 
 
 def family_names() -> tuple[str, ...]:

@@ -229,8 +229,8 @@ def _control_errors(job: Job, controlnets: int) -> list[str]:
         return [f"`control_image` must give {wanted}, but gives {len(job.control_image)}."]
     errors = []
     if isinstance(job.control_scale, tuple) and len(job.control_scale) != controlnets:
-        errors.append(f"`control_scale` gives {len(job.control_scale)} scales for {controlnets} ControlNets; give "
-                      f"one number for all or a list of {controlnets}.")
+        errors.append(f"`control_scale` gives {len(job.control_scale)} scales for {controlnets} ControlNet"
+                      f"{'s' if controlnets > 1 else ''}; give one number for all or a list of {controlnets}.")
     for path in job.control_image:
         with Image.open(path) as image:
             width, height = image.size

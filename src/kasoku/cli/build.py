@@ -11,6 +11,7 @@ from .base import (
     add_engine_arguments,
     add_json,
     add_model,
+    component_name,
     controlnets_from_args,
     non_negative_int,
     options_from_args,
@@ -68,14 +69,14 @@ class Export(Command):
         from ..options import DEFAULT_EXPORTER, DEFAULT_OPSET, EXPORTERS
 
         add_model(p)
+        add_controlnet(p)
         p.add_argument("outdir", type=Path, help="folder for <component>/model.onnx and manifest.json")
         p.add_argument("--exporter", choices=EXPORTERS, default=DEFAULT_EXPORTER,
                        help=f"torch.onnx exporter (default {DEFAULT_EXPORTER})")
         p.add_argument("--opset", type=positive_int, default=DEFAULT_OPSET,
                        help=f"ONNX opset (default {DEFAULT_OPSET})")
-        names = component_names()
-        p.add_argument("--components", nargs="+", choices=names, default=None,
-                       metavar="NAME", help=f"which of {' '.join(names)} (default: all the model has)")
+        p.add_argument("--components", nargs="+", type=component_name, default=None,
+                       metavar="NAME", help=f"which of {' '.join(component_names())} (default: all the model has)")
         add_json(p, "the manifest")
 
     def run(self, args: argparse.Namespace) -> int:
@@ -87,7 +88,7 @@ class Export(Command):
             raise KasokuError(f"{args.outdir} is a file; give a folder for the ONNX files.")
         with stage(f"exporting {args.model} ({args.exporter}, opset {args.opset})"):
             manifest = export_pipeline(args.model, args.outdir, components=args.components, exporter=args.exporter,
-                                       opset=args.opset)
+                                       opset=args.opset, controlnet=controlnets_from_args(args))
         rows = []
         for c in manifest.components:
             worst = max(c.parity, key=lambda p: p.max_abs / p.limit)
