@@ -241,7 +241,7 @@ def bench(
                                   "torch": torch.__version__},
                          threads=threads, repeats=repeats, matmul_gflops=rate, kasoku_backends=kasoku_backends,
                          family=family_of(pipe).title)
-    options = CompileOptions(threads=threads)
+    options = CompileOptions(threads=threads, keep_intermediate=bool(peers))  # the peers run the exported ONNX
     compile_seconds: dict[str, dict[str, float]] = {}
     for backend in kasoku_backends:
         log(f"compiling with {backend} (cold)")

@@ -122,6 +122,7 @@ class Compiler:
         self.load_seconds: dict[str, float] = {}
         self.references: dict = {}  # torch's outputs for the parity checks, computed once per component and shape
         self.built: dict[tuple[str, str], str] = {}  # (component, backend) -> the engine entry this compile built
+        self.intermediates: set[str] = set()  # export and optimization entries the engines were built from
 
     def precision(self, spec: ComponentSpec) -> Precision:
         """What `spec` is built in: the precision asked for it, unless its family keeps it fp32."""
@@ -257,6 +258,10 @@ class Compiler:
                 samples = record_inputs(self.pipe, engines, spec.name, spec.profile.opt, plan)
             self.records += [StageRecord(r.component, f"calibration {r.stage}", r.status, r.key, r.seconds, r.detail)
                              for r in sub.records]
+            self.intermediates |= sub.intermediates
+            if not self.options.keep_intermediate:  # the recording engines were only a means
+                for key in sub.built.values():
+                    self.cache.remove(key, wait=False)
             save_samples(samples, tmp / "calibration.npz")
             return {"samples": len(samples)}
 
@@ -302,10 +307,14 @@ class Compiler:
             if engine is not None:
                 self._record(spec, "engine", "reused", entry, time.perf_counter() - start)
                 return engine
-        sources = [self.exported(spec, export_parts)]
-        if optimized_parts is not None:
-            sources.append(self.optimized(spec, optimized_parts, sources[0]))
-        entry = self.built_engine(spec, backend, engine_parts, sources, calibration)
+        with contextlib.ExitStack() as held:  # no other process drops a source while we build from it
+            sources = [self.exported(spec, export_parts)]
+            held.enter_context(self.cache.reading(sources[0].key))
+            if optimized_parts is not None:
+                sources.append(self.optimized(spec, optimized_parts, sources[0]))
+                held.enter_context(self.cache.reading(sources[1].key))
+            entry = self.built_engine(spec, backend, engine_parts, sources, calibration)
+        self.intermediates.update(source.key for source in sources)
         if self.records[-1].status != "reused":
             self.built[(spec.name, backend_name)] = entry.key
         engine = self._load(spec, backend, entry, precision)
@@ -313,6 +322,16 @@ class Compiler:
             raise EngineLoadError(f"the {backend.name} engine of {spec.name} in {entry.path} was damaged right "
                                   "after it was built; check the disk, then `kasoku cache check --repair`.")
         return engine
+
+    def finish(self) -> None:
+        """Once every engine of this compile exists: drop the intermediates they were built from (unless
+        `keep_intermediate`; another process reading one keeps it until the next compile), then evict down
+        to KASOKU_CACHE_MAX, sparing what this compile uses."""
+        if not self.options.keep_intermediate:
+            for key in sorted(self.intermediates):
+                self.cache.remove(key, wait=False)
+        used = {record.key for record in self.records}
+        self.cache.enforce_budget(keep=used - self.intermediates)
 
     def engine_parity(self, spec: ComponentSpec, engine: Engine, precision: Precision,
                       sources: list[CacheEntry]) -> list:
@@ -334,7 +353,8 @@ class Compiler:
         """The runtime's load of an entry; None when the entry turned out damaged (it is removed)."""
         start = time.perf_counter()
         try:
-            engine = backend.load(spec, entry.path, precision)
+            with self.cache.reading(entry.key):  # eviction leaves an entry alone while it loads
+                engine = backend.load(spec, entry.path, precision)
         except KasokuError:
             raise
         except Exception as error:  # the runtimes raise their own kinds on a bad file
@@ -505,6 +525,7 @@ def compile_components(
             release_module(pipe, attr)
 
     engines, chosen = compiler.compile(specs, on_done=release_unneeded)
+    compiler.finish()
     report = CompileReport(
         model=label,
         precision=asked,

@@ -52,6 +52,7 @@ class CompileOptions:
     check_parity: bool = True  # prove every built artefact against torch
     onnx_dir: Path | None = None  # build from these ONNX files (a `kasoku export` folder) instead of exporting
     calibration_samples: int = 32  # int8: U-Net calls recorded from the pipeline's own runs to calibrate on
+    keep_intermediate: bool = False  # keep the ONNX export and optimized graphs once the engines exist
     extra: Mapping[str, Any] = field(default_factory=dict)  # backend-specific settings
 
     def __post_init__(self) -> None:

@@ -160,6 +160,8 @@ class Backend(ABC):
     precisions: ClassVar[tuple[Precision, ...]] = (Precision.FP32, Precision.FP16)
     # why a precision the backend does not build is refused, by precision (a one-line reason)
     refused: ClassVar[Mapping[Precision, str]] = {}
+    # bumped when what build() writes changes: part of the engine key, so old entries are never misread
+    entry_format: ClassVar[int] = 1
 
     def __init__(self, options: CompileOptions | None = None, shared_dir: Path | None = None):
         self.options = options or CompileOptions()
@@ -190,7 +192,7 @@ class Backend(ABC):
         options this backend reads (see :meth:`option_key`); nothing another backend reads."""
         info = self.availability()
         return {"backend": self.name, "version": info.version, "device": info.devices,
-                "precision": Precision(precision).value, **self.option_key()}
+                "precision": Precision(precision).value, "entry_format": self.entry_format, **self.option_key()}
 
     def option_key(self) -> dict[str, Any]:
         """The options that change this backend's engines (threads only change how fast they run)."""

@@ -124,6 +124,9 @@ def add_engine_arguments(parser: argparse.ArgumentParser, *, profile_flags: bool
                         help="CPU threads per engine (default: the runtime's)")
     parser.add_argument("--trt-opt-level", type=int, choices=list(TRT_OPT_LEVELS), default=3,
                         help="TensorRT builder optimization level 0-5 (default 3)")
+    parser.add_argument("--keep-intermediate", action="store_true",
+                        help="keep the ONNX exports in the cache once the engines exist (default: drop them; a "
+                             "compile for another backend or precision then exports again)")
     add_cache_dir(parser)
 
 
@@ -137,6 +140,7 @@ def options_from_args(args: argparse.Namespace, profile=None):
         exporter=getattr(args, "exporter", None) or CompileOptions.exporter,
         opset=getattr(args, "opset", None) or CompileOptions.opset,
         trt_opt_level=getattr(args, "trt_opt_level", CompileOptions.trt_opt_level),
+        keep_intermediate=getattr(args, "keep_intermediate", False),
     )
     check_backend(options)
     return options
