@@ -412,9 +412,76 @@ def stage_fidelity(precision: str, args) -> dict:
     return result
 
 
+def stage_ort_qdq(_target: str, args) -> dict:
+    """ONNX Runtime's own int8 (static QDQ quantization, per channel, the pipeline's own calibration samples)
+    on the full U-Net, against kasoku's int8 (NNCF on OpenVINO) and ONNX Runtime fp32, one call each at
+    512x512 with guidance after a warm-up: the measurement behind ONNX Runtime refusing --precision int8."""
+    import tempfile
+
+    import onnxruntime as ort
+    from onnxruntime.quantization import CalibrationDataReader, QuantFormat, QuantType, quantize_static
+
+    import kasoku
+    from kasoku.calibration import CalibrationPlan, load_samples
+    from kasoku.components import ImageShape, ShapeProfile
+
+    profile = ShapeProfile.exact(ImageShape(1, SIZE, SIZE), guidance=True, multiple=64)
+    cache = args.work / "qdq-cache"
+    shutil.rmtree(cache, ignore_errors=True)
+    start = time.perf_counter()
+    fast = kasoku.KasokuPipeline.from_pretrained(MODEL_DIR, "openvino", precision="int8", profile=profile,
+                                                 components=("text_encoder", "unet"), cache_dir=cache,
+                                                 threads=args.threads, keep_intermediate=True)
+    openvino_compile_s = time.perf_counter() - start
+    from kasoku.cache import Cache
+
+    entries = Cache(cache).list()
+    samples = load_samples(cache / "entries" / next(e.key for e in entries if e.kind == "calibration")
+                           / "calibration.npz")
+    feeds = {k: np.asarray(v) for k, v in samples[len(samples) // 2].items()}
+    result: dict = {"calibration_samples": len(samples), "openvino_int8_compile_s": openvino_compile_s}
+    int8_unet = fast.engines["unet"]
+    result["openvino_int8_s"] = _repeat(lambda engine=int8_unet: engine.run(feeds), args.repeats + 1)[0][1:]
+    onnx_file = cache / "entries" / next(e.key for e in entries if e.kind == "onnx" and e.component == "unet") \
+        / "model.onnx"
+    del fast, int8_unet
+    options = ort.SessionOptions()
+    options.intra_op_num_threads = args.threads
+    session = ort.InferenceSession(str(onnx_file), options, providers=["CPUExecutionProvider"])
+    result["onnxruntime_fp32_s"] = _repeat(lambda s=session: s.run(None, feeds), args.repeats + 1)[0][1:]
+    reference = session.run(None, feeds)[0]
+    del session
+
+    class Reader(CalibrationDataReader):
+        def __init__(self):
+            self.items = iter(samples)
+
+        def get_next(self):
+            return next(self.items, None)
+
+    with tempfile.TemporaryDirectory(dir=args.work) as tmp:
+        target = Path(tmp) / "unet-int8.onnx"
+        start = time.perf_counter()
+        try:
+            quantize_static(str(onnx_file), str(target), Reader(), quant_format=QuantFormat.QDQ, per_channel=True,
+                            activation_type=QuantType.QUInt8, weight_type=QuantType.QInt8,
+                            use_external_data_format=True)
+        except Exception as error:  # noqa: BLE001 - a probe: report what ONNX Runtime's tool did
+            result.update(quantize_failed=f"{type(error).__name__}: {str(error).splitlines()[0][:300]}")
+            return {**result, "peak_mb": peak_mb()}
+        result["onnxruntime_quantize_s"] = time.perf_counter() - start
+        session = ort.InferenceSession(str(target), options, providers=["CPUExecutionProvider"])
+        result["onnxruntime_int8_s"] = _repeat(lambda: session.run(None, feeds), args.repeats + 1)[0][1:]
+        out = session.run(None, feeds)[0]
+        result["onnxruntime_int8_rel_error"] = float(np.linalg.norm(out - reference) / np.linalg.norm(reference))
+    result["plan"] = CalibrationPlan().to_dict()
+    shutil.rmtree(cache, ignore_errors=True)
+    return {**result, "peak_mb": peak_mb()}
+
+
 STAGES = {"model": stage_model, "cold": stage_cold, "warm": stage_warm, "warm-folder": stage_warm_folder,
           "runtime": stage_runtime, "speed": stage_speed, "ov-probe": stage_ov_probe, "image": stage_image,
-          "fidelity": stage_fidelity}
+          "fidelity": stage_fidelity, "ort-qdq": stage_ort_qdq}
 
 
 # ---- the run -----------------------------------------------------------------------------------------
@@ -502,7 +569,8 @@ def main(argv: list[str] | None = None) -> int:
         log(f"building SD 1.5 with random weights into {MODEL_DIR}")
         _record("model", "sd15", _run_stage("model", "sd15", args, log), machine)
     for stage in args.stages.split(","):
-        targets = {"speed": args.contenders.split(","), "ov-probe": ["unet"], "image": args.images.split(","),
+        targets = {"speed": args.contenders.split(","), "ov-probe": ["unet"], "ort-qdq": ["unet"],
+                   "image": args.images.split(","),
                    "fidelity": list(FIDELITY_PRECISIONS)}.get(stage, args.backends.split(","))
         for target in targets:
             _record(stage, target, _run_stage(stage, target, args, log), machine)
@@ -602,6 +670,18 @@ def markdown(report: dict) -> str:
                              f"{min(r['seconds']):.2f}–{max(r['seconds']):.2f} | {base / median:.2f}× | {floor:.2f} | "
                              f"{median / floor:.2f} | {check} |")
         lines.append("")
+    if "ort-qdq" in report:
+        r = report["ort-qdq"].get("unet", {})
+        if not r.get("failed"):
+            lines += ["## int8 U-Net step (512x512, batch 2), median after a warm-up: NNCF on OpenVINO against ONNX "
+                      "Runtime's own static QDQ quantization (same calibration samples)", "",
+                      "| engine | s / step |", "| --- | --- |",
+                      f"| ONNX Runtime fp32 | {_median(r['onnxruntime_fp32_s']):.2f} |",
+                      f"| kasoku int8 (NNCF hybrid, OpenVINO) | {_median(r['openvino_int8_s']):.2f} |",
+                      "| ONNX Runtime int8 (quantize_static, QDQ, per channel) | "
+                      + (f"{_median(r['onnxruntime_int8_s']):.2f} (rel. error {r['onnxruntime_int8_rel_error']:.3f},"
+                         f" quantized in {r['onnxruntime_quantize_s']:.0f} s) |" if "onnxruntime_int8_s" in r
+                         else f"failed: {r.get('quantize_failed')} |"), ""]
     if "image" in report:
         lines += _image_table(report)
     if "fidelity" in report:

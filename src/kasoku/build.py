@@ -514,6 +514,7 @@ def compile_components(
         options = options.replace(precision=chosen_precisions)
     compiler = Compiler(cache, options, on_stage=on_stage, label=label, pipe=pipe, weights=weights)
     order = list(specs)
+    weights.prefetch(pipe, [attr for name in order for attr in specs[name].modules])
 
     def release_unneeded(done: str) -> None:
         # Free torch weights kasoku loaded itself once no later component needs them.
