@@ -65,8 +65,8 @@ def check_provider(asked: str, got: Sequence[str], log: str = "") -> None:
         "are missing or of other versions than this onnxruntime-gpu was built for")
     raise ProviderFallback(
         f"ONNX Runtime created the session without the {asked} it was asked for (it runs on "
-        f"{', '.join(got) or 'no provider'}): {reason}. The engine is not used or cached; fix the provider's "
-        f"install (`python -c 'import onnxruntime; onnxruntime.preload_dlls()'` reports missing libraries), or "
+        f"{', '.join(got) or 'no provider'}): {reason}. The engine is not used or cached; install the CUDA, cuDNN "
+        f"and TensorRT versions this onnxruntime-gpu needs (ONNX Runtime's execution-provider docs list them), or "
         f"choose another --backend."
     )
 

@@ -68,16 +68,23 @@ def trt_precision_plan(precision: Precision | str, trt_version: str,
     if precision not in (Precision.FP16, Precision.BF16):
         raise UnsupportedPrecision(f"the tensorrt backend cannot build {precision.value}: it builds fp32, fp16 and "
                                    "bf16. Choose another --precision or --backend.")
-    if precision == Precision.BF16 and (capability is None or tuple(capability) < BF16_MIN_CAPABILITY):
-        seen = "no GPU is visible" if capability is None else f"this GPU is sm_{capability[0]}{capability[1]}"
-        raise UnsupportedPrecision(
-            f"the tensorrt backend cannot build bf16 here: bf16 needs an NVIDIA GPU of compute capability "
-            f"{BF16_MIN_CAPABILITY[0]}.{BF16_MIN_CAPABILITY[1]} (Ampere) or newer, and {seen}. "
-            "Choose --precision fp16 or fp32."
-        )
+    if precision == Precision.BF16:
+        check_bf16_capability(capability)
     if trt_major(trt_version) < FIRST_MAJOR_WITHOUT_PRECISION_FLAGS:
         return TrtPrecisionPlan(precision.value.upper(), False, None)
     return TrtPrecisionPlan(None, True, precision.value)
+
+
+def check_bf16_capability(capability: tuple[int, int] | None) -> None:
+    """Raise :class:`UnsupportedPrecision` unless a GPU of this compute capability has bf16 tensor cores."""
+    if capability is not None and tuple(capability) >= BF16_MIN_CAPABILITY:
+        return
+    seen = "no GPU is visible" if capability is None else f"this GPU is sm_{capability[0]}{capability[1]}"
+    raise UnsupportedPrecision(
+        f"the tensorrt backend cannot build bf16 here: bf16 needs an NVIDIA GPU of compute capability "
+        f"{BF16_MIN_CAPABILITY[0]}.{BF16_MIN_CAPABILITY[1]} (Ampere) or newer, and {seen}. "
+        "Choose --precision fp16 or fp32."
+    )
 
 
 def installed_trt_version() -> str | None:
@@ -278,7 +285,7 @@ class TensorRTBackend(Backend):
         if Precision(precision) == Precision.BF16:
             identity = gpu_identity(0)
             if identity is not None:  # without a GPU, require() says so
-                trt_precision_plan(precision, "10", identity.capability)
+                check_bf16_capability(identity.capability)
 
     def precision_plan(self, precision: Precision) -> TrtPrecisionPlan:
         """The plan for `precision` on the installed TensorRT and GPU 0."""
