@@ -457,7 +457,10 @@ def markdown(report: dict) -> str:
         ref = rows.get(f"{model.name}:reference", {})
         eager = _median(ref["diffusers eager fp16"]["seconds"]) if ref.get("status") == "done" else None
         compiled = _median(ref["torch.compile fp16"]["seconds"]) if ref.get("status") == "done" else None
-        if eager:
+        if not eager:
+            lines.append(f"| diffusers eager fp16 and torch.compile | {ref.get('status')}: {ref.get('reason', '')} "
+                         "| | | | | |")
+        else:
             r = ref["diffusers eager fp16"]
             lines.append(f"| diffusers eager fp16 ({r['attention']}) | {eager:.2f} | 1.00× | {compiled / eager:.2f}× | "
                          f"reference | – | – / {r['peak_gpu_mib']:.0f} |")
