@@ -5,6 +5,9 @@ STAMP := $(VENV)/.kasoku-installed
 # torch is pinned here, not in pyproject: 2.13.0 is the CPU build on this machine's disk;
 # an open range would pull a multi-GB CUDA build.
 TORCH_PIN := torch==2.13.0
+# ONNX Runtime is an extra: `cpu` (onnxruntime) or `gpu` (onnxruntime-gpu: CUDA and TensorRT providers),
+# never both. `make setup ORT=gpu` on a machine with an NVIDIA GPU.
+ORT := cpu
 
 .PHONY: setup demo test test-fast bench lint clean
 
@@ -14,7 +17,7 @@ $(STAMP): pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
 	$(PY) -m pip install --quiet $(TORCH_PIN)
-	$(PY) -m pip install --quiet -e '.[dev,openvino,ray]' $(TORCH_PIN)
+	$(PY) -m pip install --quiet -e '.[$(ORT),dev,openvino,ray]' $(TORCH_PIN)
 	touch $(STAMP)
 
 demo: setup

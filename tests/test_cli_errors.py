@@ -32,6 +32,8 @@ BAD = {
         ["generate", "{model}", "a cat", "-o", "{out}", "--strength", "2", "--image", "{image}"],
         ["generate", "{model}", "a cat", "-o", "{out}", "--backend", "torch", "--precision", "fp16"],
         ["generate", "{model}", "a cat", "-o", "{out}", "--backend", "tensorrt"],
+        ["generate", "{model}", "a cat", "-o", "{out}", "--backend", "openvino", "--cuda-graph"],  # CPU backend
+        ["generate", "{model}", "a cat", "-o", "{out}", "--backend", "onnxruntime", "--cuda-graph"],
         ["generate", "{model}", "a cat", "-o", "{out}", "--image", "{missing}"],
         ["generate", "{model}", "a cat", "-o", "{out}", "--mask", "{image}"],
         ["generate", "{model}", "a cat", "-o", "{out}", "--threads", "0"],
@@ -58,6 +60,8 @@ BAD = {
         ["compile", "{model}", "--batch", "0:2"],
         ["compile", "{model}", "--backend", "torch", "--precision", "fp16"],
         ["compile", "{model}", "--threads", "0"],
+        ["compile", "{model}", "--cuda-graph"],  # the default profile is a range: no one shape to capture
+        ["compile", "{model}", "--cuda-graph", "--batch", "1:1", "--height", "64:64", "--width", "64:64"],  # guidance?
         ["compile", "{model}", "--trt-opt-level", "9"],
         ["compile", "{model}", "--components", "text_encoder_2"],
         ["compile", "{file}"],

@@ -26,7 +26,6 @@ from pathlib import Path
 from typing import Any
 
 import onnx
-import onnxruntime
 import torch
 
 from .backends import Engine, UnsupportedPrecision, cpu_candidates, get_backend, gpu_candidates
@@ -35,6 +34,7 @@ from .cache import Cache, CacheEntry, default_cache_dir, digest_key, file_sha256
 from .components import ComponentSpec, Precision, component_specs
 from .errors import KasokuError
 from .export import EXPORT_CODE_VERSION, check_onnx_parity, default_check_shapes, export_component, onnx_files
+from .extras import import_onnxruntime
 from .families import family_of
 from .fingerprint import WeightsFingerprints
 from .optimize import optimize
@@ -143,7 +143,7 @@ class Compiler:
         precision = self.precision(spec)
         return {"kind": "optimized", "component": spec.name, "source": source,
                 "passes": backend.optimization_passes(precision), "onnx": onnx.__version__,
-                "onnxruntime": onnxruntime.__version__}
+                "onnxruntime": import_onnxruntime().__version__}
 
     def calibration_parts(self, spec: ComponentSpec, source: str) -> dict[str, Any]:
         from .backends.openvino import native_bf16
