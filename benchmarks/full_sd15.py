@@ -46,6 +46,19 @@ WORK = HERE / ".models" / "sd15-work"
 RESULTS = HERE / "results"
 TXT2IMG = ("text_encoder", "unet", "vae_decoder")
 SIZE = 512
+MULTIPLE = 64  # SD 1.5's height/width step: the VAE's 8x times the U-Net's three downsamplings
+SMOKE_DIR = Path("/tmp/kasoku-full_sd15-smoke")  # --smoke: every stage on the tiny pipeline, results kept apart
+
+
+def use_smoke_model() -> None:
+    """Point every stage at the tiny pipeline (64x64, steps of 16) and keep its results apart."""
+    global MODEL_DIR, WORK, RESULTS, SIZE, MULTIPLE
+    MODEL_DIR, WORK, RESULTS = SMOKE_DIR / "model", SMOKE_DIR / "work", SMOKE_DIR / "results"
+    SIZE, MULTIPLE = 64, 16
+    if not (MODEL_DIR / "model_index.json").exists():
+        from kasoku.tiny import write_tiny_pipeline
+
+        write_tiny_pipeline(MODEL_DIR)
 
 
 def build_sd15(directory: Path, seed: int = 0) -> Path:
@@ -185,7 +198,7 @@ def stage_speed(contender: str, args) -> dict:
     from kasoku.loading import load_pipeline
     from kasoku.parity import compare_output
 
-    profile = ShapeProfile.from_ranges((1, 1, 1), (SIZE,) * 3, (SIZE,) * 3, 64)
+    profile = ShapeProfile.from_ranges((1, 1, 1), (SIZE,) * 3, (SIZE,) * 3, MULTIPLE)
     io_file = args.work / "speed-io.npz"
     result: dict = {"components": {}}
     if contender == "torch":
@@ -327,7 +340,7 @@ def stage_image(contender: str, args) -> dict:
         precision, shape = KASOKU_IMAGES[contender]
         cache = args.work / "images" / f"{contender}-cache"
         shutil.rmtree(cache, ignore_errors=True)  # each kasoku contender compiles cold
-        profile = ShapeProfile.exact(ImageShape(1, SIZE, SIZE), guidance=True, multiple=64) \
+        profile = ShapeProfile.exact(ImageShape(1, SIZE, SIZE), guidance=True, multiple=MULTIPLE) \
             if shape == "static" else None
         pipe = kasoku.KasokuPipeline.from_pretrained(MODEL_DIR, "auto", precision=precision, profile=profile,
                                                      components=TXT2IMG, cache_dir=cache, threads=args.threads)
@@ -386,7 +399,7 @@ def stage_fidelity(precision: str, args) -> dict:
 
     folder = args.work / "fidelity"
     folder.mkdir(parents=True, exist_ok=True)
-    profile = ShapeProfile.exact(ImageShape(1, SIZE, SIZE), guidance=True, multiple=64)
+    profile = ShapeProfile.exact(ImageShape(1, SIZE, SIZE), guidance=True, multiple=MULTIPLE)
     pipe = load_pipeline(MODEL_DIR)
     fast = kasoku.compile(pipe, "openvino", precision=precision, profile=profile, components=TXT2IMG,
                           cache_dir=folder / f"cache-{precision}", threads=args.threads)
@@ -425,7 +438,7 @@ def stage_ort_qdq(_target: str, args) -> dict:
     from kasoku.calibration import CalibrationPlan, load_samples
     from kasoku.components import ImageShape, ShapeProfile
 
-    profile = ShapeProfile.exact(ImageShape(1, SIZE, SIZE), guidance=True, multiple=64)
+    profile = ShapeProfile.exact(ImageShape(1, SIZE, SIZE), guidance=True, multiple=MULTIPLE)
     cache = args.work / "qdq-cache"
     shutil.rmtree(cache, ignore_errors=True)
     start = time.perf_counter()
@@ -502,7 +515,8 @@ def _run_stage(stage: str, target: str, args, log) -> dict:
     out.unlink(missing_ok=True)
     log(f"stage {stage}:{target}")
     command = [sys.executable, __file__, "--stage", stage, "--target", target, "--stage-json", str(out),
-               "--threads", str(args.threads), "--repeats", str(args.repeats), "--cache", str(args.cache)]
+               "--threads", str(args.threads), "--repeats", str(args.repeats), "--cache", str(args.cache),
+               *(["--smoke"] if args.smoke else [])]
     start = time.perf_counter()
     code = subprocess.run(command).returncode
     if code != 0 or not out.exists():
@@ -541,10 +555,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--cache", type=Path, default=WORK / "cache", help="the benchmark's kasoku cache")
     parser.add_argument("--fresh-cache", action="store_true", help="empty the cache first (cold means cold)")
+    parser.add_argument("--smoke", action="store_true",
+                        help=f"run the stages on the built-in tiny pipeline at 64x64 (a check of this script; "
+                             f"results under {SMOKE_DIR})")
     parser.add_argument("--stage", choices=list(STAGES), help=argparse.SUPPRESS)
     parser.add_argument("--target", help=argparse.SUPPRESS)
     parser.add_argument("--stage-json", type=Path, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
+    if args.smoke:
+        use_smoke_model()
+        if args.cache == WORK / "cache":
+            args.cache = SMOKE_DIR / "work" / "cache"
     args.work = WORK
     args.work.mkdir(parents=True, exist_ok=True)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -699,7 +720,7 @@ def _image_table(report: dict) -> list[str]:
              "(genai: its own noise), median of the timed calls after a warm-up", "",
              "| pipeline | export / cold compile s | " + " | ".join(f"{s} steps s (vs diffusers)" for s in IMAGE_STEPS)
              + " | " + " | ".join(f"PSNR / SSIM vs diffusers, {s} steps" for s in IMAGE_STEPS) + " | peak RSS |",
-             "| --- | --- | " + " | ".join("---" for _ in IMAGE_STEPS) * 2 + " | --- |"]
+             "| --- | --- | " + " | ".join(["---"] * 2 * len(IMAGE_STEPS)) + " | --- |"]
     for name, r in images.items():
         if r.get("failed"):
             lines.append(f"| {name} | failed (exit {r['returncode']}) |" + " |" * (2 * len(IMAGE_STEPS) + 1))
@@ -722,7 +743,7 @@ def _image_table(report: dict) -> list[str]:
 
 
 def _fidelity_table(report: dict) -> list[str]:
-    lines = ["## Fidelity at full size (OpenVINO, exact-shape 512x512 engines): each component against torch fp32, "
+    lines = [f"## Fidelity (OpenVINO, exact-shape {SIZE}x{SIZE} engines): each component against torch fp32, "
              "the images of verify's three prompts at 20 steps against the fp32 engines' (same seed)", "",
              "| precision | text encoder rel. error | U-Net rel. error | VAE decoder rel. error | image PSNR, worst | "
              "image SSIM, worst |", "| --- | --- | --- | --- | --- | --- |"]
