@@ -17,6 +17,7 @@ as the backend builds exactly the same engines (what `kasoku batch` hands its wo
 from __future__ import annotations
 
 import contextlib
+import gc
 import shutil
 import statistics
 import time
@@ -406,25 +407,26 @@ class Compiler:
         if entry is not None:
             self._record(spec, "choose", "reused", entry, 0.0)
             return entry.meta["choice"], None
-        engines: dict[str, Engine] = {}
-
         def build(tmp: Path) -> dict:
-            # One warm-up and one timed call of each candidate at the profile's optimum: the choice is a
-            # ratio, and at full size each call is seconds.
+            # One warm-up and one timed call of each candidate at the profile's optimum (the choice is a
+            # ratio, and at full size each call is seconds), one engine in memory at a time: a full-size
+            # U-Net engine is as large as its weights.
             timings = {}
             for name in candidates:
-                engines[name] = self.engine(spec, name)
-                timings[name] = measure(engines[name], spec, repeats=1)
+                engine = self.engine(spec, name)
+                timings[name] = measure(engine, spec, repeats=1)
+                del engine
+                gc.collect()
             choice = min(timings, key=timings.get)
             (tmp / "choice.txt").write_text(choice)
             return {"choice": choice, "seconds": timings}
 
         entry = self._stage(spec, "choose", parts, build)
         choice = entry.meta["choice"]
-        self._drop_losers(spec, {name: engine for name, engine in engines.items() if name != choice})
-        return choice, engines.get(choice)
+        self._drop_losers(spec, [name for name in candidates if name != choice])
+        return choice, None
 
-    def _drop_losers(self, spec: ComponentSpec, losers: dict[str, Engine]) -> None:
+    def _drop_losers(self, spec: ComponentSpec, losers: list[str]) -> None:
         """Engines `auto` built only to measure: once the choice is recorded, they leave the cache."""
         for name in losers:
             key = self.built.pop((spec.name, name), None)
