@@ -144,6 +144,8 @@ def main(argv: list[str] | None = None) -> Path:
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--max-batch", type=int, default=4, help="--max-batch with batching on; batch's --batch-size")
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--cache-dir", type=Path, default=None,
+                        help="engine cache (default: a new temporary folder, so the engines are built first)")
     args = parser.parse_args(argv)
 
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -160,7 +162,7 @@ def main(argv: list[str] | None = None) -> Path:
     quiet_third_party_logs()
     work = Path(tempfile.mkdtemp(prefix="kasoku-serve-bench-"))
     model = write_tiny_pipeline(work / "tiny-sd")
-    cache = work / "cache"
+    cache = args.cache_dir or work / "cache"
     jobs = [job(i, args.steps) for i in range(args.requests)]
     options = CompileOptions(backend="onnxruntime", cache_dir=cache)
     modes = {"batching on": args.max_batch, "batching off": 1}
@@ -170,46 +172,57 @@ def main(argv: list[str] | None = None) -> Path:
         config, reference = prepare_serving(model, options, sizes=(Size(SIZE, SIZE),), max_batch=max_batch)
         PipelineRecipe(config.model, config.options).load(reference)
     compile_seconds = time.perf_counter() - start
-    console.log(f"compiled the servers' engines in {compile_seconds:.1f} s")
+    console.log(f"compiled (or loaded) the servers' engines in {compile_seconds:.1f} s")
     load_before = os.getloadavg()[0]
 
-    rows, server_images = [], {}
-    for mode, max_batch in modes.items():
-        server = ServerProcess(model, cache, max_batch, work / f"serve-{max_batch}.log")
-        console.log(f"{mode}: {server.ready_line}")
-        try:
-            for concurrency in CONCURRENCY:
-                load(server, [job(10_000 + i, args.steps) for i in range(2 * concurrency)], concurrency)  # warm-up
-                before = metrics_batch_sizes(server)
-                runs = []
-                for repeat in range(args.repeats):
-                    wall, latencies, images = load(server, jobs, concurrency)
-                    server_images.setdefault(mode, images)
-                    runs.append({"wall_s": round(wall, 3), "images_per_second": round(len(jobs) / wall, 3),
-                                 "p50_s": round(percentile(latencies, 50), 4),
-                                 "p95_s": round(percentile(latencies, 95), 4)})
-                    console.log(f"{mode}, concurrency {concurrency} #{repeat + 1}: "
-                                f"{runs[-1]['images_per_second']:.2f} img/s, p50 {runs[-1]['p50_s']:.3f} s, "
-                                f"p95 {runs[-1]['p95_s']:.3f} s")
-                after = metrics_batch_sizes(server)
-                calls = after["kasoku_serve_batch_size_count"] - before["kasoku_serve_batch_size_count"]
-                served = after["kasoku_serve_batch_size_sum"] - before["kasoku_serve_batch_size_sum"]
-                rows.append({"setup": f"kasoku serve, {mode}", "max_batch": max_batch, "concurrency": concurrency,
-                             "mean_batch_size": round(served / calls, 2) if calls else None, "runs": runs})
-        finally:
-            code = server.stop()
-        if code != 0:
-            raise RuntimeError(f"kasoku serve exited with {code} after SIGTERM")
-
-    batch_runs, batch_dir = [], work / "batch"
+    # Both servers stay up for the whole run and their rounds alternate (on, off, and at concurrency 16
+    # also kasoku batch), so a shared machine's load falls on every contender alike.
+    servers = {mode: ServerProcess(model, cache, max_batch, work / f"serve-{max_batch}.log")
+               for mode, max_batch in modes.items()}
     prompts = [parse_job(json.dumps(body), i + 1, "bench") for i, body in enumerate(jobs)]
-    for repeat in range(args.repeats + 1):  # the first run compiles batch's engines: not counted
+    batch_dir = work / "batch"
+
+    def run_batch() -> dict:
         shutil.rmtree(batch_dir, ignore_errors=True)
         plan = prepare(model, prompts, batch_dir, batch_size=args.max_batch, options=options)
         result = run_local(plan)
-        if repeat:
-            batch_runs.append({"wall_s": result.seconds, "images_per_second": result.images_per_second})
-            console.log(f"kasoku batch #{repeat}: {result.images_per_second:.2f} img/s")
+        return {"wall_s": result.seconds, "images_per_second": result.images_per_second}
+
+    rows, server_images, batch_runs = [], {}, []
+    try:
+        for mode, server in servers.items():
+            console.log(f"{mode}: {server.ready_line}")
+        run_batch()  # compiles kasoku batch's engines (its own profile): not counted
+        for concurrency in CONCURRENCY:
+            runs = {mode: [] for mode in servers}
+            before = {}
+            for mode, server in servers.items():
+                load(server, [job(10_000 + i, args.steps) for i in range(2 * concurrency)], concurrency)  # warm-up
+                before[mode] = metrics_batch_sizes(server)
+            for repeat in range(args.repeats):
+                for mode, server in servers.items():
+                    wall, latencies, images = load(server, jobs, concurrency)
+                    server_images.setdefault(mode, images)
+                    runs[mode].append({"wall_s": round(wall, 3), "images_per_second": round(len(jobs) / wall, 3),
+                                       "p50_s": round(percentile(latencies, 50), 4),
+                                       "p95_s": round(percentile(latencies, 95), 4)})
+                    console.log(f"{mode}, concurrency {concurrency} #{repeat + 1}: "
+                                f"{runs[mode][-1]['images_per_second']:.2f} img/s, p50 {runs[mode][-1]['p50_s']:.3f} "
+                                f"s, p95 {runs[mode][-1]['p95_s']:.3f} s")
+                if concurrency == CONCURRENCY[-1]:
+                    batch_runs.append(run_batch())
+                    console.log(f"kasoku batch #{repeat + 1}: {batch_runs[-1]['images_per_second']:.2f} img/s")
+            for mode, server in servers.items():
+                after = metrics_batch_sizes(server)
+                calls = after["kasoku_serve_batch_size_count"] - before[mode]["kasoku_serve_batch_size_count"]
+                served = after["kasoku_serve_batch_size_sum"] - before[mode]["kasoku_serve_batch_size_sum"]
+                rows.append({"setup": f"kasoku serve, {mode}", "max_batch": modes[mode], "concurrency": concurrency,
+                             "mean_batch_size": round(served / calls, 2) if calls else None, "runs": runs[mode]})
+    finally:
+        codes = {mode: server.stop() for mode, server in servers.items()}
+    if any(codes.values()):
+        raise RuntimeError(f"kasoku serve exited with {codes} after SIGTERM")
+    rows.sort(key=lambda row: (row["setup"] != "kasoku serve, batching on", row["concurrency"]))
     rows.append({"setup": "kasoku batch (no HTTP)", "max_batch": args.max_batch, "concurrency": None,
                  "mean_batch_size": None, "runs": batch_runs})
 
@@ -229,7 +242,7 @@ def main(argv: list[str] | None = None) -> Path:
                     "cores": os.cpu_count(), "python": platform.python_version()},
         "model": "built-in tiny SD 1.x pipeline (kasoku tiny), onnxruntime, fp32",
         "requests": args.requests, "steps": args.steps, "size": f"{SIZE}x{SIZE}", "guidance": 7.5,
-        "repeats": args.repeats, "compile_seconds": round(compile_seconds, 2),
+        "repeats": args.repeats, "compile_seconds": round(compile_seconds, 2), "cache_given": bool(args.cache_dir),
         "load_average_1m": {"before": round(load_before, 2), "after": round(os.getloadavg()[0], 2)},
         "max_pixel_difference_vs_batch": drift,
         "setups": rows,

@@ -223,3 +223,11 @@ def test_a_port_in_use_is_one_clear_error():
         taken.listen()
         with pytest.raises(PortUnavailable, match=r"cannot listen on 127\.0\.0\.1:\d+ .*choose another --port"):
             bind("127.0.0.1", taken.getsockname()[1])
+
+
+def test_a_missing_server_stack_names_the_extra(monkeypatch):
+    from kasoku.serve import config
+
+    monkeypatch.setitem(config.SERVE_MODULES, "an-absent-package", ("kasoku_no_such_module",))
+    with pytest.raises(config.ServeNotInstalled, match=r"needs an-absent-package, .*pip install 'kasoku\[serve\]'"):
+        config.require_serve()

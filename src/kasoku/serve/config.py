@@ -15,9 +15,9 @@ from ..errors import KasokuError
 from ..options import CompileOptions
 
 SERVE_EXTRA = "pip install 'kasoku[serve]'"
-# import name -> what it is, for the error that names the extra
-SERVE_MODULES = {"fastapi": "FastAPI", "uvicorn": "uvicorn", "prometheus_client": "prometheus-client",
-                 "multipart": "python-multipart"}
+# what each is called on PyPI -> the names it may be imported by (python-multipart renamed its module)
+SERVE_MODULES = {"FastAPI": ("fastapi",), "uvicorn": ("uvicorn",), "prometheus-client": ("prometheus_client",),
+                 "python-multipart": ("python_multipart", "multipart")}
 
 DEFAULT_WINDOW_MS = 20.0  # how long the oldest waiting image waits for companions (under load, calls run back to back)
 DEFAULT_MAX_QUEUE = 64  # images waiting for an engine call
@@ -31,7 +31,8 @@ class ServeNotInstalled(KasokuError, ImportError):
 
 def require_serve(what: str = "kasoku serve") -> None:
     """The server's stack is importable, or an error naming the extra that installs it."""
-    missing = [name for module, name in SERVE_MODULES.items() if importlib.util.find_spec(module) is None]
+    missing = [name for name, modules in SERVE_MODULES.items()
+               if all(importlib.util.find_spec(module) is None for module in modules)]
     if missing:
         raise ServeNotInstalled(f"{what} needs {', '.join(missing)}, which {'is' if len(missing) == 1 else 'are'} "
                                 f"not installed here: {SERVE_EXTRA}")
