@@ -2,7 +2,7 @@
 16, with dynamic batching on (--max-batch 4) and off (--max-batch 1), beside `kasoku batch` on the
 same jobs (same prompts, seeds, steps and size) in the same run.
 
-    python benchmarks/serve_tiny.py [--requests 48] [--steps 20] [--max-batch 4] [--repeats 3]
+    python benchmarks/serve_tiny.py [--requests 48] [--steps 20] [--max-batch 4] [--repeats 3] [--cache-dir DIR]
 
 Each server is a real `kasoku serve` process on 127.0.0.1 (ONNX Runtime engines built for its
 profile, compiled before anything is timed), loaded by client threads on this machine, each with
@@ -139,10 +139,13 @@ def metrics_batch_sizes(server: ServerProcess) -> dict[str, float]:
 
 
 def main(argv: list[str] | None = None) -> Path:
+    from kasoku.batch.jobs import DEFAULT_BATCH_SIZE
+
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--requests", type=int, default=48, help="requests (one image each) per timed round")
     parser.add_argument("--steps", type=int, default=20)
-    parser.add_argument("--max-batch", type=int, default=4, help="--max-batch with batching on; batch's --batch-size")
+    parser.add_argument("--max-batch", type=int, default=DEFAULT_BATCH_SIZE,
+                        help="--max-batch with batching on, and kasoku batch's --batch-size (default: their default)")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--cache-dir", type=Path, default=None,
                         help="engine cache (default: a new temporary folder, so the engines are built first)")
@@ -248,7 +251,8 @@ def main(argv: list[str] | None = None) -> Path:
         "setups": rows,
     }
     RESULTS.mkdir(exist_ok=True)
-    stem = RESULTS / f"{report['date']}-{report['machine']['host']}-serve-tiny"
+    suffix = "" if args.max_batch == DEFAULT_BATCH_SIZE else f"-max-batch-{args.max_batch}"
+    stem = RESULTS / f"{report['date']}-{report['machine']['host']}-serve-tiny{suffix}"
     stem.with_suffix(".json").write_text(json.dumps(report, indent=2) + "\n")
     stem.with_suffix(".md").write_text(markdown(report) + "\n")
     console.print(markdown(report), markup=False)
@@ -264,29 +268,34 @@ def markdown(report: dict) -> str:
     from kasoku.info import system_info
 
     cpu = system_info()["machine"]["cpu"]
+    engines = (f"engines loaded from a cache an earlier run built ({report['compile_seconds']} s)"
+               if report.get("cache_given") else f"engines compiled once beforehand ({report['compile_seconds']} s)")
     lines = [
         "# kasoku serve: built-in tiny SD 1.x pipeline",
         "",
         f"{report['date']} · {cpu} · {report['machine']['cores']} cores · {report['requests']} requests of one "
         f"{report['size']} image, {report['steps']} steps, guidance {report['guidance']} · onnxruntime fp32 · median "
-        f"of {report['repeats']} rounds · engines compiled once beforehand ({report['compile_seconds']} s) · clients "
-        f"on the same machine · 1-minute load average {report['load_average_1m']['before']} before, "
-        f"{report['load_average_1m']['after']} after",
+        f"of {report['repeats']} rounds · {engines} · clients on the same machine · 1-minute load average "
+        f"{report['load_average_1m']['before']} before, {report['load_average_1m']['after']} after",
         "",
-        "| setup | concurrency | images/s (min–max) | p50 latency s | p95 latency s | mean images per call |",
-        "| --- | --- | --- | --- | --- | --- |",
+        "| setup | max images per call | concurrency | images/s (min–max) | p50 latency s | p95 latency s "
+        "| mean images per call |",
+        "| --- | --- | --- | --- | --- | --- | --- |",
     ]
     for row in report["setups"]:
         rates = [r["images_per_second"] for r in row["runs"]]
         p50 = f"{_median([r['p50_s'] for r in row['runs']]):.3f}" if "p50_s" in row["runs"][0] else "-"
         p95 = f"{_median([r['p95_s'] for r in row['runs']]):.3f}" if "p95_s" in row["runs"][0] else "-"
-        lines.append(f"| {row['setup']} | {row['concurrency'] or '-'} | {_median(rates):.2f} "
+        lines.append(f"| {row['setup']} | {row['max_batch']} | {row['concurrency'] or '-'} | {_median(rates):.2f} "
                      f"({min(rates):.2f}–{max(rates):.2f}) | {p50} | {p95} | {row['mean_batch_size'] or '-'} |")
     by = {(r["setup"], r["concurrency"]): _median([x["images_per_second"] for x in r["runs"]])
           for r in report["setups"]}
     on, off = by.get(("kasoku serve, batching on", 16)), by.get(("kasoku serve, batching off", 16))
     if on and off:
         lines += ["", f"At concurrency 16, dynamic batching serves {on / off:.2f}x the images/s of batching off."]
+    if max(report["load_average_1m"].values()) > report["machine"]["cores"]:
+        lines += ["", "The machine was shared during this run (load average above its core count): absolute figures "
+                  "are below a quiet machine's; compare the rows of this run with each other only."]
     lines += ["", "Max pixel difference (0-255) of the server's images from `kasoku batch`'s for the same jobs: "
               + ", ".join(f"{mode} {value}" for mode, value in report["max_pixel_difference_vs_batch"].items())
               + " (each setup runs engines built for its own profile)."]

@@ -63,7 +63,7 @@ class Job:
 
 
 # ---- which jobs share an engine call, and the call they share ----------------------------------
-# `kasoku batch` and `kasoku serve` (its dynamic batcher) both group through these two functions.
+# `kasoku batch` and `kasoku serve` (its dynamic batcher) both group and call through these two and plan_batches.
 
 
 def call_key(height: int | None, width: int | None, steps: int, guidance: float, negative: bool, *,
