@@ -205,7 +205,7 @@ def test_a_server_compiles_exactly_its_sizes_for_one_to_max_batch_images(tiny_di
     assert (profile.min, profile.max) == (ImageShape(1, 64, 64), ImageShape(3, 64, 64))
     assert profile.guidance is None  # a request's guidance decides
     assert config.options.components == ("text_encoder", "unet", "vae_decoder", "vae_encoder")  # edits too
-    assert config.model_name == "tiny-sd" and config.max_steps == 1000
+    assert config.model_name == "tiny-sd" and config.max_steps == 999
     several, _ = prepare_serving(tiny_dir, CompileOptions(cache_dir=tmp_path / "empty"),
                                  sizes=(Size(96, 64), Size(64, 128)))
     assert several.options.profile.min.height == 64 and several.options.profile.max.height == 128

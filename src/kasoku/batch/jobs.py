@@ -211,7 +211,7 @@ def check_jobs(jobs: list[Job], profile: ShapeProfile, batch_size: int, max_step
         except ShapeOutOfProfile as error:
             errors.append(f"{job.source}: {error}")
         if max_steps is not None and job.steps > max_steps:
-            errors.append(f"{job.source}: `steps` must be at most {max_steps} (the scheduler's training steps) "
+            errors.append(f"{job.source}: `steps` must be at most {max_steps} (what the model's scheduler runs) "
                           f"but is {job.steps}.")
     if errors:
         hint = " (`kasoku batch` takes the same --height/--width MIN:MAX flags)"

@@ -13,6 +13,7 @@ from ..batch.jobs import DEFAULT_BATCH_SIZE
 from ..components import ImageShape, ShapeProfile
 from ..errors import KasokuError
 from ..options import CompileOptions
+from ..schedulers import most_steps
 
 SERVE_EXTRA = "pip install 'kasoku[serve]'"
 # what each is called on PyPI -> the names it may be imported by (python-multipart renamed its module)
@@ -159,7 +160,7 @@ def prepare_serving(model, options: CompileOptions | None = None, *, sizes: tupl
     config = ServeConfig(model=model, model_name=model_name or Path(model).name,
                          options=options.replace(profile=profile), sizes=sizes, max_batch=max_batch,
                          batch_window_ms=batch_window_ms, max_queue=max_queue, timeout=timeout, api_key=api_key,
-                         max_steps=reference.scheduler.config.num_train_timesteps)
+                         max_steps=most_steps(reference.scheduler))
     return config, reference
 
 
