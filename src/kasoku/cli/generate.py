@@ -86,7 +86,10 @@ class Generate(Command):
         if mask is not None and image is None:
             raise KasokuError("--mask needs --image (the picture to inpaint).")
         controls = _control_images(args)
-        options = options_from_args(args)
+        # the profile (and with it --cuda-graph, which needs an exact one) is chosen below, for this call
+        options = options_from_args(args, cuda_graph=False)
+        if args.cuda_graph:
+            check_backend(options, cuda_graph=True)
 
         start = time.perf_counter()
         # configs only: weights load only for what must be built
@@ -98,7 +101,7 @@ class Generate(Command):
             from ..pipeline import check_control_images
 
             check_control_images(controls, 1, shape.height, shape.width)
-        options = options.replace(profile=_profile_for(args, shape, reference, options))
+        options = options.replace(profile=_profile_for(args, shape, reference, options), cuda_graph=args.cuda_graph)
         pipe = compile(reference, options=options, on_stage=show_stage, label=str(args.model))
         load_seconds = time.perf_counter() - start
         if args.scheduler:
@@ -187,6 +190,8 @@ def _profile_for(args: argparse.Namespace, shape, pipe, options):
 
     base = default_profile(pipe)
     exact = ShapeProfile.exact(shape, guidance=args.guidance > 1, multiple=base.multiple)
+    if args.cuda_graph:  # a CUDA graph replays one shape: exact-shape engines only
+        return exact
     served = [p for p in (exact, base) if p.serves(shape, args.guidance > 1)]
     return cached_profile(pipe, options, served) or exact
 
