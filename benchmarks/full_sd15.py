@@ -65,7 +65,11 @@ def use_smoke_model() -> None:
     if not (MODEL_DIR / "model_index.json").exists():
         from kasoku.tiny import write_tiny_pipeline
 
-        write_tiny_pipeline(MODEL_DIR, controlnet=True)
+        write_tiny_pipeline(MODEL_DIR)
+    if not (CONTROLNET_DIR / "config.json").exists():
+        from kasoku.tiny import write_tiny_controlnet
+
+        write_tiny_controlnet(CONTROLNET_DIR)
 
 
 def build_sd15(directory: Path, seed: int = 0) -> Path:
