@@ -399,8 +399,6 @@ def test_openvino_engines_match_too(pipes, controlnets, tiny_cache, sd_multi):
     compiled = kasoku.compile(pipes["sd1"], backends, controlnet=controlnets["sd1"][0], cache_dir=tiny_cache.root,
                               components=list(backends))
     assert {name: engine.backend for name, engine in compiled.engines.items()} == backends
-    built = {s.component: s.status for s in compiled.compile_report.stages if s.stage == "export"}
-    assert set(built.values()) <= {"reused"}  # the ONNX exports are shared with ONNX Runtime's engines
     control = random_image(1)
     expected = run_diffusers(reference(pipes["sd1"], controlnets["sd1"][0], "sd1", "txt2img"), "txt2img", control)
     assert_same_image(expected, run_kasoku(compiled, "txt2img", control))
