@@ -18,6 +18,10 @@ the largest stage's VmHWM):
 - speed:<contender>  one call per component after warm-up, median of repeats, against torch eager
                      (torch, onnxruntime, openvino), with the FLOP floor; the components' inputs and
                      torch's outputs are saved by the torch stage, so every contender is checked.
+- controlnet:<contender>  a U-Net step steered by a ControlNet (SD 1.5's ControlNet architecture, random
+                     weights, built once into benchmarks/.models/): the ControlNet, then the U-Net that takes
+                     its residuals, one call each after warm-up, against torch eager, with the FLOP floor and
+                     the whole step; checked against torch's outputs as the speed stage is.
 
 Every stage's result is merged into benchmarks/results/<date>-<host>-full_sd15.json, and the markdown
 beside it is written again from everything measured that day, so stages can be run one at a time.
@@ -42,9 +46,11 @@ import torch
 
 HERE = Path(__file__).resolve().parent
 MODEL_DIR = HERE / ".models" / "sd15-random"
+CONTROLNET_DIR = HERE / ".models" / "sd15-controlnet-random"
 WORK = HERE / ".models" / "sd15-work"
 RESULTS = HERE / "results"
 TXT2IMG = ("text_encoder", "unet", "vae_decoder")
+CONTROLNET_STEP = ("controlnet_0", "unet_controlnet")
 SIZE = 512
 MULTIPLE = 64  # SD 1.5's height/width step: the VAE's 8x times the U-Net's three downsamplings
 SMOKE_DIR = Path("/tmp/kasoku-full_sd15-smoke")  # --smoke: every stage on the tiny pipeline, results kept apart
@@ -52,13 +58,18 @@ SMOKE_DIR = Path("/tmp/kasoku-full_sd15-smoke")  # --smoke: every stage on the t
 
 def use_smoke_model() -> None:
     """Point every stage at the tiny pipeline (64x64, steps of 16) and keep its results apart."""
-    global MODEL_DIR, WORK, RESULTS, SIZE, MULTIPLE
+    global MODEL_DIR, CONTROLNET_DIR, WORK, RESULTS, SIZE, MULTIPLE
     MODEL_DIR, WORK, RESULTS = SMOKE_DIR / "model", SMOKE_DIR / "work", SMOKE_DIR / "results"
+    CONTROLNET_DIR = MODEL_DIR / "controlnet"
     SIZE, MULTIPLE = 64, 16
     if not (MODEL_DIR / "model_index.json").exists():
         from kasoku.tiny import write_tiny_pipeline
 
         write_tiny_pipeline(MODEL_DIR)
+    if not (CONTROLNET_DIR / "config.json").exists():
+        from kasoku.tiny import write_tiny_controlnet
+
+        write_tiny_controlnet(CONTROLNET_DIR)
 
 
 def build_sd15(directory: Path, seed: int = 0) -> Path:
@@ -241,6 +252,71 @@ def stage_speed(contender: str, args) -> dict:
             samples, outputs = _repeat(lambda engine=engine, inputs=inputs: engine.run(inputs), args.repeats)
             worst = max((compare_output(name, out, "1x512x512", reference[out], outputs[out]) for out in reference),
                         key=lambda p: p.max_abs / p.limit)
+            result["components"][name] = {"seconds": samples, "max_abs_vs_torch": worst.max_abs,
+                                          "tolerance": worst.limit, "passed": worst.passed}
+    return {**result, "peak_mb": peak_mb()}
+
+
+def build_controlnet(directory: Path, model_dir: Path, seed: int = 0) -> Path:
+    """SD 1.5's ControlNet architecture (ControlNetModel.from_unet: the U-Net's encoder and mid block, the
+    16-32-96-256 conditioning embedding) for the U-Net in `model_dir`, random weights, as a diffusers folder."""
+    from diffusers import UNet2DConditionModel
+
+    from kasoku.tiny import random_controlnet
+
+    torch.manual_seed(seed)
+    with torch.device("meta"):  # the U-Net only lends its config: none of its weights are made
+        unet = UNet2DConditionModel.from_config(UNet2DConditionModel.load_config(model_dir / "unet"))
+    random_controlnet(unet).save_pretrained(directory, safe_serialization=True)
+    return directory
+
+
+def stage_controlnet(contender: str, args) -> dict:
+    """A U-Net step steered by a ControlNet: the ControlNet, then the U-Net with its residuals, one call each
+    after warm-up, median of repeats. torch builds the ControlNet when it is missing, counts the FLOPs and
+    saves its inputs and outputs (the U-Net's residual inputs are the ControlNet's own outputs); every other
+    contender is kasoku's engine on that backend, checked against them."""
+    from kasoku.benchmark import count_flops
+    from kasoku.components import ImageShape, ShapeProfile, component_specs
+    from kasoku.loading import load_pipeline
+    from kasoku.parity import compare_output
+
+    profile = ShapeProfile.from_ranges((1, 1, 1), (SIZE,) * 3, (SIZE,) * 3, MULTIPLE)
+    io_file = args.work / "controlnet-io.npz"
+    result: dict = {"components": {}}
+    if contender == "torch":
+        if not (CONTROLNET_DIR / "config.json").exists():
+            build_controlnet(CONTROLNET_DIR, MODEL_DIR)
+        pipe = load_pipeline(MODEL_DIR, controlnet=CONTROLNET_DIR)
+        specs = component_specs(pipe, profile, CONTROLNET_STEP)
+        saved, residuals = {}, {}
+        for name, spec in specs.items():
+            inputs = spec.sample_inputs(ImageShape(1, SIZE, SIZE), seed=3)
+            if name == "unet_controlnet":  # the same step: the ControlNet's inputs, and its outputs as residuals
+                inputs = {k: torch.as_tensor(residuals.get(k, saved.get(f"controlnet_0.in.{k}", v)))
+                          for k, v in inputs.items()}
+            flops = count_flops(spec, inputs)  # runs the call: the warm-up
+            samples, residuals = _repeat(lambda spec=spec, inputs=inputs: spec.run_torch(inputs), args.repeats)
+            saved.update({f"{name}.in.{k}": np.asarray(v) for k, v in inputs.items()})
+            saved.update({f"{name}.out.{k}": v for k, v in residuals.items()})
+            result["components"][name] = {"seconds": samples, "gflop": flops / 1e9,
+                                          "shapes": {k: list(v.shape) for k, v in inputs.items()}}
+        np.savez(io_file, **saved)
+    else:
+        from kasoku.build import compile_components
+
+        io = np.load(io_file)
+        pipe = load_pipeline(MODEL_DIR, lazy=True, controlnet=CONTROLNET_DIR)
+        engines, report = compile_components(pipe, backend=contender, components=CONTROLNET_STEP, profile=profile,
+                                             cache=args.cache, threads=args.threads, label="sd15-random+controlnet")
+        result["compile_s"] = report.seconds
+        for name, engine in engines.items():
+            inputs = {k.split(".", 2)[2]: io[k] for k in io.files if k.startswith(f"{name}.in.")}
+            reference = {k.split(".", 2)[2]: io[k] for k in io.files if k.startswith(f"{name}.out.")}
+            engine.run(inputs)
+            samples, outputs = _repeat(lambda engine=engine, inputs=inputs: engine.run(inputs), args.repeats)
+            worst = max((compare_output(name, out, f"1x{SIZE}x{SIZE}", reference[out], outputs[out])
+                         for out in reference), key=lambda p: p.max_abs / p.limit)
             result["components"][name] = {"seconds": samples, "max_abs_vs_torch": worst.max_abs,
                                           "tolerance": worst.limit, "passed": worst.passed}
     return {**result, "peak_mb": peak_mb()}
@@ -508,7 +584,8 @@ def stage_ort_qdq(_target: str, args) -> dict:
 
 STAGES = {"model": stage_model, "cold": stage_cold, "warm": stage_warm, "warm-folder": stage_warm_folder,
           "runtime": stage_runtime, "speed": stage_speed, "ov-probe": stage_ov_probe, "image": stage_image,
-          "fidelity": stage_fidelity, "ort-qdq": stage_ort_qdq}
+          "fidelity": stage_fidelity, "ort-qdq": stage_ort_qdq,
+          "controlnet": stage_controlnet}
 
 
 # ---- the run -----------------------------------------------------------------------------------------
@@ -562,7 +639,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--stages", default="cold,warm,warm-folder,runtime",
                         help=f"comma-separated, in order, from {', '.join(STAGES)} (default: the warm start)")
     parser.add_argument("--backends", default="onnxruntime,openvino", help="kasoku backends (cold, warm, runtime)")
-    parser.add_argument("--contenders", default="torch,onnxruntime,openvino", help="for the speed stage")
+    parser.add_argument("--contenders", default="torch,onnxruntime,openvino",
+                        help="for the speed and controlnet stages (torch first: the others are checked against it)")
     parser.add_argument("--images", default=",".join(["diffusers", *KASOKU_IMAGES, *PEERS]),
                         help="for the image stage: diffusers, kasoku-{fp32,bf16,int8}-{static,dynamic}, and the "
                              f"peers {', '.join(PEERS)}")
@@ -608,7 +686,8 @@ def main(argv: list[str] | None = None) -> int:
         log(f"building SD 1.5 with random weights into {MODEL_DIR}")
         _record("model", "sd15", _run_stage("model", "sd15", args, log), machine)
     for stage in args.stages.split(","):
-        targets = {"speed": args.contenders.split(","), "ov-probe": ["unet"], "ort-qdq": ["unet"],
+        targets = {"speed": args.contenders.split(","), "controlnet": args.contenders.split(","),
+                   "ov-probe": ["unet"], "ort-qdq": ["unet"],
                    "image": args.images.split(","),
                    "fidelity": list(FIDELITY_PRECISIONS)}.get(stage, args.backends.split(","))
         for target in targets:
@@ -709,6 +788,7 @@ def markdown(report: dict) -> str:
                              f"{min(r['seconds']):.2f}–{max(r['seconds']):.2f} | {base / median:.2f}× | {floor:.2f} | "
                              f"{median / floor:.2f} | {check} |")
         lines.append("")
+    lines += _controlnet_table(report)
     if "ort-qdq" in report:
         r = report["ort-qdq"].get("unet", {})
         if not r.get("failed"):
@@ -728,6 +808,45 @@ def markdown(report: dict) -> str:
     if peaks:
         lines.append(f"Peak resident memory of the run (largest stage): {max(peaks) / 1024:.1f} GiB.")
     return "\n".join(lines)
+
+
+def _controlnet_table(report: dict) -> list[str]:
+    """The controlnet stage: a row per component and contender, and the whole step (ControlNet + U-Net)."""
+    stage = report.get("controlnet", {})
+    torch_run = stage.get("torch", {})
+    if not torch_run.get("components"):
+        return []
+    rate = report.get("machine", {}).get("matmul_gflops") or 1.0
+    shapes = torch_run["components"][CONTROLNET_STEP[0]]["shapes"]
+    lines = [f"## A U-Net step with a ControlNet, {SIZE}x{SIZE}: the ControlNet (sample "
+             f"{'x'.join(map(str, shapes['sample']))}, control image {'x'.join(map(str, shapes['controlnet_cond']))}),"
+             " then the U-Net with its residuals, median after warm-up", "",
+             "| component | contender | median s | min–max | speed-up vs torch | FLOP floor s | time ÷ floor | "
+             "max abs vs torch |", "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+    gflop = {c: torch_run["components"][c]["gflop"] for c in CONTROLNET_STEP}
+    gflop["step"] = sum(gflop.values())
+    for row in (*CONTROLNET_STEP, "step"):
+        title = "**ControlNet + U-Net step**" if row == "step" else row
+        base = _step_median(torch_run, row)
+        for name, run in stage.items():
+            if run.get("failed") or not run.get("components"):
+                continue
+            median, floor = _step_median(run, row), gflop[row] / rate
+            parts = [run["components"][c] for c in (CONTROLNET_STEP if row == "step" else (row,))]
+            spread = "" if row == "step" else f"{min(parts[0]['seconds']):.2f}–{max(parts[0]['seconds']):.2f}"
+            check = "—" if name == "torch" else (f"{max(p['max_abs_vs_torch'] for p in parts):.1e}"
+                                                 + ("" if all(p["passed"] for p in parts) else " **over**"))
+            lines.append(f"| {title} ({gflop[row]:.0f} GFLOP) | {name} | {median:.2f} | {spread} | "
+                         f"{base / median:.2f}× | {floor:.2f} | {median / floor:.2f} | {check} |")
+    failed = [name for name, run in stage.items() if run.get("failed")]
+    return [*lines, "", *(f"The controlnet stage of {name} failed (exit {stage[name]['returncode']})."
+                          for name in failed)]
+
+
+def _step_median(run: dict, row: str) -> float:
+    """The median seconds of a component, or of the step: the sum of its components' medians."""
+    names = CONTROLNET_STEP if row == "step" else (row,)
+    return sum(_median(run["components"][c]["seconds"]) for c in names)
 
 
 def _image_table(report: dict) -> list[str]:

@@ -37,6 +37,17 @@ BAD = {
         ["generate", "{model}", "a cat", "-o", "{out}", "--image", "{missing}"],
         ["generate", "{model}", "a cat", "-o", "{out}", "--mask", "{image}"],
         ["generate", "{model}", "a cat", "-o", "{out}", "--threads", "0"],
+        ["generate", "{model}", "a cat", "-o", "{out}", "--control-image", "{image}"],
+        ["generate", "{model}", "a cat", "-o", "{out}", "--controlnet", "{controlnet}"],
+        ["generate", "{model}", "a cat", "-o", "{out}", "--controlnet", "{missing}", "--control-image", "{image}"],
+        ["generate", "{model}", "a cat", "-o", "{out}", "--controlnet", "{model}/unet", "--control-image", "{image}"],
+        ["generate", "{model}", "a cat", "-o", "{out}", "--controlnet", "{controlnet}", "--control-image", "{small}",
+         "--height", "64", "--width", "64"],
+        ["generate", "{model}", "a cat", "-o", "{out}", "--controlnet", "{controlnet}", "--control-image", "{image}",
+         "--control-scale", "1", "--control-scale", "2"],
+        ["generate", "{model}", "a cat", "-o", "{out}", "--controlnet", "{controlnet}", "--control-image", "{image}",
+         "--control-scale", "nan"],
+        ["generate", "{model}", "a cat", "-o", "{out}", "--guess-mode"],
         ["generate", "{missing}", "a cat", "-o", "{out}"],
         ["generate", "{model}", "a cat", "-o", "{new}/x.png"],
         ["generate", "{model}", "a cat", "-o", "{full}"],
@@ -49,6 +60,8 @@ BAD = {
         ["batch", "{model}", "{jobs}", "--out", "{new}", "--backend", "torch", "--precision", "fp16"],
         ["batch", "{model}", "{jobs}", "--out", "{new}", "--height", "64:0"],
         ["batch", "{model}", "{jobs}", "--out", "{file}"],
+        ["batch", "{model}", "{control_jobs}", "--out", "{new}"],
+        ["batch", "{model}", "{jobs}", "--out", "{new}", "--controlnet", "{controlnet}"],
     ],
     "serve": [
         ["serve", "{model}", "--port", "70000"],
@@ -79,6 +92,7 @@ BAD = {
         ["compile", "{model}", "--trt-opt-level", "9"],
         ["compile", "{model}", "--components", "text_encoder_2"],
         ["compile", "{file}"],
+        ["compile", "{model}", "--controlnet", "{missing}"],
     ],
     "cache": [
         ["cache", "frobnicate"],
@@ -88,11 +102,13 @@ BAD = {
     "verify": [
         ["verify", "{model}", "--backend", "torch", "--precision", "fp16"],
         ["verify", "{missing}"],
+        ["verify", "{model}", "--controlnet", "{model}"],
     ],
     "bench": [
         ["bench", "{model}", "--repeats", "2"],
         ["bench", "{model}", "--backends", "magic"],
         ["bench", "{model}", "--steps", "0"],
+        ["bench", "{model}", "--controlnet", "{file}"],
     ],
     "demo": [
         ["demo", "-o", "{new}/x.png"],
@@ -104,8 +120,15 @@ BAD = {
 CASES = [(command, args) for command, cases in BAD.items() for args in cases]
 
 
+@pytest.fixture(scope="module")
+def controlnet_folder(tmp_path_factory):
+    from kasoku.tiny import write_tiny_controlnet
+
+    return write_tiny_controlnet(tmp_path_factory.mktemp("controlnet") / "controlnet")
+
+
 @pytest.fixture
-def places(tmp_path, tiny_dir):
+def places(tmp_path, tiny_dir, controlnet_folder):
     full = tmp_path / "full"
     full.mkdir()
     (full / "keep.txt").write_text("keep")
@@ -113,12 +136,16 @@ def places(tmp_path, tiny_dir):
     from PIL import Image
 
     Image.new("RGB", (64, 64)).save(tmp_path / "in.png")
+    Image.new("RGB", (48, 64)).save(tmp_path / "small.png")
     (tmp_path / "jobs.jsonl").write_text(json.dumps({"prompt": "a cat"}) + "\n")
+    (tmp_path / "control.jsonl").write_text(json.dumps({"prompt": "a cat", "control_image": "in.png"}) + "\n")
     (tmp_path / "bad.jsonl").write_text('{"prompt": "a cat", "steps": 0}\n')
     return {"model": str(tiny_dir), "out": str(tmp_path / "out.png"), "new": str(tmp_path / "new"),
             "full": str(full), "file": str(tmp_path / "file.txt"), "image": str(tmp_path / "in.png"),
             "missing": str(tmp_path / "missing"), "jobs": str(tmp_path / "jobs.jsonl"),
-            "bad_jobs": str(tmp_path / "bad.jsonl"), "cache": str(tmp_path / "cache")}
+            "bad_jobs": str(tmp_path / "bad.jsonl"), "cache": str(tmp_path / "cache"),
+            "controlnet": str(controlnet_folder), "small": str(tmp_path / "small.png"),
+            "control_jobs": str(tmp_path / "control.jsonl")}
 
 
 def _tree(path):

@@ -201,6 +201,7 @@ def bench(
     model,
     backends: list[str] = ("onnxruntime", "openvino"),
     *,
+    controlnet=None,
     steps: int = 4,
     repeats: int = 3,
     guidance: float = 7.5,
@@ -212,7 +213,8 @@ def bench(
     end_to_end: bool = True,
     log: Callable[[str], None] = lambda message: None,
 ) -> BenchReport:
-    """Time torch eager and each contender side by side; see the module docstring."""
+    """Time torch eager and each contender side by side; see the module docstring. `controlnet`
+    (ControlNet folders or models) times the ControlNet pipeline: its ControlNet and U-Net engines."""
     from .build import compile_components
     from .cache import Cache
     from .families import family_of
@@ -223,7 +225,7 @@ def bench(
     check_contenders(list(backends))
     threads = threads or torch.get_num_threads()
     torch.set_num_threads(threads)
-    pipe = load_pipeline(model)
+    pipe = load_pipeline(model, controlnet=controlnet)
     label = str(model) if isinstance(model, (str, Path)) else type(model).__name__
     specs = component_specs(pipe, profile, components)
     profile = next(iter(specs.values())).profile
@@ -311,15 +313,19 @@ def _bench_end_to_end(pipe, report, specs, cache, profile, shape, steps, guidanc
     from .build import compile_components
     from .families import family_of
     from .pipeline import KasokuPipeline
+    from .verification import diffusers_inputs, task_inputs
 
     result = EndToEndBench(shape=str(shape), steps=steps, guidance=guidance)
     prompt = "a beautiful photograph of mt fuji during cherry blossom"
+    extra = task_inputs(pipe, "txt2img", shape)  # control images where the pipeline has ControlNets
 
     def runner(p, outputs: list):
+        inputs = extra if isinstance(p, KasokuPipeline) else diffusers_inputs(pipe, "txt2img", extra)
+
         def run():
             outputs[:] = [p(prompt, num_inference_steps=steps, guidance_scale=guidance, height=shape.height,
                             width=shape.width, num_images_per_prompt=shape.batch,
-                            generator=torch.Generator().manual_seed(0), output_type="np").images]
+                            generator=torch.Generator().manual_seed(0), output_type="np", **inputs).images]
         return run
 
     torch_pipe = family_of(pipe).task_pipeline(pipe, "txt2img")

@@ -214,6 +214,8 @@ def _sample_input(tensor: TensorSpec, shape: tuple[int, ...], generator: torch.G
         return torch.randint(0, 1025, shape, generator=generator).to(torch.float32)
     if tensor.name == "sample" and len(shape) == 4 and shape[1] == 3:
         return torch.rand(shape, generator=generator) * 2.0 - 1.0  # an image in [-1, 1]
+    if tensor.name in ("controlnet_cond", "conditioning_scale"):
+        return torch.rand(shape, generator=generator)  # control images are not normalised: [0, 1]
     return torch.randn(shape, generator=generator)
 
 
@@ -380,6 +382,54 @@ class UNetModule(torch.nn.Module):
 
     def forward(self, sample, timestep, encoder_hidden_states):
         return (self.unet(sample, timestep, encoder_hidden_states, return_dict=False)[0],)
+
+
+# The ControlNet's outputs and the residual-taking U-Net's extra inputs: one name per down-block residual
+# (in diffusers' order), then the mid-block residual.
+DOWN_RESIDUAL = "down_block_res_{}"
+MID_RESIDUAL = "mid_block_res"
+
+
+def residual_names(down: int) -> tuple[str, ...]:
+    """The names of `down` down-block residuals and the mid-block residual."""
+    return (*(DOWN_RESIDUAL.format(i) for i in range(down)), MID_RESIDUAL)
+
+
+class ControlNetModule(torch.nn.Module):
+    """A diffusers ControlNetModel on (sample, timestep, encoder_hidden_states, controlnet_cond,
+    conditioning_scale, *added conditioning) returning each residual times its scale.
+
+    `conditioning_scale` holds one scale per residual, so one engine serves every scale and guess
+    mode alike: diffusers multiplies every residual by the scale, or in guess mode by
+    logspace(-1, 0) times it (ControlNetModel.forward, step 6); the stand-in computes that vector."""
+
+    def __init__(self, controlnet: torch.nn.Module, added: tuple[str, ...] = ()):
+        super().__init__()
+        self.controlnet = controlnet
+        self.added = added
+
+    def forward(self, sample, timestep, encoder_hidden_states, controlnet_cond, conditioning_scale, *added):
+        added_cond_kwargs = dict(zip(self.added, added)) or None
+        down, mid = self.controlnet(sample, timestep, encoder_hidden_states, controlnet_cond, conditioning_scale=1.0,
+                                    added_cond_kwargs=added_cond_kwargs, return_dict=False)
+        return (*(residual * conditioning_scale[i] for i, residual in enumerate(down)),
+                mid * conditioning_scale[len(down)])
+
+
+class ResidualUNetModule(torch.nn.Module):
+    """The U-Net with a ControlNet's residuals as inputs: (sample, timestep, encoder_hidden_states,
+    *added conditioning, *down-block residuals, mid-block residual)."""
+
+    def __init__(self, unet: torch.nn.Module, added: tuple[str, ...] = ()):
+        super().__init__()
+        self.unet = unet
+        self.added = added
+
+    def forward(self, sample, timestep, encoder_hidden_states, *rest):
+        added, residuals = dict(zip(self.added, rest)) or None, rest[len(self.added):]
+        return (self.unet(sample, timestep, encoder_hidden_states, added_cond_kwargs=added,
+                          down_block_additional_residuals=residuals[:-1], mid_block_additional_residual=residuals[-1],
+                          return_dict=False)[0],)
 
 
 class VaeDecoderModule(torch.nn.Module):

@@ -80,22 +80,43 @@ def _parameter_bytes(module: torch.nn.Module) -> int:
     return sum(p.numel() * p.element_size() for p in module.state_dict().values())
 
 
-def _dynamo_dynamic_shapes(spec: ComponentSpec) -> dict[str, dict[int, object]]:
+def _dynamo_dims(spec: ComponentSpec) -> dict[str, object]:
+    """torch.export Dims per dynamic axis name. Axes of one image size at several scales (a ControlNet's
+    latent sample and pixel conditioning image, a U-Net's residuals at each level) are all derived from
+    one Dim of that size, so torch.export sees how they relate instead of a constraint violation."""
     from torch.export import Dim
 
+    axes = spec.axes()
     dims: dict[str, object] = {}
-    for name, (_axis, rng) in spec.axes().items():
+    bases: dict[str, object] = {}  # image dim -> the one Dim its scaled axes derive from
+    multiple = spec.profile.multiple
+    for name, (axis, rng) in axes.items():
         if rng.min == rng.max:
             continue
-        if rng.step > 1:
+        scaled = [a for a, _ in axes.values() if a.of == axis.of and a.of != "batch"]
+        if len(scaled) > 1:
+            if axis.of not in bases:
+                bases[axis.of] = Dim(f"{axis.of}_div{multiple}", min=getattr(spec.profile.min, axis.of) // multiple,
+                                     max=getattr(spec.profile.max, axis.of) // multiple)
+            dims[name] = int(multiple * axis.scale) * bases[axis.of]
+        elif rng.step > 1:
             base = Dim(f"{name}_div{rng.step}", min=math.ceil(rng.min / rng.step), max=rng.max // rng.step)
             dims[name] = rng.step * base
         else:
             dims[name] = Dim(name, min=rng.min, max=rng.max)
-    return {
-        t.name: {i: dims[a.name] for i, a in t.dynamic_axes.items() if a.name in dims}
-        for t in spec.inputs
-    }
+    return dims
+
+
+def _dynamo_dynamic_shapes(spec: ComponentSpec) -> dict[str, object]:
+    """The dynamic shapes of the inputs, keyed as torch.export binds them to the module's forward: by
+    parameter name, and a *args parameter (a variable number of inputs) as a tuple in input order."""
+    import inspect
+
+    dims = _dynamo_dims(spec)
+    per_input = {t.name: {i: dims[a.name] for i, a in t.dynamic_axes.items() if a.name in dims} for t in spec.inputs}
+    bound = inspect.signature(spec.module.forward).bind(*spec.input_names).arguments
+    return {parameter: tuple(per_input[n] for n in names) if isinstance(names, tuple) else per_input[names]
+            for parameter, names in bound.items()}
 
 
 def _torchscript_dynamic_axes(spec: ComponentSpec) -> dict[str, dict[int, str]]:
@@ -260,11 +281,13 @@ def export_pipeline(
     opset: int = DEFAULT_OPSET,
     profile: ShapeProfile | None = None,
     on_component=None,
+    controlnet=None,
 ) -> ExportManifest:
-    """Export the components of a diffusers pipeline into `outdir` with a manifest.json."""
+    """Export the components of a diffusers pipeline (with `controlnet`: its ControlNet pipeline's) into
+    `outdir` with a manifest.json."""
     from .loading import load_pipeline
 
-    pipe = load_pipeline(model)
+    pipe = load_pipeline(model, controlnet=controlnet)
     specs = component_specs(pipe, profile, components)
     outdir = Path(outdir)
     outdir.mkdir(parents=True, exist_ok=True)

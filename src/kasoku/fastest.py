@@ -29,13 +29,13 @@ def choose_precisions(pipe, specs: dict[str, ComponentSpec], options, cache, *, 
     from .build import Compiler, measure
     from .families import family_of
     from .pipeline import KasokuPipeline
-    from .verification import FIDELITY_PROMPTS, VERIFY_SEED, _inpaint_inputs
+    from .verification import FIDELITY_PROMPTS, VERIFY_SEED, task_inputs
 
     family = family_of(pipe)
     task = family.tasks(pipe)[0]
     profile = next(iter(specs.values())).profile
     shape = profile.opt
-    extra = _inpaint_inputs(shape) if task == "inpaint" else {}
+    extra = task_inputs(pipe, task, shape)
     steps = TOLERANCES[Precision.BF16].image_steps
     measured = [n for n in family.task_components(task, pipe) if n in specs]
 

@@ -93,9 +93,9 @@ class WeightsFingerprints:
         """Start hashing these live modules in the background (in this order), so that loading one
         component's engine overlaps hashing the next one's weights. Lazily loaded modules are left to
         :meth:`of` (their digest is remembered, or their weights must be loaded first)."""
-        from .loading import lazy_source
+        from .loading import lazy_source, module_at
 
-        modules = [getattr(pipe, a) for a in dict.fromkeys(attributes)]
+        modules = [module_at(pipe, a) for a in dict.fromkeys(attributes)]
         todo = [m for m in modules if lazy_source(m) is None and id(m) not in self._computed
                 and id(m) not in self._pending]
         if not todo:
@@ -106,10 +106,11 @@ class WeightsFingerprints:
         pool.shutdown(wait=False)
 
     def of(self, pipe, attribute: str) -> str:
-        """The digest of `pipe.<attribute>` (a torch module), loading it only when it must."""
-        from .loading import lazy_source, real_module
+        """The digest of the torch module at `attribute` of `pipe` (a dotted path such as
+        "controlnet.nets.0"), loading it only when it must."""
+        from .loading import lazy_source, module_at, real_module
 
-        module = getattr(pipe, attribute)
+        module = module_at(pipe, attribute)
         if id(module) in self._computed:
             return self._computed[id(module)]
         if id(module) in self._pending:

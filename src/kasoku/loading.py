@@ -18,8 +18,8 @@ import torch
 from .errors import KasokuError
 from .families import SUPPORTED_PIPELINES, NotADiffusersPipeline, detect_family, family_of, read_model_index
 
-__all__ = ["ModelNotFound", "NotADiffusersPipeline", "SUPPORTED_PIPELINES", "load_pipeline", "read_model_index",
-           "real_module", "lazy_source", "release_module", "model_label"]
+__all__ = ["ModelNotFound", "NotADiffusersPipeline", "SUPPORTED_PIPELINES", "load_pipeline", "load_controlnets",
+           "read_model_index", "real_module", "lazy_source", "release_module", "model_label", "module_at"]
 
 _LAZY_SOURCE = "_kasoku_lazy_source"  # on a meta-device module: the folder its weights are in
 _LOADED_LAZILY = "_kasoku_loaded_lazily"  # on a real module kasoku loaded in place of a meta one
@@ -63,24 +63,80 @@ def _source(model: Any) -> str:
     )
 
 
-def load_pipeline(model: Any, *, torch_dtype: torch.dtype = torch.float32, lazy: bool = False):
+def load_pipeline(model: Any, *, torch_dtype: torch.dtype = torch.float32, lazy: bool = False, controlnet=None):
     """A diffusers pipeline from a folder, a hub id (when online) or a live pipeline.
 
     With `lazy` (folders only), the torch models are built on the meta device; :func:`real_module`
-    loads one when its weights are needed."""
+    loads one when its weights are needed. `controlnet` (ControlNet folders or models, one or a list,
+    see :func:`load_controlnets`) makes it the family's ControlNet pipeline of the same task."""
     from diffusers import DiffusionPipeline
 
     if isinstance(model, DiffusionPipeline):
-        family_of(model)  # an unsupported pipeline class fails here, naming the supported ones
-        return model
-    source = _source(model)
-    empty = _meta_models(Path(source)) if lazy and Path(source).is_dir() else {}
-    pipe = DiffusionPipeline.from_pretrained(
-        source, dtype=torch_dtype, use_safetensors=True, safety_checker=None, **empty
-    )
-    family_of(pipe)
-    pipe.set_progress_bar_config(disable=True)
+        pipe = model
+    else:
+        source = _source(model)
+        empty = _meta_models(Path(source)) if lazy and Path(source).is_dir() else {}
+        pipe = DiffusionPipeline.from_pretrained(
+            source, dtype=torch_dtype, use_safetensors=True, safety_checker=None, **empty
+        )
+        pipe.set_progress_bar_config(disable=True)
+    family = family_of(pipe)  # an unsupported pipeline class fails here, naming the supported ones
+    if controlnet is not None:
+        pipe = family.with_controlnet(pipe, load_controlnets(controlnet, lazy=lazy))
     return pipe
+
+
+def _is_controlnet(value: Any) -> bool:
+    from diffusers import ControlNetModel, MultiControlNetModel
+
+    return isinstance(value, (ControlNetModel, MultiControlNetModel))
+
+
+def load_controlnets(controlnet: Any, *, lazy: bool = False):
+    """ControlNet models from folders (or live models): one, or a list for several (diffusers' MultiControlNet).
+
+    With `lazy`, a folder's model is built on the meta device and loaded when its weights are needed."""
+    if isinstance(controlnet, (list, tuple)):
+        if not controlnet:
+            raise NotADiffusersPipeline("`controlnet` is an empty list; give one ControlNet or several.")
+        if len(controlnet) == 1:
+            return load_controlnets(controlnet[0], lazy=lazy)
+        return [load_controlnets(one, lazy=lazy) for one in controlnet]
+    if _is_controlnet(controlnet):
+        return controlnet
+    if not isinstance(controlnet, (str, Path)):
+        raise NotADiffusersPipeline(f"`controlnet` must be a ControlNet folder or a diffusers ControlNetModel (or a "
+                                    f"list of them) but is a {type(controlnet).__name__}.")
+    folder = Path(controlnet).expanduser()
+    if not folder.exists() and _looks_like_hub_id(str(controlnet)) and not _hub_offline():
+        from diffusers import ControlNetModel
+
+        return ControlNetModel.from_pretrained(str(controlnet), torch_dtype=torch.float32).eval()
+    return _controlnet_from_folder(folder, lazy)
+
+
+def _controlnet_from_folder(folder: Path, lazy: bool):
+    from diffusers import ControlNetModel
+
+    if not folder.exists():
+        raise ModelNotFound(f"the ControlNet folder {folder} does not exist"
+                            + (" (and HF_HUB_OFFLINE is set, so it is not downloaded)." if _hub_offline() else "."))
+    if not (folder / "config.json").is_file():
+        raise ModelNotFound(f"{folder} is not a ControlNet folder (it has no config.json); give a folder a diffusers "
+                            "ControlNetModel was saved to (`controlnet.save_pretrained(DIR)`, or `kasoku tiny DIR "
+                            "--controlnet` writes one in DIR/controlnet).")
+    class_name = ControlNetModel.load_config(folder).get("_class_name")
+    if class_name != ControlNetModel.__name__:
+        raise NotADiffusersPipeline(f"{folder} holds a {class_name!r}, not a ControlNetModel; kasoku runs the "
+                                    "Stable Diffusion ControlNets diffusers loads as ControlNetModel.")
+    if not lazy:
+        return ControlNetModel.from_pretrained(folder, use_safetensors=True, torch_dtype=torch.float32).eval()
+    from accelerate import init_empty_weights
+
+    with init_empty_weights():
+        module = ControlNetModel.from_config(ControlNetModel.load_config(folder))
+    setattr(module, _LAZY_SOURCE, folder)
+    return module.eval()
 
 
 def _model_classes(folder: Path) -> dict[str, type]:
@@ -120,10 +176,27 @@ def lazy_source(module: Any) -> Path | None:
     return getattr(module, _LAZY_SOURCE, None)
 
 
+def module_at(pipe, path: str):
+    """The module at a dotted attribute path of `pipe`: "unet", or "controlnet.nets.1" (the second
+    ControlNet of a MultiControlNetModel); None where there is none."""
+    module = pipe
+    for part in path.split("."):
+        module = getattr(module, part, None)
+    return module
+
+
+def _put_module(pipe, path: str, module: torch.nn.Module) -> None:
+    parent, _, name = path.rpartition(".")
+    if parent:
+        setattr(module_at(pipe, parent), name, module)
+    else:
+        pipe.register_modules(**{name: module})
+
+
 def real_module(pipe, attribute: str) -> torch.nn.Module:
-    """`pipe.<attribute>` with its weights: loaded from its folder (and put on `pipe`) when it is
-    still a meta-device stand-in."""
-    module = getattr(pipe, attribute)
+    """The module at `attribute` (a dotted path, see :func:`module_at`) with its weights: loaded from
+    its folder (and put on `pipe`) when it is still a meta-device stand-in."""
+    module = module_at(pipe, attribute)
     source = lazy_source(module)
     if source is None:
         return module
@@ -131,14 +204,14 @@ def real_module(pipe, attribute: str) -> torch.nn.Module:
     dtype_argument = "torch_dtype" if cls.__module__.startswith("diffusers") else "dtype"
     real = cls.from_pretrained(source, use_safetensors=True, **{dtype_argument: torch.float32}).eval()
     setattr(real, _LOADED_LAZILY, source)
-    pipe.register_modules(**{attribute: real})
+    _put_module(pipe, attribute, real)
     return real
 
 
 def release_module(pipe, attribute: str) -> None:
     """Drop the weights of a module kasoku loaded lazily (once its engines are built), keeping a
     meta-device stand-in that can load them again. A module given to kasoku is left alone."""
-    module = getattr(pipe, attribute, None)
+    module = module_at(pipe, attribute)
     source = getattr(module, _LOADED_LAZILY, None)
     if source is None:
         return
@@ -149,4 +222,4 @@ def release_module(pipe, attribute: str) -> None:
         empty = type(module).from_config(module.config) if isinstance(module, ModelMixin) else \
             type(module)(module.config)
     setattr(empty, _LAZY_SOURCE, source)
-    pipe.register_modules(**{attribute: empty.eval()})
+    _put_module(pipe, attribute, empty.eval())

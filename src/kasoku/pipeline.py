@@ -50,6 +50,42 @@ def _is_count(value: Any) -> bool:
     return isinstance(value, numbers.Integral) and not isinstance(value, bool)
 
 
+def _image_count(image) -> int:
+    """How many images: a list's length, a 4-D array's or tensor's first dimension, else one."""
+    if isinstance(image, (list, tuple)):
+        return len(image)
+    shape = getattr(image, "shape", None)
+    return int(shape[0]) if shape is not None and len(shape) == 4 else 1
+
+
+def _as_list(value) -> list:
+    return list(value) if isinstance(value, (list, tuple)) else [value]
+
+
+def _is_finite(value: Any) -> bool:
+    return isinstance(value, numbers.Real) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def check_control_images(per_net: list, prompts: int, height: int, width: int) -> None:
+    """Each ControlNet's control images: one, or one per prompt, each of the generated image's size
+    (diffusers would resize them, distorting a pose or an edge map drawn for another size)."""
+    for index, images in enumerate(per_net):
+        which = f" of ControlNet {index + 1}" if len(per_net) > 1 else ""
+        count = _image_count(images)
+        if count not in (1, prompts):
+            raise InvalidInput(f"`control_image`{which} must be one image or one per prompt ({prompts}) but is "
+                               f"{count} images.")
+        for one in (_as_list(images) if isinstance(images, (list, tuple)) else [images]):
+            if _image_size(one) != (height, width):
+                got = "x".join(map(str, _image_size(one)))
+                raise InvalidInput(f"`control_image`{which} is {got} (height x width) but the image is "
+                                   f"{height}x{width}; give control images of the generated image's size.")
+
+
+# diffusers' ControlNet call arguments (a pipeline without ControlNet refuses them).
+CONTROL_ARGUMENTS = ("controlnet_conditioning_scale", "guess_mode", "control_guidance_start", "control_guidance_end")
+
+
 class KasokuPipeline:
     """Stable Diffusion 1.x / 2.x / XL txt2img, img2img and inpaint on compiled engines.
 
@@ -57,11 +93,17 @@ class KasokuPipeline:
     ``pipe(prompt, image=..., mask_image=...)`` inpainting (9-channel inpainting U-Nets, and
     4-channel ones through diffusers' latent mask blending). Every other argument is diffusers'
     (for SDXL: prompt_2, negative_prompt_2, original_size, target_size, crops_coords_top_left, ...).
+
+    Compiled with ControlNets (`controlnet=`), every task runs the family's ControlNet pipeline and takes
+    ``control_image=`` (one image, or one per ControlNet) whatever the task, with diffusers'
+    controlnet_conditioning_scale (a number, or one per ControlNet), guess_mode and
+    control_guidance_start / control_guidance_end.
     """
 
     def __init__(self, diffusers_pipe, engines: dict[str, Engine], profile: ShapeProfile,
                  report: CompileReport | None = None):
         self.family = family_of(diffusers_pipe)
+        self.controlnets = len(self.family.controlnet_paths(diffusers_pipe))  # how many ControlNets steer it
         self.profile = profile
         self.engines = engines
         self.compile_report = report
@@ -73,15 +115,17 @@ class KasokuPipeline:
     # ---- construction --------------------------------------------------------------------------
 
     @classmethod
-    def from_pretrained(cls, path_or_id, backend: str | None = None, *, options: CompileOptions | None = None,
-                        on_stage=None, **fields) -> KasokuPipeline:
+    def from_pretrained(cls, path_or_id, backend: str | None = None, *, controlnet=None,
+                        options: CompileOptions | None = None, on_stage=None, **fields) -> KasokuPipeline:
         """Load a diffusers folder (or hub id when online) and compile it (from the cache when built).
 
-        The torch weights are read only for components whose engines are not in the cache yet."""
+        `controlnet`: ControlNet folders or models (one, or a list for several), run with the family's
+        ControlNet pipelines. The torch weights are read only for components whose engines are not in the
+        cache yet."""
         from .loading import load_pipeline
 
-        return compile(load_pipeline(path_or_id, lazy=True), backend, options=options, on_stage=on_stage,
-                       label=str(path_or_id), **fields)
+        return compile(load_pipeline(path_or_id, lazy=True, controlnet=controlnet), backend, options=options,
+                       on_stage=on_stage, label=str(path_or_id), **fields)
 
     # ---- the diffusers surface -----------------------------------------------------------------
 
@@ -123,19 +167,35 @@ class KasokuPipeline:
             return "inpaint"
         return "img2img" if image is not None else "txt2img"
 
-    def __call__(self, prompt=None, image=None, mask_image=None, **kwargs):
-        """diffusers' call: txt2img, or img2img with `image`, or inpaint with `image` and `mask_image`."""
+    def __call__(self, prompt=None, image=None, mask_image=None, control_image=None, **kwargs):
+        """diffusers' call: txt2img, or img2img with `image`, or inpaint with `image` and `mask_image`;
+        with ControlNets, `control_image` in every task."""
         task = self.task(image, mask_image)
-        self.check_inputs(task, prompt, image, mask_image, **kwargs)
-        if task == "txt2img":
-            return self._pipes[task](prompt=prompt, **kwargs)
-        if task == "img2img":
-            return self._pipes[task](prompt=prompt, image=image, **kwargs)
-        return self._pipes[task](prompt=prompt, image=image, mask_image=mask_image, **kwargs)
+        self.check_inputs(task, prompt, image, mask_image, control_image=control_image, **kwargs)
+        if task != "txt2img":
+            kwargs["image"] = image
+        if task == "inpaint":
+            kwargs["mask_image"] = mask_image
+        if self.controlnets:
+            kwargs.update(self.family.control_arguments(task, control_image))
+            kwargs.update(self._control_scales(kwargs))
+        return self._pipes[task](prompt=prompt, **kwargs)
+
+    def _control_scales(self, kwargs) -> dict[str, Any]:
+        """controlnet_conditioning_scale as diffusers takes it: a float for one ControlNet (not an int, nor a
+        list of one), a float or a list of floats for several. Not given, it stays the pipeline's default
+        (1.0 for text-to-image, 0.8 for diffusers' ControlNet image-to-image)."""
+        scale = kwargs.get("controlnet_conditioning_scale")
+        if scale is None:
+            return {}
+        if self.controlnets == 1:
+            return {"controlnet_conditioning_scale": float(_as_list(scale)[0])}
+        return {"controlnet_conditioning_scale": [float(s) for s in scale] if isinstance(scale, (list, tuple))
+                else float(scale)}
 
     # ---- checks first --------------------------------------------------------------------------
 
-    def check_inputs(self, task: str, prompt, image, mask_image, **kwargs) -> None:
+    def check_inputs(self, task: str, prompt, image, mask_image, control_image=None, **kwargs) -> None:
         """Everything an engine cannot serve, as one clear error before anything runs."""
         if isinstance(prompt, list) and not prompt:
             raise InvalidInput("`prompt` is an empty list; give at least one prompt.")
@@ -150,8 +210,11 @@ class KasokuPipeline:
                     f"`image` and `mask_image` must have the same size but are {_image_size(image)} and "
                     f"{_image_size(mask_image)} (height, width)."
                 )
-        height, width = self._output_size(task, image, kwargs.get("height"), kwargs.get("width"))
+        per_net = self._control_images_per_net(control_image, kwargs)
+        sized_by = image if task != "txt2img" else (per_net[0] if per_net else None)  # as diffusers derives it
+        height, width = self._output_size(task, sized_by, kwargs.get("height"), kwargs.get("width"))
         prompts = 1 if isinstance(prompt, str) or prompt is None else len(prompt)
+        self._check_control(per_net, prompts, height, width, kwargs)
         for name in ("prompt_2", "negative_prompt_2"):
             second = kwargs.get(name)
             count = 1 if isinstance(second, str) else len(second or ())
@@ -176,6 +239,62 @@ class KasokuPipeline:
         if task not in self.family.tasks(self._source):
             raise InvalidInput("this is an inpainting model (its U-Net also reads the mask): give `image` and "
                                "`mask_image`.")
+
+    def _control_images_per_net(self, control_image, kwargs) -> list:
+        """The control images of each ControlNet, as diffusers reads `control_image`: for one ControlNet, an
+        image or a list of images (one, or one per prompt); for several, a list with one entry per ControlNet,
+        or a list of such lists per prompt (diffusers' nested form). Empty without ControlNets."""
+        n = self.controlnets
+        if not n:
+            given = [name for name in ("control_image", *CONTROL_ARGUMENTS)
+                     if (control_image if name == "control_image" else kwargs.get(name)) is not None]
+            if given:
+                raise InvalidInput(f"`{given[0]}`: this pipeline has no ControlNet; compile one with `controlnet=` "
+                                   "(kasoku.compile, KasokuPipeline.from_pretrained) or --controlnet.")
+            return []
+        wanted = "an image" if n == 1 else f"a list of {n} images, one per ControlNet"
+        if control_image is None:
+            raise InvalidInput(f"this pipeline runs {n} ControlNet{'s' if n > 1 else ''}: give `control_image` "
+                               f"({wanted}).")
+        if n == 1:
+            return [control_image]
+        if not isinstance(control_image, (list, tuple)):
+            raise InvalidInput(f"`control_image` must be {wanted} for the {n} ControlNets but is one image.")
+        if any(isinstance(entry, (list, tuple)) for entry in control_image):
+            counts = sorted({len(_as_list(entry)) for entry in control_image})
+            if counts != [n]:
+                raise InvalidInput(f"`control_image` as a list per prompt must give {n} images in each (one per "
+                                   f"ControlNet) but gives {', '.join(map(str, counts))}.")
+            return [list(per_net) for per_net in zip(*control_image)]
+        if len(control_image) != n:
+            raise InvalidInput(f"`control_image` must be {wanted} but has {len(control_image)}.")
+        return list(control_image)
+
+    def _check_control(self, per_net: list, prompts: int, height: int, width: int, kwargs) -> None:
+        """Control images as :func:`check_control_images` says; a scale and a guidance window per ControlNet,
+        or one for all."""
+        n = self.controlnets
+        if not n:
+            return
+        check_control_images(per_net, prompts, height, width)
+        for name, default in (("controlnet_conditioning_scale", 1.0), ("control_guidance_start", 0.0),
+                              ("control_guidance_end", 1.0)):
+            value = kwargs.get(name, default)
+            values = _as_list(value)
+            if isinstance(value, (list, tuple)) and len(values) != n:
+                raise InvalidInput(f"`{name}` gives {len(values)} values for {n} ControlNet{'s' if n > 1 else ''}; "
+                                   f"give one number for all, or a list of {n}.")
+            if not all(_is_finite(v) for v in values):
+                raise InvalidInput(f"`{name}` must be a finite number or a list of them but is {value!r}.")
+        starts = _as_list(kwargs.get("control_guidance_start", 0.0))
+        ends = _as_list(kwargs.get("control_guidance_end", 1.0))
+        for start, end in zip(starts * (n if len(starts) == 1 else 1), ends * (n if len(ends) == 1 else 1)):
+            if not 0.0 <= start < end <= 1.0:
+                raise InvalidInput(f"`control_guidance_start` and `control_guidance_end` must satisfy 0 <= start < "
+                                   f"end <= 1 but are {start} and {end}.")
+        guess_mode = kwargs.get("guess_mode", False)
+        if not isinstance(guess_mode, bool):
+            raise InvalidInput(f"`guess_mode` must be True or False but is {guess_mode!r}.")
 
     def _check_steps(self, task: str, kwargs) -> None:
         steps = kwargs.get("num_inference_steps", 50)
@@ -205,7 +324,8 @@ class KasokuPipeline:
                 raise InvalidInput(f"`{name}` must be a positive int but is {value!r}.")
         if image is not None and (height is None or width is None):
             image_height, image_width = _image_size(image)
-            if task == "img2img":  # diffusers keeps the image's size (rounded down to multiples of 8)
+            if task != "inpaint":  # img2img's image, txt2img's control image: diffusers keeps its size rounded
+                # down to multiples of 8
                 height = height or image_height // 8 * 8
                 width = width or image_width // 8 * 8
             else:
@@ -232,18 +352,24 @@ def compile(
     pipe,
     backend: str | dict | None = None,
     *,
+    controlnet=None,
     options: CompileOptions | None = None,
     on_stage=None,
     label: str | None = None,
     cache=None,
     **fields: Any,
 ) -> KasokuPipeline:
-    """A live diffusers Stable Diffusion 1.x / 2.x / XL pipeline in (txt2img, img2img or inpaint,
-    also one with xFormers attention processors), an accelerated KasokuPipeline out.
+    """A live diffusers Stable Diffusion 1.x / 2.x / XL pipeline in (txt2img, img2img or inpaint, with or
+    without ControlNets, also one with xFormers attention processors), an accelerated KasokuPipeline out.
 
+    `controlnet` (ControlNet folders or models, one or a list) adds ControlNets to a pipeline without them.
     `options` is a :class:`CompileOptions`; its fields may also be given as keywords (backend,
     precision, profile, components, cache_dir, threads, ...)."""
     family_of(pipe)  # an unsupported pipeline fails here, naming the supported ones
+    if controlnet is not None:
+        from .loading import load_pipeline
+
+        pipe = load_pipeline(pipe, controlnet=controlnet)
     options = CompileOptions.of(options, backend=backend, **fields)
     if options.profile is None:
         options = options.replace(profile=default_profile(pipe))

@@ -101,6 +101,8 @@ class TinySizes:
     text_hidden_2: int = 48
     text_projection_2: int = 40
     time_ids_embed_dim: int = 8
+    # ControlNet: the conditioning image's embedding, one level per halving down to the 8x latent.
+    controlnet_embedding: tuple[int, ...] = (8, 8, 16, 16)
 
 
 TINY_SIZES = TinySizes()
@@ -169,6 +171,28 @@ def tiny_vae(sizes: TinySizes = TINY_SIZES, **config):
     )
 
 
+def random_controlnet(unet, conditioning_channels: tuple[int, ...] = (16, 32, 96, 256)):
+    """A ControlNet for `unet` (diffusers' ControlNetModel.from_unet layout; its default conditioning
+    embedding is SD 1.5's ControlNets') with random weights everywhere.
+
+    A trained ControlNet starts with its output convolutions at zero (diffusers' zero_module), which makes
+    every residual zero; here they get the usual random initialisation, so that the control image changes
+    the image and a test of it can fail."""
+    from diffusers import ControlNetModel
+
+    controlnet = ControlNetModel.from_unet(unet, conditioning_embedding_out_channels=conditioning_channels,
+                                           load_weights_from_unet=False)
+    for layer in (controlnet.controlnet_cond_embedding.conv_out, *controlnet.controlnet_down_blocks,
+                  controlnet.controlnet_mid_block):
+        layer.reset_parameters()
+    return controlnet.eval()
+
+
+def tiny_controlnet(unet, sizes: TinySizes = TINY_SIZES):
+    """A tiny ControlNet for a tiny U-Net (see :func:`random_controlnet`)."""
+    return random_controlnet(unet, sizes.controlnet_embedding)
+
+
 def family_names() -> tuple[str, ...]:
     from .families import FAMILIES
 
@@ -204,10 +228,26 @@ def check_tiny_folder(directory: str | Path) -> Path:
     return directory
 
 
+CONTROLNET_FOLDER = "controlnet"  # where `kasoku tiny DIR --controlnet` writes the ControlNet, in DIR
+
+
 def write_tiny_pipeline(directory: str | Path, *, family: str = "sd1", inpainting: bool = False,
-                        prediction: str = "epsilon", seed: int = 0) -> Path:
-    """Write a tiny pipeline as a diffusers folder (safetensors weights, no safety checker)."""
+                        prediction: str = "epsilon", seed: int = 0, controlnet: bool = False) -> Path:
+    """Write a tiny pipeline as a diffusers folder (safetensors weights, no safety checker); with
+    `controlnet`, a tiny ControlNet for it in DIR/controlnet (a ControlNetModel folder, which the
+    pipeline's own loading ignores: give it as `controlnet=` or `--controlnet`)."""
     directory = check_tiny_folder(directory)
     pipe = tiny_pipeline(family=family, inpainting=inpainting, prediction=prediction, seed=seed)
     pipe.save_pretrained(directory, safe_serialization=True)
+    if controlnet:
+        write_tiny_controlnet(directory / CONTROLNET_FOLDER, family=family, seed=seed)
     return directory
+
+
+def write_tiny_controlnet(directory: str | Path, *, family: str = "sd1", seed: int = 0) -> Path:
+    """Write a tiny ControlNet for the tiny `family` pipeline as a diffusers ControlNetModel folder."""
+    from .families import FAMILIES
+
+    _check_choice("family", family, family_names())
+    FAMILIES[family].tiny_controlnet(seed=seed).save_pretrained(directory, safe_serialization=True)
+    return Path(directory)

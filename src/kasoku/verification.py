@@ -74,19 +74,21 @@ def verify(
     model,
     backend: str | None = None,
     *,
+    controlnet=None,
     options: CompileOptions | None = None,
     image: bool = True,
     on_stage=None,
     **fields,
 ) -> VerifyReport:
     """Compare every engine with torch at three shapes, and an image with diffusers; check the full
-    checksums of the engines' cache entries. `options` (or its fields as keywords) as for compile."""
+    checksums of the engines' cache entries. `controlnet` (ControlNet folders or models) verifies the
+    ControlNet pipeline. `options` (or its fields as keywords) as for compile."""
     from .cache import Cache
     from .loading import load_pipeline, model_label
     from .pipeline import KasokuPipeline, compile
 
     options = CompileOptions.of(options, backend=backend, **fields).replace(check_parity=False)
-    reference = load_pipeline(model)
+    reference = load_pipeline(model, controlnet=controlnet)
     label = model_label(model)
     kwargs = {"on_stage": on_stage} if on_stage else {}
     compared_with_fp32 = image and options.precision != Precision.FP32
@@ -122,22 +124,24 @@ def image_parity(reference, pipe, precision: Precision, options: CompileOptions 
     tolerance = TOLERANCES[precision]
     family = family_of(reference)
     task = family.tasks(reference)[0]
-    extra = _inpaint_inputs(pipe.profile.opt) if task == "inpaint" else {}
+    shape = pipe.profile.opt
+    extra = task_inputs(reference, task, shape)
     if tolerance.image_reference == "diffusers":
         expected_pipe, prompts = family.task_pipeline(reference, task), (VERIFY_PROMPT,)
+        expected_extra = diffusers_inputs(reference, task, extra)
     else:
         kwargs = {"on_stage": on_stage} if on_stage else {}
         fp32 = (options or CompileOptions()).replace(precision=Precision.FP32, profile=pipe.profile)
         expected_pipe, prompts = compile(reference, options=fp32, **kwargs), FIDELITY_PROMPTS
-    shape = pipe.profile.opt
+        expected_extra = extra
 
-    def run(p, prompt):
+    def run(p, prompt, inputs):
         return p(prompt, num_inference_steps=tolerance.image_steps, height=shape.height, width=shape.width,
-                 generator=torch.Generator().manual_seed(VERIFY_SEED), output_type="np", **extra).images
+                 generator=torch.Generator().manual_seed(VERIFY_SEED), output_type="np", **inputs).images
 
     rows = []
     for prompt in prompts:
-        expected, actual = run(expected_pipe, prompt), run(pipe, prompt)
+        expected, actual = run(expected_pipe, prompt, expected_extra), run(pipe, prompt, extra)
         rows.append({"prompt": prompt, "psnr_db": float(psnr(expected, actual)), "ssim": ssim(expected, actual),
                      "max_abs": float(np.abs(np.nan_to_num(actual) - expected).max()),
                      "nan": int(np.isnan(actual).sum())})
@@ -156,16 +160,40 @@ def _image_precision(pipe) -> Precision:
     return max((Precision(p) for p in pipe.compile_report.precisions.values()), key=order.index)
 
 
+def _random_image(shape: ImageShape, seed: int):
+    from PIL import Image
+
+    rng = np.random.default_rng(seed)
+    return Image.fromarray(rng.integers(0, 255, (shape.height, shape.width, 3), dtype=np.uint8))
+
+
 def _inpaint_inputs(shape: ImageShape) -> dict:
     """An inpainting model inpaints a square of a random image."""
     from PIL import Image
 
     size = shape.height, shape.width
-    rng = np.random.default_rng(VERIFY_SEED)
-    image = Image.fromarray(rng.integers(0, 255, (*size, 3), dtype=np.uint8))
     mask = np.zeros(size, dtype=np.uint8)
     mask[size[0] // 4: 3 * size[0] // 4, size[1] // 4: 3 * size[1] // 4] = 255
-    return {"image": image, "mask_image": Image.fromarray(mask)}
+    return {"image": _random_image(shape, VERIFY_SEED), "mask_image": Image.fromarray(mask)}
+
+
+def task_inputs(pipe, task: str, shape: ImageShape) -> dict:
+    """The images a call of `task` takes besides the prompt, as KasokuPipeline takes them: inpainting's
+    image and mask, and a random control image per ControlNet where the pipeline has ControlNets."""
+    inputs = _inpaint_inputs(shape) if task == "inpaint" else {}
+    controlnets = len(family_of(pipe).controlnet_paths(pipe))
+    if controlnets:
+        images = [_random_image(shape, VERIFY_SEED + 1 + i) for i in range(controlnets)]
+        inputs["control_image"] = images[0] if controlnets == 1 else images
+    return inputs
+
+
+def diffusers_inputs(pipe, task: str, inputs: dict) -> dict:
+    """`inputs` of :func:`task_inputs` as the family's diffusers pipeline of `task` takes them."""
+    inputs = dict(inputs)
+    if "control_image" in inputs:
+        inputs.update(family_of(pipe).control_arguments(task, inputs.pop("control_image")))
+    return inputs
 
 
 def _bound(c: OutputParity) -> str:

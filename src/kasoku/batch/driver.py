@@ -28,37 +28,42 @@ class BatchPlan:
     reference: Any = field(default=None, repr=False)  # the loaded diffusers pipeline (this process only)
 
 
-def _portable_model(model) -> str:
+def _portable_model(model, what: str = "model") -> str:
     """A model folder as an absolute path (Ray workers do not share our working directory)."""
     if isinstance(model, (str, Path)) and Path(model).expanduser().exists():
         return str(Path(model).expanduser().absolute())
     if not isinstance(model, (str, Path)):
-        raise KasokuError("kasoku batch takes a model folder or hub id (workers load it themselves), "
+        raise KasokuError(f"kasoku batch takes a {what} folder or hub id (workers load it themselves), "
                           f"not a {type(model).__name__}.")
     return str(model)
 
 
 def prepare(model, jobs: list[Job], out_dir: str | Path, *, batch_size: int = DEFAULT_BATCH_SIZE,
-            options: CompileOptions | None = None, height: tuple[int, ...] | None = None,
-            width: tuple[int, ...] | None = None, **fields) -> BatchPlan:
-    """Every check before any work: the jobs against the profile the engines will serve, then the
-    output folder (created last, so a bad job writes nothing). Reads the model's configs, not its
-    weights nor the engines."""
+            controlnet: list[str | Path] | None = None, options: CompileOptions | None = None,
+            height: tuple[int, ...] | None = None, width: tuple[int, ...] | None = None, **fields) -> BatchPlan:
+    """Every check before any work: the jobs (and their control images, with `controlnet` folders) against
+    the profile the engines will serve, then the output folder (created last, so a bad job writes nothing).
+    Reads the model's configs, not its weights nor the engines."""
     from ..cache import default_cache_dir
     from ..components import native_size
-    from ..loading import load_pipeline
+    from ..families import family_of
     from ..schedulers import most_steps
 
     options = CompileOptions.of(options, **fields)
     model = _portable_model(model)
-    reference = load_pipeline(model, lazy=True)
+    controlnets = tuple(_portable_model(c, "ControlNet") for c in
+                        (controlnet if isinstance(controlnet, (list, tuple)) else [controlnet] if controlnet else []))
+    recipe = PipelineRecipe(model=model, options=options, controlnets=controlnets)
+    reference = recipe.reference()
     native = native_size(reference)
     jobs = with_native_size(jobs, native, native)
     profile = batch_profile(reference, batch_size, height, width, jobs)
-    check_jobs(jobs, profile, batch_size, max_steps=most_steps(reference.scheduler))
+    check_jobs(jobs, profile, batch_size, max_steps=most_steps(reference.scheduler),
+               controlnets=len(family_of(reference).controlnet_paths(reference)))
     out = check_output_dir(out_dir)
     cache = (options.cache_dir or default_cache_dir()).absolute()
-    recipe = PipelineRecipe(model=model, options=options.replace(cache_dir=cache, profile=profile))
+    recipe = PipelineRecipe(model=model, options=options.replace(cache_dir=cache, profile=profile),
+                            controlnets=controlnets)
     return BatchPlan(jobs=jobs, out_dir=out, recipe=recipe, batch_size=batch_size, reference=reference)
 
 

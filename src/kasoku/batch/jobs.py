@@ -14,7 +14,10 @@ from typing import Any, Protocol, TypeVar
 from ..components import ImageShape, ShapeOutOfProfile, ShapeProfile
 from ..errors import KasokuError
 
-JOB_FIELDS = ("id", "prompt", "negative_prompt", "seed", "steps", "guidance", "height", "width")
+JOB_FIELDS = ("id", "prompt", "negative_prompt", "seed", "steps", "guidance", "height", "width", "control_image",
+              "control_scale")
+# ControlNet fields: in a job's key only when given, so that the keys of jobs without them stay what they were.
+CONTROL_FIELDS = ("control_image", "control_scale")
 DEFAULT_STEPS = 30
 DEFAULT_GUIDANCE = 7.5
 DEFAULT_BATCH_SIZE = 4
@@ -45,6 +48,8 @@ class Job:
     guidance: float = DEFAULT_GUIDANCE
     height: int | None = None  # None: the model's native size (`prepare` fills it in)
     width: int | None = None
+    control_image: tuple[str, ...] = ()  # one image file per ControlNet (absolute paths)
+    control_scale: float | tuple[float, ...] | None = None  # one for all ControlNets, or one each; None: diffusers'
     source: str = field(default="", compare=False)  # "prompts.jsonl:3", for messages
 
     @property
@@ -54,12 +59,14 @@ class Job:
     @property
     def key(self) -> str:
         """A digest of everything that changes the image: a result line only counts for this job."""
-        parts = {name: getattr(self, name) for name in JOB_FIELDS}
+        parts = {name: getattr(self, name) for name in JOB_FIELDS
+                 if name not in CONTROL_FIELDS or getattr(self, name) not in ((), None)}
         return hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()[:16]
 
     @property
     def call_key(self) -> tuple:
-        return call_key(self.height, self.width, self.steps, self.guidance, self.negative_prompt is not None)
+        return call_key(self.height, self.width, self.steps, self.guidance, self.negative_prompt is not None,
+                        control_scale=self.control_scale)
 
 
 # ---- which jobs share an engine call, and the call they share ----------------------------------
@@ -67,11 +74,12 @@ class Job:
 
 
 def call_key(height: int | None, width: int | None, steps: int, guidance: float, negative: bool, *,
-             task: str = "txt2img", strength: float | None = None) -> tuple:
+             task: str = "txt2img", strength: float | None = None,
+             control_scale: float | tuple[float, ...] | None = None) -> tuple:
     """Jobs with equal call keys can share one pipeline call: one task, size, steps and guidance (and
-    strength for img2img and inpaint), and negative prompts for all or for none (SDXL encodes a
-    missing one as zeros, not as "")."""
-    return (task, height, width, steps, guidance, negative, strength)
+    strength for img2img and inpaint, the control scale with ControlNets), and negative prompts for all
+    or for none (SDXL encodes a missing one as zeros, not as "")."""
+    return (task, height, width, steps, guidance, negative, strength, control_scale)
 
 
 def call_arguments(jobs: Sequence) -> dict[str, Any]:
@@ -111,8 +119,46 @@ def _field(record: dict, name: str, check: Callable[[Any], bool], rule: str, def
     return value
 
 
-def parse_job(line: str, number: int, source: str) -> Job:
-    """One JSONL line → a Job; seed and id default to the line number, so a re-run is the same run."""
+def _is_number(value: Any) -> bool:
+    return (_is_int(value) or isinstance(value, float)) and math.isfinite(value)
+
+
+def _control_images(value: Any, folder: Path) -> tuple[str, ...]:
+    """`control_image`: a file or a list of files (one per ControlNet), relative to the prompts file's
+    folder; each must be an image PIL can read."""
+    from PIL import Image, UnidentifiedImageError
+
+    paths = value if isinstance(value, list) else [value]
+    if not paths or not all(isinstance(p, str) and p for p in paths):
+        raise _LineError(f"`control_image` must be an image file or a list of them (one per ControlNet) but is "
+                         f"{json.dumps(value)}.")
+    resolved = []
+    for path in paths:
+        file = (folder / Path(path).expanduser()).absolute()
+        try:
+            with Image.open(file):  # reads the header only
+                pass
+        except (FileNotFoundError, IsADirectoryError):
+            raise _LineError(f"`control_image` {path} does not exist (paths are relative to the prompts file's "
+                             "folder).") from None
+        except UnidentifiedImageError:
+            raise _LineError(f"`control_image` {path} is not an image PIL can read.") from None
+        resolved.append(str(file))
+    return tuple(resolved)
+
+
+def _control_scale(value: Any) -> float | tuple[float, ...]:
+    if _is_number(value):
+        return float(value)
+    if isinstance(value, list) and value and all(_is_number(v) for v in value):
+        return tuple(float(v) for v in value)
+    raise _LineError(f"`control_scale` must be a number or a list of numbers (one per ControlNet) but is "
+                     f"{json.dumps(value)}.")
+
+
+def parse_job(line: str, number: int, source: str, folder: Path = Path(".")) -> Job:
+    """One JSONL line → a Job; seed and id default to the line number, so a re-run is the same run.
+    `folder` is where a relative `control_image` path starts (the prompts file's folder)."""
     try:
         record = json.loads(line)
     except json.JSONDecodeError as error:
@@ -138,10 +184,11 @@ def parse_job(line: str, number: int, source: str) -> Job:
         seed=_field(record, "seed", lambda v: _is_int(v) and 0 <= v <= MAX_SEED,
                     f"an integer in 0..{MAX_SEED}", number),
         steps=_field(record, "steps", lambda v: _is_int(v) and v >= 1, "an integer >= 1", DEFAULT_STEPS),
-        guidance=float(_field(record, "guidance", lambda v: (_is_int(v) or isinstance(v, float)) and math.isfinite(v),
-                              "a number", DEFAULT_GUIDANCE)),
+        guidance=float(_field(record, "guidance", _is_number, "a number", DEFAULT_GUIDANCE)),
         height=_field(record, "height", _is_size, "a positive integer (pixels)", None),
         width=_field(record, "width", _is_size, "a positive integer (pixels)", None),
+        control_image=_control_images(record["control_image"], folder) if "control_image" in record else (),
+        control_scale=_control_scale(record["control_scale"]) if "control_scale" in record else None,
         source=source,
     )
 
@@ -175,7 +222,7 @@ def read_jobs(path: str | Path) -> list[Job]:
             continue
         source = f"{path}:{number}"
         try:
-            job = parse_job(line, number, source)
+            job = parse_job(line, number, source, path.parent)
         except _LineError as error:
             errors.append(f"{source}: {error}")
             continue
@@ -197,8 +244,33 @@ def with_native_size(jobs: list[Job], height: int, width: int) -> list[Job]:
     return [replace(job, height=job.height or height, width=job.width or width) for job in jobs]
 
 
-def check_jobs(jobs: list[Job], profile: ShapeProfile, batch_size: int, max_steps: int | None = None) -> None:
-    """Every job against what the compiled engines serve: one error listing each job that cannot run."""
+def _control_errors(job: Job, controlnets: int) -> list[str]:
+    """What is wrong with a job's control image(s) and scale for a pipeline with `controlnets` ControlNets."""
+    from PIL import Image
+
+    if not controlnets:
+        given = [name for name in CONTROL_FIELDS if getattr(job, name) not in ((), None)]
+        return [f"`{given[0]}` needs --controlnet (the ControlNet it steers)."] if given else []
+    wanted = f"{controlnets} control image{'s' if controlnets > 1 else ''}, one per ControlNet"
+    if len(job.control_image) != controlnets:
+        return [f"`control_image` must give {wanted}, but gives {len(job.control_image)}."]
+    errors = []
+    if isinstance(job.control_scale, tuple) and len(job.control_scale) != controlnets:
+        errors.append(f"`control_scale` gives {len(job.control_scale)} scales for {controlnets} ControlNet"
+                      f"{'s' if controlnets > 1 else ''}; give one number for all or a list of {controlnets}.")
+    for path in job.control_image:
+        with Image.open(path) as image:
+            width, height = image.size
+        if (height, width) != (job.height, job.width):
+            errors.append(f"`control_image` {path} is {height}x{width} (height x width) but the job's image is "
+                          f"{job.height}x{job.width}; give control images of the image's size.")
+    return errors
+
+
+def check_jobs(jobs: list[Job], profile: ShapeProfile, batch_size: int, max_steps: int | None = None,
+               controlnets: int = 0) -> None:
+    """Every job against what the compiled engines serve (and, with `controlnets` ControlNets, its control
+    images and scale): one error listing each job that cannot run."""
     if batch_size < 1:
         raise InvalidJobs(f"--batch-size must be at least 1 but is {batch_size}.")
     if batch_size > profile.max.batch:
@@ -213,6 +285,7 @@ def check_jobs(jobs: list[Job], profile: ShapeProfile, batch_size: int, max_step
         if max_steps is not None and job.steps > max_steps:
             errors.append(f"{job.source}: `steps` must be at most {max_steps} (what the model's scheduler runs) "
                           f"but is {job.steps}.")
+        errors += [f"{job.source}: {error}" for error in _control_errors(job, controlnets)]
     if errors:
         hint = " (`kasoku batch` takes the same --height/--width MIN:MAX flags)"
         raise InvalidJobs(_listing(errors, "jobs do not fit the compiled engines") + hint)

@@ -29,13 +29,19 @@ class PipelineRecipe:
 
     model: str
     options: CompileOptions
+    controlnets: tuple[str, ...] = ()  # ControlNet folders (absolute paths), in order
+
+    def reference(self):
+        """The diffusers pipeline (with its ControlNets), its models on the meta device until needed."""
+        from ..loading import load_pipeline
+
+        return load_pipeline(self.model, lazy=True, controlnet=list(self.controlnets) or None)
 
     def load(self, reference=None, on_stage: StageHook | None = None):
         """A KasokuPipeline; from the cache when the engines are built (the usual case)."""
-        from ..loading import load_pipeline
         from ..pipeline import compile
 
-        reference = reference if reference is not None else load_pipeline(self.model, lazy=True)
+        reference = reference if reference is not None else self.reference()
         options = self.options
         if options.components is None:
             options = options.replace(components=txt2img_components(reference))
@@ -116,13 +122,12 @@ class BatchWorker:
         import torch
 
         from ..console import quiet_third_party_logs
-        from ..loading import load_pipeline
 
         quiet_third_party_logs()
         imported = time.perf_counter()
         if recipe.options.threads:  # the scheduler's and latents' torch ops share the worker's CPUs
             torch.set_num_threads(recipe.options.threads)
-        reference = reference if reference is not None else load_pipeline(recipe.model, lazy=True)
+        reference = reference if reference is not None else recipe.reference()
         loaded = time.perf_counter()
         self.pipeline = recipe.load(reference, on_stage)
         self.seconds = (imported - start, loaded - imported, time.perf_counter() - loaded)
@@ -154,7 +159,8 @@ class BatchWorker:
     def _generate(self, batch: list[Job]):
         first = batch[0]
         start = time.perf_counter()
-        images = self.pipeline(**call_arguments(batch), height=first.height, width=first.width).images
+        images = self.pipeline(**call_arguments(batch), height=first.height, width=first.width,
+                               **_control_arguments(batch)).images
         return images, time.perf_counter() - start
 
     def _write_status(self, batch: list[Job]) -> None:
@@ -163,3 +169,19 @@ class BatchWorker:
         write_atomically(self.status_file, lambda f: f.write(json.dumps(status).encode()), self.tmp)
 
 
+
+
+def _control_arguments(batch: list[Job]) -> dict:
+    """The batch's control images (one per job, or per job one per ControlNet: diffusers' per-prompt
+    nested form) and its control scale (the jobs of one call share it)."""
+    from PIL import Image
+
+    first = batch[0]
+    if not first.control_image:
+        return {}
+    images = [[Image.open(path).convert("RGB") for path in job.control_image] for job in batch]
+    arguments = {"control_image": [per_job[0] for per_job in images] if len(first.control_image) == 1 else images}
+    if first.control_scale is not None:
+        scale = first.control_scale
+        arguments["controlnet_conditioning_scale"] = list(scale) if isinstance(scale, tuple) else scale
+    return arguments

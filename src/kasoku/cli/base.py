@@ -60,6 +60,15 @@ def finite_float(text: str) -> float:
     return _number(float, text, "a finite number", math.isfinite)
 
 
+def component_name(text: str) -> str:
+    """A component some family's pipeline can have (controlnet_0, controlnet_1, ... for ControlNets)."""
+    from ..families import component_names, is_component_name
+
+    if not is_component_name(text):
+        raise argparse.ArgumentTypeError(f"unknown component {text!r}; choose from {', '.join(component_names())}")
+    return text
+
+
 def size_range(text: str) -> tuple[int, ...]:
     """MIN:MAX or MIN:OPT:MAX, positive integers."""
     rule = "MIN:MAX or MIN:OPT:MAX (positive integers)"
@@ -77,6 +86,23 @@ def size_range(text: str) -> tuple[int, ...]:
 
 def add_model(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("model", help="a diffusers pipeline folder (or a hub id when online)")
+
+
+def add_controlnet(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--controlnet", action="append", type=Path, default=None, metavar="PATH",
+                        help="a ControlNet folder (a diffusers ControlNetModel; `kasoku tiny DIR --controlnet` writes "
+                             "one in DIR/controlnet); repeat for several ControlNets")
+
+
+def controlnets_from_args(args: argparse.Namespace) -> list[str] | None:
+    """The --controlnet folders, checked to be ControlNet folders (None: no ControlNet)."""
+    if not getattr(args, "controlnet", None):
+        return None
+    from ..loading import load_controlnets
+
+    folders = [str(path) for path in args.controlnet]
+    load_controlnets(folders, lazy=True)  # reads configs only: a bad folder is the first thing said
+    return folders
 
 
 def add_cache_dir(parser: argparse.ArgumentParser) -> None:
@@ -115,9 +141,8 @@ def add_engine_arguments(parser: argparse.ArgumentParser, *, profile_flags: bool
         parser.add_argument("--batch", type=size_range, metavar="MIN:MAX", help="images per call the engines serve")
         parser.add_argument("--height", type=size_range, metavar="MIN:MAX", help="image heights in pixels")
         parser.add_argument("--width", type=size_range, metavar="MIN:MAX", help="image widths in pixels")
-    names = component_names()
-    parser.add_argument("--components", nargs="+", choices=names, default=None, metavar="NAME",
-                        help=f"which of {' '.join(names)} (default: all the model has)")
+    parser.add_argument("--components", nargs="+", type=component_name, default=None, metavar="NAME",
+                        help=f"which of {' '.join(component_names())} (default: all the model has)")
     parser.add_argument("--exporter", choices=EXPORTERS, default=DEFAULT_EXPORTER, help=argparse.SUPPRESS)
     parser.add_argument("--opset", type=positive_int, default=DEFAULT_OPSET, help=argparse.SUPPRESS)
     parser.add_argument("--threads", type=positive_int, default=None,

@@ -7,9 +7,12 @@ from pathlib import Path
 
 from .base import (
     Command,
+    add_controlnet,
     add_engine_arguments,
     add_json,
     add_model,
+    component_name,
+    controlnets_from_args,
     non_negative_int,
     options_from_args,
     positive_int,
@@ -35,19 +38,24 @@ class Tiny(Command):
                        help="the scheduler's prediction type: epsilon (default; SD 2 base at 512) or v_prediction "
                             "(SD 2 at 768)")
         p.add_argument("--inpainting", action="store_true", help="the 9-input-channel inpainting U-Net variant")
+        p.add_argument("--controlnet", action="store_true",
+                       help="also write a tiny ControlNet for it in DIR/controlnet (use it with --controlnet "
+                            "DIR/controlnet)")
         p.add_argument("--seed", type=non_negative_int, default=0, help="seed of the deterministic weights (default 0)")
 
     def run(self, args: argparse.Namespace) -> int:
         from ..console import console
         from ..families import FAMILIES
-        from ..tiny import check_tiny_folder, write_tiny_pipeline
+        from ..tiny import CONTROLNET_FOLDER, check_tiny_folder, write_tiny_pipeline
 
         check_tiny_folder(args.dir)
         path = write_tiny_pipeline(args.dir, family=args.family, inpainting=args.inpainting,
-                                   prediction=args.prediction, seed=args.seed)
+                                   prediction=args.prediction, seed=args.seed, controlnet=args.controlnet)
         kind = "inpainting " if args.inpainting else ""
         console.print(f"wrote the tiny {FAMILIES[args.family].title} {kind}pipeline ({args.prediction}, "
                       f"seed {args.seed}) to {path}")
+        if args.controlnet:
+            console.print(f"wrote its tiny ControlNet to {path / CONTROLNET_FOLDER}")
         return 0
 
 
@@ -61,14 +69,14 @@ class Export(Command):
         from ..options import DEFAULT_EXPORTER, DEFAULT_OPSET, EXPORTERS
 
         add_model(p)
+        add_controlnet(p)
         p.add_argument("outdir", type=Path, help="folder for <component>/model.onnx and manifest.json")
         p.add_argument("--exporter", choices=EXPORTERS, default=DEFAULT_EXPORTER,
                        help=f"torch.onnx exporter (default {DEFAULT_EXPORTER})")
         p.add_argument("--opset", type=positive_int, default=DEFAULT_OPSET,
                        help=f"ONNX opset (default {DEFAULT_OPSET})")
-        names = component_names()
-        p.add_argument("--components", nargs="+", choices=names, default=None,
-                       metavar="NAME", help=f"which of {' '.join(names)} (default: all the model has)")
+        p.add_argument("--components", nargs="+", type=component_name, default=None,
+                       metavar="NAME", help=f"which of {' '.join(component_names())} (default: all the model has)")
         add_json(p, "the manifest")
 
     def run(self, args: argparse.Namespace) -> int:
@@ -80,7 +88,7 @@ class Export(Command):
             raise KasokuError(f"{args.outdir} is a file; give a folder for the ONNX files.")
         with stage(f"exporting {args.model} ({args.exporter}, opset {args.opset})"):
             manifest = export_pipeline(args.model, args.outdir, components=args.components, exporter=args.exporter,
-                                       opset=args.opset)
+                                       opset=args.opset, controlnet=controlnets_from_args(args))
         rows = []
         for c in manifest.components:
             worst = max(c.parity, key=lambda p: p.max_abs / p.limit)
@@ -103,6 +111,7 @@ class Compile(Command):
 
     def add_arguments(self, p: argparse.ArgumentParser) -> None:
         add_model(p)
+        add_controlnet(p)
         add_engine_arguments(p)
         add_json(p)
 
@@ -110,9 +119,11 @@ class Compile(Command):
         from ..build import compile_components
         from ..console import console, table, write_json
         from ..families import FAMILIES
+        from ..loading import load_pipeline
 
         options = options_from_args(args, profile_from_args(args))
-        _, report = compile_components(args.model, options, on_stage=show_stage)
+        model = load_pipeline(args.model, lazy=True, controlnet=controlnets_from_args(args))
+        _, report = compile_components(model, options, on_stage=show_stage, label=str(args.model))
         rows = [[s.component, s.stage, s.status, f"{s.seconds:.1f} s", s.key[:12]] for s in report.stages]
         console.print(table(f"compile {report.model} ({FAMILIES[report.family].title}, {report.precision})",
                             ["component", "stage", "cache", "time", "entry"], rows))

@@ -8,10 +8,12 @@ from pathlib import Path
 from .base import (
     Command,
     add_cache_dir,
+    add_controlnet,
     add_engine_arguments,
     add_json,
     add_model,
     check_output_file,
+    controlnets_from_args,
     options_from_args,
     positive_int,
     profile_from_args,
@@ -26,6 +28,7 @@ class Verify(Command):
 
     def add_arguments(self, p: argparse.ArgumentParser) -> None:
         add_model(p)
+        add_controlnet(p)
         add_engine_arguments(p)
         p.add_argument("--onnx", type=Path, default=None, metavar="DIR",
                        help="build the engines from these ONNX files (a `kasoku export` folder) instead of exporting")
@@ -40,7 +43,8 @@ class Verify(Command):
 
         options = options_from_args(args, profile_from_args(args)).replace(onnx_dir=args.onnx)
         with stage("verifying"):
-            report = verify(args.model, options=options, image=not args.no_image, on_stage=show_stage)
+            report = verify(args.model, controlnet=controlnets_from_args(args), options=options,
+                            image=not args.no_image, on_stage=show_stage)
         console.print(Markdown(markdown(report)))
         for line in (c.line() for c in report.components if not c.passed):
             console.print(line, markup=False)
@@ -60,6 +64,7 @@ class Bench(Command):
 
     def add_arguments(self, p: argparse.ArgumentParser) -> None:
         add_model(p)
+        add_controlnet(p)
         p.add_argument("--backends", default="onnxruntime,openvino",
                        help="comma-separated kasoku backends and peers (torch.compile, onnxruntime-defaults, "
                             "openvino-defaults); torch eager is always timed. Default: onnxruntime,openvino")
@@ -84,8 +89,9 @@ class Bench(Command):
         contenders = check_contenders([b.strip() for b in args.backends.split(",") if b.strip()])
         if args.plot:
             check_output_file(args.plot, "--plot")
+        controlnet = controlnets_from_args(args)
         with stage("benchmarking"):
-            report = bench(args.model, contenders, steps=args.steps, repeats=args.repeats,
+            report = bench(args.model, contenders, controlnet=controlnet, steps=args.steps, repeats=args.repeats,
                            profile=profile_from_args(args), components=args.components, cache_dir=args.cache_dir,
                            threads=args.threads, end_to_end=not args.components_only,
                            log=lambda message: console.log(message))

@@ -11,11 +11,13 @@ from .base import (
     Command,
     add_backend_arguments,
     add_cache_dir,
+    add_controlnet,
     add_engine_arguments,
     add_json,
     add_model,
     check_backend,
     check_output_file,
+    controlnets_from_args,
     finite_float,
     fraction,
     non_negative_int,
@@ -28,7 +30,8 @@ from .base import (
 
 
 class Generate(Command):
-    """Generate images (txt2img, img2img with --image, inpaint with --image and --mask)."""
+    """Generate images (txt2img, img2img with --image, inpaint with --image and --mask), steered by ControlNets
+    with --controlnet and --control-image."""
 
     name = "generate"
 
@@ -58,6 +61,15 @@ class Generate(Command):
         p.add_argument("--mask", type=Path, help="inpaint: white where to paint")
         p.add_argument("--scheduler", choices=list(SCHEDULERS), default=None,
                        help="swap the model's scheduler (default: keep it)")
+        add_controlnet(p)
+        p.add_argument("--control-image", action="append", type=Path, default=None, metavar="IMG",
+                       help="the control image of a --controlnet (one per --controlnet, in the same order), of the "
+                            "generated image's size")
+        p.add_argument("--control-scale", action="append", type=finite_float, default=None, metavar="S",
+                       help="controlnet_conditioning_scale: one for every ControlNet, or one per --controlnet "
+                            "(default: diffusers', 1.0; 0.8 for img2img)")
+        p.add_argument("--guess-mode", action="store_true",
+                       help="ControlNet guess mode: the ControlNet sees the conditional half of the batch only")
         add_engine_arguments(p, profile_flags=False)
 
     def run(self, args: argparse.Namespace) -> int:
@@ -73,16 +85,23 @@ class Generate(Command):
         mask = open_image(args.mask, "--mask").convert("L") if args.mask else None
         if mask is not None and image is None:
             raise KasokuError("--mask needs --image (the picture to inpaint).")
+        controls = _control_images(args)
         # the profile (and with it --cuda-graph, which needs an exact one) is chosen below, for this call
         options = options_from_args(args, cuda_graph=False)
         if args.cuda_graph:
             check_backend(options, cuda_graph=True)
 
         start = time.perf_counter()
-        reference = load_pipeline(args.model, lazy=True)  # configs only: weights load only for what must be built
+        # configs only: weights load only for what must be built
+        reference = load_pipeline(args.model, lazy=True, controlnet=controlnets_from_args(args))
         native = native_size(reference)
         check_size(args.height or native, args.width or native)  # before a compile that could take minutes
-        options = options.replace(profile=_profile_for(args, image, reference, options), cuda_graph=args.cuda_graph)
+        shape = _call_shape(args, image or (controls[0] if controls else None), reference)
+        if controls:
+            from ..pipeline import check_control_images
+
+            check_control_images(controls, 1, shape.height, shape.width)
+        options = options.replace(profile=_profile_for(args, shape, reference, options), cuda_graph=args.cuda_graph)
         pipe = compile(reference, options=options, on_stage=show_stage, label=str(args.model))
         load_seconds = time.perf_counter() - start
         if args.scheduler:
@@ -95,6 +114,11 @@ class Generate(Command):
             kwargs.update(image=image, strength=args.strength)
         if mask is not None:
             kwargs["mask_image"] = mask
+        if controls:
+            kwargs.update(control_image=controls[0] if len(controls) == 1 else controls, guess_mode=args.guess_mode)
+            if args.control_scale:
+                kwargs["controlnet_conditioning_scale"] = args.control_scale[0] if len(args.control_scale) == 1 \
+                    else args.control_scale
         pipe.times.reset()
         with steps_bar() as bar:
             task = bar.add_task("denoising", total=None)
@@ -122,12 +146,31 @@ class Generate(Command):
         return 0
 
 
-def _profile_for(args: argparse.Namespace, image, pipe, options):
-    """What `generate` compiles for: engines already in the cache that serve this call (built for the
-    exact shape, or for the model's default range), else exact-shape engines for this call's size,
-    image count and guidance (static shapes: faster on CPU backends, see the README)."""
-    from ..build import cached_profile
-    from ..components import ImageShape, ShapeProfile, default_profile
+def _control_images(args: argparse.Namespace) -> list:
+    """The --control-image files, one per --controlnet, and a --control-scale for all or for each."""
+    controlnets = len(args.controlnet or ())
+    images = args.control_image or []
+    if not controlnets:
+        given = [flag for flag, value in (("--control-image", images), ("--control-scale", args.control_scale),
+                                          ("--guess-mode", args.guess_mode)) if value]
+        if given:
+            raise KasokuError(f"{given[0]} needs --controlnet PATH (the ControlNet it steers).")
+        return []
+    if len(images) != controlnets:
+        raise KasokuError(f"give one --control-image per --controlnet: {controlnets} ControlNet"
+                          f"{'s' if controlnets > 1 else ''} but {len(images)} control image"
+                          f"{'s' if len(images) != 1 else ''}.")
+    scales = args.control_scale or []
+    if len(scales) not in (0, 1, controlnets):
+        raise KasokuError(f"give one --control-scale for every ControlNet or one per --controlnet ({controlnets}) "
+                          f"but {len(scales)} are given.")
+    return [open_image(path, "--control-image") for path in images]
+
+
+def _call_shape(args: argparse.Namespace, image, pipe):
+    """The images, height and width this call generates: --height/--width, else the size of the input image
+    (or of the first control image), else the model's native size."""
+    from ..components import ImageShape, default_profile
 
     base = default_profile(pipe)
     height = args.height or (image.size[1] if image else base.opt.height)
@@ -135,12 +178,22 @@ def _profile_for(args: argparse.Namespace, image, pipe, options):
     if height % base.multiple or width % base.multiple:
         raise KasokuError(f"--height and --width must be multiples of {base.multiple} for this model (the VAE's 8x "
                           f"times the U-Net's downsampling) but are {height} and {width}.")
-    shape = ImageShape(args.num_images, height, width)
+    return ImageShape(args.num_images, height, width)
+
+
+def _profile_for(args: argparse.Namespace, shape, pipe, options):
+    """What `generate` compiles for: engines already in the cache that serve this call (built for the
+    exact shape, or for the model's default range), else exact-shape engines for this call's size,
+    image count and guidance (static shapes: faster on CPU backends, see the README)."""
+    from ..build import cached_profile
+    from ..components import ShapeProfile, default_profile
+
+    base = default_profile(pipe)
     exact = ShapeProfile.exact(shape, guidance=args.guidance > 1, multiple=base.multiple)
     if args.cuda_graph:  # a CUDA graph replays one shape: exact-shape engines only
         return exact
     served = [p for p in (exact, base) if p.serves(shape, args.guidance > 1)]
-    return cached_profile(args.model, options, served) or exact
+    return cached_profile(pipe, options, served) or exact
 
 
 class Batch(Command):
@@ -148,7 +201,9 @@ class Batch(Command):
 
     Each line is one job: {"prompt": "...", "negative_prompt": "...", "seed": 1, "steps": 30, "guidance": 7.5,
     "height": 512, "width": 512, "id": "cat-1"}; only prompt is required (seed and id default to the line
-    number, the size to the model's). DIR gets <id>.png per job and results.jsonl (one line per job). Every
+    number, the size to the model's). With --controlnet, each job also gives "control_image" (a file, or a
+    list with one per ControlNet, relative to the JSONL file's folder) and may give "control_scale" (a number,
+    or one per ControlNet). DIR gets <id>.png per job and results.jsonl (one line per job). Every
     line and size is checked before any work starts; running the same command again after an interruption
     does only the jobs that are not done.
     """
@@ -158,7 +213,8 @@ class Batch(Command):
     def add_arguments(self, p: argparse.ArgumentParser) -> None:
         add_model(p)
         p.add_argument("prompts", type=Path, metavar="PROMPTS.jsonl",
-                       help="one job per line: prompt, negative_prompt, seed, steps, guidance, height, width, id")
+                       help="one job per line: prompt, negative_prompt, seed, steps, guidance, height, width, id, "
+                            "control_image, control_scale")
         p.add_argument("--out", type=Path, required=True, metavar="DIR",
                        help="folder for <id>.png per job and results.jsonl (created if missing; jobs already "
                             "there are skipped)")
@@ -177,6 +233,7 @@ class Batch(Command):
         p.add_argument("--threads", type=positive_int, default=None,
                        help="CPU threads per engine, and the CPUs Ray reserves per worker (default: the "
                             "runtime's; 1 with --ray)")
+        add_controlnet(p)
         add_backend_arguments(p)
         p.add_argument("--height", type=size_range, metavar="MIN:MAX",
                        help="image heights the engines serve (default: half to double the model's size)")
@@ -201,8 +258,8 @@ class Batch(Command):
                                  threads=threads)
         check_backend(options)
         jobs = read_jobs(args.prompts)
-        plan = prepare(args.model, jobs, args.out, batch_size=args.batch_size, options=options, height=args.height,
-                       width=args.width)
+        plan = prepare(args.model, jobs, args.out, batch_size=args.batch_size, controlnet=controlnets_from_args(args),
+                       options=options, height=args.height, width=args.width)
         bar = _batch_bar()
         task = bar.add_task("generating", total=None, start=False)
 

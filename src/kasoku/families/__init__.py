@@ -12,21 +12,29 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from .base import TASKS, Family, NotADiffusersPipeline
+from .base import CONTROLNET_COMPONENT, CONTROLNET_UNET, TASKS, Family, NotADiffusersPipeline
 from .sd import StableDiffusion1, StableDiffusion2
 from .sdxl import StableDiffusionXL
 
 # The registry: adding a family is a module beside these and one entry here.
 FAMILIES: dict[str, Family] = {f.name: f for f in (StableDiffusion1(), StableDiffusion2(), StableDiffusionXL())}
-SUPPORTED_PIPELINES = tuple(dict.fromkeys(c for f in FAMILIES.values() for c in f.pipelines.values()))
+SUPPORTED_PIPELINES = tuple(dict.fromkeys(c for f in FAMILIES.values() for c in f.class_names()))
 
 __all__ = ["FAMILIES", "SUPPORTED_PIPELINES", "TASKS", "Family", "NotADiffusersPipeline", "classify", "component_names",
-           "detect_family", "family_of", "family_only_arguments", "read_model_index"]
+           "detect_family", "family_of", "family_only_arguments", "is_component_name", "read_model_index"]
 
 
 def component_names() -> tuple[str, ...]:
-    """Every component name any family has (what `--components` accepts)."""
-    return tuple(dict.fromkeys(n for f in FAMILIES.values() for n in f.component_names()))
+    """Every component name any family has, with ControlNet pipelines' (`controlnet_<i>` stands for each
+    ControlNet's): what `--components` accepts."""
+    plain = (n for f in FAMILIES.values() for n in f.component_names())
+    return tuple(dict.fromkeys((*plain, CONTROLNET_UNET, CONTROLNET_COMPONENT.format("<i>"))))
+
+
+def is_component_name(name: str) -> bool:
+    """Whether some family's pipeline can have a component of this name."""
+    prefix = CONTROLNET_COMPONENT.format("")
+    return name in component_names() or (name.startswith(prefix) and name[len(prefix):].isdigit())
 
 
 def family_only_arguments() -> dict[str, tuple[Family, ...]]:

@@ -10,6 +10,7 @@ the registry (kasoku/families/__init__.py), and its tests.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Iterable, Mapping
 from fractions import Fraction
 from typing import Any, ClassVar
@@ -19,13 +20,16 @@ import torch
 from ..components import (
     Axis,
     ComponentSpec,
+    ControlNetModule,
     Precision,
+    ResidualUNetModule,
     ShapeProfile,
     TensorSpec,
     TextEncoderModule,
     UNetModule,
     VaeDecoderModule,
     VaeEncoderModule,
+    residual_names,
     vae_scale_factor,
 )
 from ..errors import KasokuError
@@ -34,6 +38,13 @@ TASKS = ("txt2img", "img2img", "inpaint")
 
 # The components of a Stable Diffusion pipeline after its text encoder(s), in build order.
 IMAGE_COMPONENTS = ("unet", "vae_decoder", "vae_encoder")
+# A ControlNet pipeline runs one ControlNet engine per distinct ControlNet model and, in place of the
+# U-Net, the U-Net that takes their residuals as inputs.
+CONTROLNET_COMPONENT = "controlnet_{}"
+CONTROLNET_UNET = "unet_controlnet"
+# What a ControlNet must share with the U-Net it steers (their residuals are added to its features).
+_CONTROLNET_FITS = ("cross_attention_dim", "addition_embed_type", "addition_time_embed_dim",
+                    "projection_class_embeddings_input_dim")
 
 # ONNX Runtime's transformer optimizer names these graphs so; ops that overflow fp16 in each.
 _VAE_FP16_KEEP = ("GroupNormalization", "InstanceNormalization", "ReduceMean", "Pow", "Sqrt", "Div", "Softmax")
@@ -43,17 +54,44 @@ class NotADiffusersPipeline(KasokuError, ValueError):
     """A folder or object that is not a diffusers pipeline kasoku supports."""
 
 
+class UnfitControlNet(NotADiffusersPipeline):
+    """A ControlNet kasoku cannot run with this pipeline."""
+
+
 class Axes:
     """The dynamic axes of a pipeline's tensors, derived from the image shape."""
 
     def __init__(self, pipe):
-        vae_scale = Fraction(1, vae_scale_factor(pipe.vae))
+        self.vae_scale = Fraction(1, vae_scale_factor(pipe.vae))
         self.images = Axis("batch", "batch")
         self.guided = Axis("batch", "batch", Fraction(2), min_scale=Fraction(1))  # prompt + negative
-        self.latent_h = Axis("latent_height", "height", vae_scale)
-        self.latent_w = Axis("latent_width", "width", vae_scale)
+        self.latent_h = Axis("latent_height", "height", self.vae_scale)
+        self.latent_w = Axis("latent_width", "width", self.vae_scale)
         self.pixel_h = Axis("height", "height")
         self.pixel_w = Axis("width", "width")
+
+    def latent_at(self, level: int) -> tuple[Axis, Axis]:
+        """(height, width) of the U-Net's features after `level` downsamplings (level 0: the latent)."""
+        if level == 0:
+            return self.latent_h, self.latent_w
+        scale = self.vae_scale / 2**level
+        return Axis(f"latent_height_down{level}", "height", scale), Axis(f"latent_width_down{level}", "width", scale)
+
+
+def controlnet_residuals(config: Mapping[str, Any]) -> tuple[tuple[int, int], ...]:
+    """(channels, downsamplings) of each residual a ControlNet adds to a U-Net of this config, in
+    diffusers' order (ControlNetModel.forward, step 3): the input convolution's output, each down
+    block's resnet outputs and its downsampler's (all but the last block), then the mid block's.
+    A U-Net's config gives the residuals it takes, a ControlNet's those it makes."""
+    channels = tuple(config["block_out_channels"])
+    layers = config["layers_per_block"]
+    per_block = [layers] * len(channels) if isinstance(layers, int) else list(layers)
+    residuals = [(channels[0], 0)]
+    for level, (width, count) in enumerate(zip(channels, per_block)):
+        residuals += [(width, level)] * count
+        if level < len(channels) - 1:
+            residuals.append((width, level + 1))
+    return (*residuals, (channels[-1], len(channels) - 1))
 
 
 class Family:
@@ -62,6 +100,7 @@ class Family:
     name: ClassVar[str]
     title: ClassVar[str]
     pipelines: ClassVar[Mapping[str, str]]  # task -> diffusers pipeline class name
+    controlnet_pipelines: ClassVar[Mapping[str, str]] = {}  # task -> diffusers ControlNet pipeline class name
     text_encoders: ClassVar[tuple[str, ...]] = ("text_encoder",)
     # Call arguments only this family's pipelines take (others get a clear error).
     call_arguments: ClassVar[tuple[str, ...]] = ()
@@ -70,10 +109,14 @@ class Family:
 
     # ---- recognising it --------------------------------------------------------------------
 
+    def class_names(self) -> tuple[str, ...]:
+        """Every diffusers pipeline class of this family (the plain ones, then the ControlNet ones)."""
+        return (*self.pipelines.values(), *self.controlnet_pipelines.values())
+
     def matches(self, pipeline_class: str, components: Mapping[str, Any], unet_config: Mapping[str, Any],
                 text_config: Mapping[str, Any]) -> bool:
         """Whether a pipeline of this class, components and configs is of this family."""
-        return pipeline_class in self.pipelines.values()
+        return pipeline_class in self.class_names()
 
     def check_layout(self, components: Mapping[str, Any], where: str) -> None:
         """Raise :class:`NotADiffusersPipeline` for a layout of this family kasoku cannot compile."""
@@ -81,6 +124,9 @@ class Family:
     # ---- components and their specs --------------------------------------------------------
 
     def component_names(self, pipe=None) -> tuple[str, ...]:
+        if pipe is not None and self.controlnet_paths(pipe):
+            return (*self.text_encoders, *self.controlnet_components(pipe), CONTROLNET_UNET, "vae_decoder",
+                    "vae_encoder")
         return (*self.text_encoders, *IMAGE_COMPONENTS)
 
     def calibration_components(self, component: str) -> tuple[str, ...]:
@@ -118,6 +164,11 @@ class Family:
         builders["unet"] = lambda: self.unet_spec(pipe, profile, axes, weights)
         builders["vae_decoder"] = lambda: self.vae_decoder_spec(pipe, profile, axes, weights)
         builders["vae_encoder"] = lambda: self.vae_encoder_spec(pipe, profile, axes, weights)
+        if self.controlnet_paths(pipe):
+            builders[CONTROLNET_UNET] = lambda: self.controlnet_unet_spec(pipe, profile, axes, weights)
+            for name, path in self.controlnet_components(pipe).items():
+                builders[name] = lambda name=name, path=path: self.controlnet_spec(pipe, name, path, profile, axes,
+                                                                                   weights)
         return builders
 
     def text_encoder_outputs(self, pipe, name: str, axes: Axes) -> tuple[TensorSpec, ...]:
@@ -220,16 +271,155 @@ class Family:
             modules=("vae",),
         )
 
+    # ---- ControlNet -------------------------------------------------------------------------
+
+    def controlnet_paths(self, pipe) -> tuple[str, ...]:
+        """Where each ControlNet the pipeline runs is, in diffusers' order: "controlnet", or
+        "controlnet.nets.<i>" in a MultiControlNetModel (see kasoku.loading.module_at); empty without one."""
+        controlnet = getattr(pipe, "controlnet", None)
+        if controlnet is None:
+            return ()
+        nets = getattr(controlnet, "nets", None)
+        return ("controlnet",) if nets is None else tuple(f"controlnet.nets.{i}" for i in range(len(nets)))
+
+    def controlnet_components(self, pipe) -> dict[str, str]:
+        """Component name -> where its ControlNet is: one engine per distinct ControlNet model (a model
+        given twice runs one engine)."""
+        from ..loading import module_at
+
+        names: dict[int, str] = {}
+        components: dict[str, str] = {}
+        for path in self.controlnet_paths(pipe):
+            module = module_at(pipe, path)
+            if id(module) not in names:
+                names[id(module)] = CONTROLNET_COMPONENT.format(len(names))
+                components[names[id(module)]] = path
+        return components
+
+    def check_controlnet(self, pipe, controlnet, where: str) -> None:
+        """Raise :class:`UnfitControlNet` for a ControlNet that cannot steer this pipeline's U-Net on engines."""
+        config, unet = controlnet.config, pipe.unet.config
+        if config.get("global_pool_conditions"):
+            raise UnfitControlNet(f"{where} pools its residuals to 1x1 (global_pool_conditions, the shuffle "
+                                  "ControlNet); kasoku compiles ControlNets whose residuals have the U-Net's sizes.")
+        differ = [key for key in _CONTROLNET_FITS if config.get(key) != unet.get(key)]
+        if controlnet_residuals(config) != controlnet_residuals(unet):
+            differ.append("residuals (block_out_channels, layers_per_block)")
+        if config.get("in_channels") != pipe.vae.config.latent_channels:
+            differ.append("in_channels (the latent channels)")
+        if differ:
+            raise UnfitControlNet(f"{where} does not fit this {self.title} model's U-Net: its {', '.join(differ)} "
+                                  "differ; give a ControlNet trained for this model.")
+
+    def with_controlnet(self, pipe, controlnet):
+        """This family's ControlNet pipeline of `pipe`'s task, sharing `pipe`'s components, with
+        `controlnet` (a ControlNetModel, or a list of them for several)."""
+        nets = controlnet if isinstance(controlnet, (list, tuple)) else getattr(controlnet, "nets", [controlnet])
+        for index, net in enumerate(nets):
+            self.check_controlnet(pipe, net, f"ControlNet {index + 1} of {len(nets)}" if len(nets) > 1 else
+                                  "the ControlNet")
+        new = self.pipeline_class(self.tasks(pipe)[0], controlnet=True).from_pipe(pipe, controlnet=controlnet)
+        new.set_progress_bar_config(disable=True)
+        return new
+
+    def control_arguments(self, task: str, control_image) -> dict[str, Any]:
+        """The control images as the family's ControlNet pipeline for `task` takes them (its text-to-image
+        pipeline calls them `image`, the others `control_image`)."""
+        return {"image" if task == "txt2img" else "control_image": control_image}
+
+    def controlnet_profile(self, profile: ShapeProfile) -> ShapeProfile:
+        """The ControlNet's profile: in guess mode with guidance, diffusers runs it on the conditional half
+        of the batch only, so a profile for calls with guidance serves both batch sizes."""
+        return dataclasses.replace(profile, guidance=None) if profile.guidance else profile
+
+    def residual_specs(self, config: Mapping[str, Any], axes: Axes) -> tuple[TensorSpec, ...]:
+        """The residuals a ControlNet makes and the U-Net takes, one per down-block output and the mid block's."""
+        residuals = controlnet_residuals(config)
+        return tuple(TensorSpec(name, (axes.guided, channels, *axes.latent_at(level)))
+                     for name, (channels, level) in zip(residual_names(len(residuals) - 1), residuals))
+
+    def controlnet_spec(self, pipe, name: str, path: str, profile: ShapeProfile, axes: Axes, weights
+                        ) -> ComponentSpec:
+        """A ControlNet: the latents, timestep, text embeddings, the control image at the image's size and one
+        scale per residual (plus the family's added conditioning) in; its scaled residuals out."""
+        from ..loading import module_at, real_module
+
+        controlnet = module_at(pipe, path)
+        self.check_controlnet(pipe, controlnet, f"ControlNet {name}")
+        config = controlnet.config
+        residuals = self.residual_specs(config, axes)
+        added = self.unet_added_inputs(pipe, axes)
+        added_names = tuple(t.name for t in added)
+        return ComponentSpec(
+            name=name,
+            inputs=(
+                TensorSpec("sample", (axes.guided, config.in_channels, axes.latent_h, axes.latent_w)),
+                TensorSpec("timestep", (axes.guided,)),
+                TensorSpec("encoder_hidden_states", (axes.guided, pipe.tokenizer.model_max_length,
+                                                     config.cross_attention_dim)),
+                TensorSpec("controlnet_cond", (axes.guided, config.conditioning_channels, axes.pixel_h, axes.pixel_w)),
+                TensorSpec("conditioning_scale", (len(residuals),)),
+                *added,
+            ),
+            outputs=residuals,
+            profile=self.controlnet_profile(profile),
+            load_module=lambda: ControlNetModule(real_module(pipe, path), added_names),
+            weights=lambda: weights.of(pipe, path),
+            config=dict(config),
+            graph_kind="unet",
+            modules=(path,),
+        )
+
+    def controlnet_unet_spec(self, pipe, profile: ShapeProfile, axes: Axes, weights) -> ComponentSpec:
+        """The U-Net that takes a ControlNet's residuals as inputs (after its own and its added conditioning).
+        int8 quantizes its weights only: the calibration recipe records plain text-to-image runs."""
+        from ..loading import real_module
+
+        config = pipe.unet.config
+        added = self.unet_added_inputs(pipe, axes)
+        added_names = tuple(t.name for t in added)
+        return ComponentSpec(
+            name=CONTROLNET_UNET,
+            inputs=(
+                TensorSpec("sample", (axes.guided, config.in_channels, axes.latent_h, axes.latent_w)),
+                TensorSpec("timestep", (axes.guided,)),
+                TensorSpec("encoder_hidden_states", (axes.guided, pipe.tokenizer.model_max_length,
+                                                     config.cross_attention_dim)),
+                *added,
+                *self.residual_specs(config, axes),
+            ),
+            outputs=(TensorSpec("out_sample", (axes.guided, config.out_channels, axes.latent_h, axes.latent_w)),),
+            profile=profile,
+            load_module=lambda: ResidualUNetModule(real_module(pipe, "unet"), added_names),
+            weights=lambda: weights.of(pipe, "unet"),
+            config=dict(config),
+            graph_kind="unet",
+            modules=("unet",),
+        )
+
+    def controlnet_stand_in(self, pipe, engines, times):
+        """What replaces the pipeline's ControlNet: one engine-backed ControlNetModel, or diffusers' own
+        MultiControlNetModel over one per ControlNet (it sums their residuals, as in diffusers)."""
+        from ..loading import module_at
+        from ..standins import engine_controlnet, engine_multi_controlnet
+
+        component_of = {id(module_at(pipe, path)): name for name, path in self.controlnet_components(pipe).items()}
+        nets = [engine_controlnet(module_at(pipe, path), engines, times, component_of[id(module_at(pipe, path))])
+                for path in self.controlnet_paths(pipe)]
+        return nets[0] if self.controlnet_paths(pipe) == ("controlnet",) else engine_multi_controlnet(nets)
+
     # ---- pipelines on engines --------------------------------------------------------------
 
-    def pipeline_class(self, task: str):
+    def pipeline_class(self, task: str, *, controlnet: bool = False):
         import diffusers
 
-        return getattr(diffusers, self.pipelines[task])
+        return getattr(diffusers, (self.controlnet_pipelines if controlnet else self.pipelines)[task])
 
     def task_pipeline(self, pipe, task: str, **overrides):
-        """A diffusers pipeline of this family for `task`, sharing `pipe`'s components."""
-        new = self.pipeline_class(task).from_pipe(pipe, **overrides)
+        """A diffusers pipeline of this family for `task`, sharing `pipe`'s components (a ControlNet
+        pipeline where `pipe` has ControlNets)."""
+        controlnet = bool(self.controlnet_paths(pipe))
+        new = self.pipeline_class(task, controlnet=controlnet).from_pipe(pipe, **overrides)
         new.set_progress_bar_config(disable=True)
         return new
 
@@ -242,10 +432,14 @@ class Family:
         """The pipeline attributes that engines replace: its torch modules, and what ran on their output."""
         from ..standins import EngineUNet, EngineVAE
 
+        controlnet = bool(self.controlnet_paths(pipe))
         replaced: dict[str, Any] = dict(vae=EngineVAE(pipe.vae, engines, times),
-                                        unet=EngineUNet(pipe.unet, engines, times))
+                                        unet=EngineUNet(pipe.unet, engines, times,
+                                                        CONTROLNET_UNET if controlnet else "unet"))
         for name in self.text_encoders:
             replaced[name] = self.text_encoder_stand_in(pipe, name, engines, times)
+        if controlnet:
+            replaced["controlnet"] = self.controlnet_stand_in(pipe, engines, times)
         return {**replaced, **self.replaced_attributes}
 
     # ---- call arguments --------------------------------------------------------------------
@@ -258,6 +452,12 @@ class Family:
     def tiny_pipeline(self, *, inpainting: bool = False, prediction: str = "epsilon", seed: int = 0):
         """A live tiny pipeline of this family with deterministic weights (see kasoku.tiny)."""
         raise NotImplementedError(f"{self.title} has no built-in tiny model")
+
+    def tiny_controlnet(self, *, seed: int = 0):
+        """A tiny ControlNet for this family's tiny U-Net, with deterministic weights from `seed`."""
+        from ..tiny import seeded, tiny_controlnet
+
+        return seeded(seed, 5, lambda: tiny_controlnet(self.tiny_unet(4)))
 
     def __repr__(self) -> str:
         return f"<family {self.name}: {self.title}>"

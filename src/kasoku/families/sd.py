@@ -17,6 +17,11 @@ PIPELINES = {
     "img2img": "StableDiffusionImg2ImgPipeline",
     "inpaint": "StableDiffusionInpaintPipeline",
 }
+CONTROLNET_PIPELINES = {
+    "txt2img": "StableDiffusionControlNetPipeline",
+    "img2img": "StableDiffusionControlNetImg2ImgPipeline",
+    "inpaint": "StableDiffusionControlNetInpaintPipeline",
+}
 
 
 def _is_sd2(unet_config: Mapping[str, Any], text_config: Mapping[str, Any]) -> bool:
@@ -28,11 +33,12 @@ class StableDiffusion1(Family):
     name = "sd1"
     title = "Stable Diffusion 1.x"
     pipelines = PIPELINES
+    controlnet_pipelines = CONTROLNET_PIPELINES
     # diffusers' safety checker runs a torch model on the images: the engines replace it too.
     replaced_attributes = {"safety_checker": None, "feature_extractor": None, "requires_safety_checker": False}
 
     def matches(self, pipeline_class, components, unet_config, text_config) -> bool:
-        return pipeline_class in self.pipelines.values() and not _is_sd2(unet_config, text_config)
+        return pipeline_class in self.class_names() and not _is_sd2(unet_config, text_config)
 
     def tiny_unet(self, in_channels: int):
         from diffusers import UNet2DConditionModel
@@ -80,7 +86,7 @@ class StableDiffusion2(StableDiffusion1):
     tiny_openclip = True
 
     def matches(self, pipeline_class, components, unet_config, text_config) -> bool:
-        return pipeline_class in self.pipelines.values() and _is_sd2(unet_config, text_config)
+        return pipeline_class in self.class_names() and _is_sd2(unet_config, text_config)
 
     def tiny_unet(self, in_channels: int):
         from diffusers import UNet2DConditionModel

@@ -69,6 +69,11 @@ class StableDiffusionXL(Family):
         "img2img": "StableDiffusionXLImg2ImgPipeline",
         "inpaint": "StableDiffusionXLInpaintPipeline",
     }
+    controlnet_pipelines = {
+        "txt2img": "StableDiffusionXLControlNetPipeline",
+        "img2img": "StableDiffusionXLControlNetImg2ImgPipeline",
+        "inpaint": "StableDiffusionXLControlNetInpaintPipeline",
+    }
     text_encoders = ("text_encoder", "text_encoder_2")
     call_arguments = ("prompt_2", "negative_prompt_2", "pooled_prompt_embeds", "negative_pooled_prompt_embeds",
                       *SIZE_IDS, "aesthetic_score", "negative_aesthetic_score")
