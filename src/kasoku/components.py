@@ -242,6 +242,7 @@ class ComponentSpec:
     fp16_keep_ops: tuple[str, ...] = ()  # ops that overflow in fp16 in this component, kept fp32
     modules: tuple[str, ...] = ()  # the pipeline attributes whose weights it uses ("vae", "unet", ...)
     int8: str = "weights"  # int8 recipe (kasoku.quantize): "weights" only, or "hybrid" (calibrated activations)
+    takes_lora: bool = False  # LoRA adapters change its weights (diffusers loads them into this component)
 
     def precision_for(self, requested: Precision | str) -> Precision:
         """The precision this component is built in when `requested` is asked for."""
