@@ -18,6 +18,11 @@ the largest stage's VmHWM):
 - speed:<contender>  one call per component after warm-up, median of repeats, against torch eager
                      (torch, onnxruntime, openvino), with the FLOP floor; the components' inputs and
                      torch's outputs are saved by the torch stage, so every contender is checked.
+- lora:<backend>     checkpoints and LoRA adapters without re-export (benchmarks/lora.py): the cold compile of
+                     the base, the compile of a second checkpoint (the architecture with other random weights,
+                     built into benchmarks/.models/sd15-random-2), the switch between two adapters (ranks 4 and
+                     64 on the U-Net's attention projections) with run-time weights and with constant weights,
+                     and the U-Net's speed with bound weights against constant and run-time weights.
 
 Every stage's result is merged into benchmarks/results/<date>-<host>-full_sd15.json, and the markdown
 beside it is written again from everything measured that day, so stages can be run one at a time.
@@ -42,6 +47,7 @@ import torch
 
 HERE = Path(__file__).resolve().parent
 MODEL_DIR = HERE / ".models" / "sd15-random"
+SECOND_MODEL_DIR = HERE / ".models" / "sd15-random-2"  # the same architecture, other weights (stage lora)
 WORK = HERE / ".models" / "sd15-work"
 RESULTS = HERE / "results"
 TXT2IMG = ("text_encoder", "unet", "vae_decoder")
@@ -103,10 +109,11 @@ def cache_for(args, backend: str) -> Path:
     return args.cache / backend
 
 
-def stage_model(_target: str, args) -> dict:
+def stage_model(target: str, args) -> dict:
+    folder, seed = (SECOND_MODEL_DIR, 1) if target == "sd15-2" else (MODEL_DIR, 0)
     start = time.perf_counter()
-    build_sd15(MODEL_DIR)
-    return {"seconds": time.perf_counter() - start, "weights_bytes": weights_bytes(MODEL_DIR), "peak_mb": peak_mb()}
+    build_sd15(folder, seed=seed)
+    return {"seconds": time.perf_counter() - start, "weights_bytes": weights_bytes(folder), "peak_mb": peak_mb()}
 
 
 def stage_cold(backend: str, args) -> dict:
@@ -412,9 +419,18 @@ def stage_fidelity(precision: str, args) -> dict:
     return result
 
 
+def stage_lora(backend: str, args) -> dict:
+    """benchmarks/lora.py's measurements at full size, in a cache of their own (emptied first)."""
+    from lora import measure  # benchmarks/lora.py: this folder is the script's
+
+    result = measure(MODEL_DIR, SECOND_MODEL_DIR, backend, args.work / f"lora-{backend}", threads=args.threads,
+                     repeats=args.repeats, rank_a=4, rank_b=64, log=lambda message: print(message, flush=True))
+    return {**result, "weights_bytes": weights_bytes(MODEL_DIR), "peak_mb": peak_mb()}
+
+
 STAGES = {"model": stage_model, "cold": stage_cold, "warm": stage_warm, "warm-folder": stage_warm_folder,
           "runtime": stage_runtime, "speed": stage_speed, "ov-probe": stage_ov_probe, "image": stage_image,
-          "fidelity": stage_fidelity}
+          "fidelity": stage_fidelity, "lora": stage_lora}
 
 
 # ---- the run -----------------------------------------------------------------------------------------
@@ -501,6 +517,9 @@ def main(argv: list[str] | None = None) -> int:
     if not (MODEL_DIR / "model_index.json").exists():  # built in a process of its own: its memory goes with it
         log(f"building SD 1.5 with random weights into {MODEL_DIR}")
         _record("model", "sd15", _run_stage("model", "sd15", args, log), machine)
+    if "lora" in args.stages.split(",") and not (SECOND_MODEL_DIR / "model_index.json").exists():
+        log(f"building a second SD 1.5 checkpoint (other random weights) into {SECOND_MODEL_DIR}")
+        _record("model", "sd15-2", _run_stage("model", "sd15-2", args, log), machine)
     for stage in args.stages.split(","):
         targets = {"speed": args.contenders.split(","), "ov-probe": ["unet"], "image": args.images.split(","),
                    "fidelity": list(FIDELITY_PRECISIONS)}.get(stage, args.backends.split(","))
@@ -602,6 +621,11 @@ def markdown(report: dict) -> str:
                              f"{min(r['seconds']):.2f}–{max(r['seconds']):.2f} | {base / median:.2f}× | {floor:.2f} | "
                              f"{median / floor:.2f} | {check} |")
         lines.append("")
+    if "lora" in report:
+        from lora import markdown as lora_markdown
+
+        lines += [lora_markdown(report["lora"], "Checkpoints and LoRA adapters without re-export (stage lora)").replace(
+            "# ", "## ", 1), ""]
     if "image" in report:
         lines += _image_table(report)
     if "fidelity" in report:

@@ -50,7 +50,7 @@ from .fingerprint import WeightsFingerprints
 from .optimize import optimize
 from .options import FASTEST, CompileOptions
 from .parity import parity_against_torch, raise_on_failure
-from .weights import read_graph_weights, run_time_weights
+from .weights import GraphWeight, bindable_tensors, read_graph_weights, run_time_weights
 
 ONNX_FILE = "model.onnx"
 AUTO_REPEATS = 3
@@ -383,6 +383,9 @@ class Compiler:
             raise KasokuError(f"the {spec.name} engine was built from ONNX files that hold their own weights "
                               "(onnx_dir); LoRA adapters need engines compiled from the model itself.")
         backend = self.backend(backend_name)
+        if not backend.needs_onnx:  # torch binds the module's own tensors: no graph
+            weights = {n: GraphWeight.of(n, t) for n, t in bindable_tensors(spec.module).items()}
+            return WeightBinding(spec, backend, self.precision(spec), None, engine, weights)
         chain = self.chain(spec, backend)
         with contextlib.ExitStack() as held:
             graph = self.sources(spec, backend, chain, held)[-1].file(ONNX_FILE)

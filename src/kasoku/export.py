@@ -181,6 +181,9 @@ def export_graph(spec: ComponentSpec, path: str | Path, *, exporter: str = DEFAU
         except Exception as error:  # the exporters raise many kinds; name the component
             raise ExportError(f"exporting {spec.name} with the {exporter} exporter failed: {error}") from error
     model = onnx.load(str(path))
+    for node in model.graph.node:  # the exporter's debugging notes (stack traces, FX nodes): most of the file
+        del node.metadata_props[:]
+    onnx.save_model(model, str(path))
     onnx.checker.check_model(model)
     strangers = [name for name in graph_weights(model, spec.input_names) if name not in names]
     if strangers:

@@ -168,6 +168,22 @@ def read_adapter(source: str | Path | Mapping[str, torch.Tensor], name: str, pip
     return adapter
 
 
+def check_adapter_file(path: str | Path, pipe, flag: str = "adapter") -> None:
+    """Before anything heavy: `path` exists and diffusers reads it as LoRA weights for `pipe`'s family."""
+    from .families import family_of
+
+    path = Path(path)
+    if not path.exists():
+        raise LoraError(f"{flag} {path} does not exist; give a LoRA .safetensors file or the folder holding one.")
+    try:
+        state_dict, _ = family_of(pipe).pipeline_class("txt2img").lora_state_dict(str(path),
+                                                                                 unet_config=pipe.unet.config)
+    except (OSError, ValueError, KeyError) as error:
+        raise LoraError(f"{flag} {path} is not a LoRA adapter diffusers can read: {error}") from None
+    if not state_dict or not all("lora" in key for key in state_dict):
+        raise LoraError(f"{flag} {path} holds no LoRA weights (its tensor names carry no 'lora').")
+
+
 def merged(base: Mapping[str, torch.Tensor], contributions: Sequence[tuple[LoraAdapter, float]],
            component: str, names: set[str]) -> dict[str, torch.Tensor]:
     """The weights in `names` with the adapters' layers added (W + sum of weight x scale x B A, in fp32, then

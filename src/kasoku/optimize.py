@@ -36,10 +36,12 @@ class PassContext:
     precision: Precision = Precision.FP32
     graph_kind: str = ""  # ONNX Runtime's transformer optimizer's name for the graph: clip, unet, vae
     fp16_keep_ops: tuple[str, ...] = ()  # the component's ops that stay fp32 in an fp16 graph
+    io_names: tuple[str, ...] = ()  # the component's own inputs and outputs (other graph inputs are weights)
 
     @classmethod
     def of(cls, spec: ComponentSpec, precision: Precision) -> PassContext:
-        return cls(spec.name, Precision(precision), spec.graph_kind, spec.fp16_keep_ops)
+        return cls(spec.name, Precision(precision), spec.graph_kind, spec.fp16_keep_ops,
+                   (*spec.input_names, *spec.output_names))
 
 
 @dataclass
@@ -121,14 +123,16 @@ def ort_transformer_fusions(model: onnx.ModelProto, ctx: PassContext) -> onnx.Mo
 
 
 def to_fp16(model: onnx.ModelProto, ctx: PassContext) -> onnx.ModelProto:
-    """After: float tensors are fp16 except graph inputs/outputs and the component's fp32
-    keep-list (ops known to overflow)."""
+    """After: float tensors are fp16 except the component's own inputs and outputs and the component's
+    fp32 keep-list (ops known to overflow); weight inputs of an architecture graph are declared fp16, so
+    weights are bound in fp16 (the pass re-run on the weights alone: a cast)."""
     if ctx.precision != Precision.FP16:
         return model
     from onnxruntime.transformers.float16 import convert_float_to_float16
 
     keep = sorted(set(_FP16_ALWAYS_FP32) | set(ctx.fp16_keep_ops))
-    return convert_float_to_float16(model, keep_io_types=True, op_block_list=keep, disable_shape_infer=True)
+    keep_io = list(ctx.io_names) if ctx.io_names else True
+    return convert_float_to_float16(model, keep_io_types=keep_io, op_block_list=keep, disable_shape_infer=True)
 
 
 PASSES: dict[str, Callable[[onnx.ModelProto, PassContext], onnx.ModelProto]] = {

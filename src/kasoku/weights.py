@@ -56,7 +56,9 @@ def _effective_weight(name: str, layer) -> torch.Tensor:
     leave the base weight as it was before any merge."""
     base = layer.get_base_layer().weight.detach()
     if layer.disable_adapters:
-        return base - sum((layer.get_delta_weight(a).detach() for a in layer.merged_adapters), torch.zeros_like(base))
+        for adapter in reversed(layer.merged_adapters):  # PEFT's forward unmerges first
+            base = base - layer.get_delta_weight(adapter).detach()
+        return base
     if layer.merged:
         return base
     if not hasattr(layer, "lora_A"):
@@ -67,7 +69,9 @@ def _effective_weight(name: str, layer) -> torch.Tensor:
         if getattr(layer, "use_dora", {}).get(adapter) or getattr(layer, "lora_bias", {}).get(adapter):
             raise KasokuError(f"{name}: adapter {adapter!r} is a DoRA or has a LoRA bias, which kasoku cannot "
                               "merge; fuse it first (`pipe.fuse_lora()`), then compile.")
-    return base + sum((layer.get_delta_weight(a).detach() for a in active), torch.zeros_like(base))
+    for adapter in active:  # one at a time, in PEFT's order, as its merge adds them
+        base = base + layer.get_delta_weight(adapter).detach()
+    return base
 
 
 def bindable_tensors(module: torch.nn.Module) -> dict[str, torch.Tensor]:
@@ -128,6 +132,12 @@ class GraphWeight:
     name: str
     shape: tuple[int, ...]
     elem_type: int
+
+    @classmethod
+    def of(cls, name: str, tensor: torch.Tensor) -> GraphWeight:
+        """The weight a graph would take for this tensor (what a backend without a graph binds: torch)."""
+        elem_type = next(e for e, dtype in _TORCH.items() if dtype == tensor.dtype)
+        return cls(name, tuple(tensor.shape), elem_type)
 
     @property
     def dtype(self) -> torch.dtype:

@@ -14,7 +14,7 @@ from typing import Any
 from ..components import ImageShape, ShapeOutOfProfile, ShapeProfile
 from ..errors import KasokuError
 
-JOB_FIELDS = ("id", "prompt", "negative_prompt", "seed", "steps", "guidance", "height", "width")
+JOB_FIELDS = ("id", "prompt", "negative_prompt", "seed", "steps", "guidance", "height", "width", "loras")
 DEFAULT_STEPS = 30
 DEFAULT_GUIDANCE = 7.5
 DEFAULT_BATCH_SIZE = 4
@@ -45,6 +45,7 @@ class Job:
     guidance: float = DEFAULT_GUIDANCE
     height: int | None = None  # None: the model's native size (`prepare` fills it in)
     width: int | None = None
+    loras: tuple[tuple[str, float], ...] = ()  # LoRA adapters (absolute path, weight); () runs the base weights
     source: str = field(default="", compare=False)  # "prompts.jsonl:3", for messages
 
     @property
@@ -54,14 +55,14 @@ class Job:
     @property
     def key(self) -> str:
         """A digest of everything that changes the image: a result line only counts for this job."""
-        parts = {name: getattr(self, name) for name in JOB_FIELDS}
+        parts = {name: getattr(self, name) for name in JOB_FIELDS if name != "loras" or self.loras}
         return hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()[:16]
 
     @property
     def call_key(self) -> tuple:
-        """Jobs with equal call keys can share one pipeline call: one size, steps and guidance, and
+        """Jobs with equal call keys can share one pipeline call: one adapter set, size, steps and guidance, and
         negative prompts for all or for none (SDXL encodes a missing one as zeros, not as "")."""
-        return (self.height, self.width, self.steps, self.guidance, self.negative_prompt is not None)
+        return (self.loras, self.height, self.width, self.steps, self.guidance, self.negative_prompt is not None)
 
 
 class _LineError(ValueError):
@@ -83,6 +84,34 @@ def _field(record: dict, name: str, check: Callable[[Any], bool], rule: str, def
     if not check(value):
         raise _LineError(f"`{name}` must be {rule} but is {json.dumps(value)}.")
     return value
+
+
+def _loras(value: Any) -> tuple[tuple[str, float], ...]:
+    """`loras`: a list of "PATH[:SCALE]" strings or {"path": ..., "scale": ...} objects; each file must exist
+    (paths are made absolute: workers may run elsewhere)."""
+    rule = 'a list of "PATH[:SCALE]" strings or {"path": ..., "scale": ...} objects'
+    if not isinstance(value, list):
+        raise _LineError(f"`loras` must be {rule} but is {json.dumps(value)}.")
+    out = []
+    for item in value:
+        if isinstance(item, str):
+            path, _, tail = item.rpartition(":")
+            try:
+                path, scale = (path, float(tail)) if path else (item, 1.0)
+            except ValueError:
+                path, scale = item, 1.0
+        elif isinstance(item, dict) and set(item) <= {"path", "scale"} and isinstance(item.get("path"), str) and \
+                (_is_int(item.get("scale", 1.0)) or isinstance(item.get("scale", 1.0), float)):
+            path, scale = item["path"], float(item.get("scale", 1.0))
+        else:
+            raise _LineError(f"`loras` must be {rule} but has {json.dumps(item)}.")
+        if not math.isfinite(scale):
+            raise _LineError(f"`loras`: a scale must be a finite number but {json.dumps(item)} has {scale}.")
+        resolved = Path(path).expanduser().absolute()
+        if not resolved.exists():
+            raise _LineError(f"`loras`: {path} does not exist.")
+        out.append((str(resolved), scale))
+    return tuple(out)
 
 
 def parse_job(line: str, number: int, source: str) -> Job:
@@ -116,6 +145,7 @@ def parse_job(line: str, number: int, source: str) -> Job:
                               "a number", DEFAULT_GUIDANCE)),
         height=_field(record, "height", _is_size, "a positive integer (pixels)", None),
         width=_field(record, "width", _is_size, "a positive integer (pixels)", None),
+        loras=_loras(record["loras"]) if "loras" in record else (),
         source=source,
     )
 

@@ -13,11 +13,13 @@ from .base import (
     add_cache_dir,
     add_engine_arguments,
     add_json,
+    add_lora_targets,
     add_model,
     check_backend,
     check_output_file,
     finite_float,
     fraction,
+    lora_spec,
     non_negative_int,
     open_image,
     options_from_args,
@@ -58,6 +60,9 @@ class Generate(Command):
         p.add_argument("--mask", type=Path, help="inpaint: white where to paint")
         p.add_argument("--scheduler", choices=list(SCHEDULERS), default=None,
                        help="swap the model's scheduler (default: keep it)")
+        p.add_argument("--lora", type=lora_spec, action="append", default=[], metavar="PATH[:SCALE]",
+                       help="a LoRA adapter (a diffusers, kohya or PEFT .safetensors file, or its folder) at weight "
+                            "SCALE (default 1); repeat to blend several")
         add_engine_arguments(p, profile_flags=False)
 
     def run(self, args: argparse.Namespace) -> int:
@@ -66,6 +71,7 @@ class Generate(Command):
         from ..components import native_size
         from ..console import console, steps_bar, table
         from ..loading import load_pipeline
+        from ..lora import check_adapter_file
         from ..pipeline import check_size, compile
 
         output = check_output_file(args.output)
@@ -79,8 +85,15 @@ class Generate(Command):
         reference = load_pipeline(args.model, lazy=True)  # configs only: weights load only for what must be built
         native = native_size(reference)
         check_size(args.height or native, args.width or native)  # before a compile that could take minutes
+        for path, _scale in args.lora:
+            check_adapter_file(path, reference, "--lora")
         options = options.replace(profile=_profile_for(args, image, reference, options))
         pipe = compile(reference, options=options, on_stage=show_stage, label=str(args.model))
+        if args.lora:
+            names = [f"lora{i}" for i in range(len(args.lora))]
+            for name, (path, _scale) in zip(names, args.lora):
+                pipe.load_lora_weights(str(path), adapter_name=name)
+            pipe.set_adapters(names, [scale for _path, scale in args.lora])
         load_seconds = time.perf_counter() - start
         if args.scheduler:
             pipe.set_scheduler(args.scheduler)
@@ -107,7 +120,7 @@ class Generate(Command):
                                                    for i in range(len(images))]
         for img, path in zip(images, paths):
             img.save(path)
-        rows = [["compile / load engines", f"{load_seconds:.2f} s", ""]]
+        rows = [["compile / load engines" + (" + LoRA" if args.lora else ""), f"{load_seconds:.2f} s", ""]]
         rows += [[name, f"{pipe.times.seconds[name]:.2f} s", f"{pipe.times.calls[name]} calls"]
                  for name in pipe.times.seconds]
         rows.append(["whole call", f"{call_seconds:.2f} s", pipe.task(image, mask)])
@@ -142,10 +155,11 @@ class Batch(Command):
     """Generate one image per line of a JSONL file, in this process or on a Ray cluster (--ray).
 
     Each line is one job: {"prompt": "...", "negative_prompt": "...", "seed": 1, "steps": 30, "guidance": 7.5,
-    "height": 512, "width": 512, "id": "cat-1"}; only prompt is required (seed and id default to the line
-    number, the size to the model's). DIR gets <id>.png per job and results.jsonl (one line per job). Every
-    line and size is checked before any work starts; running the same command again after an interruption
-    does only the jobs that are not done.
+    "height": 512, "width": 512, "id": "cat-1", "loras": ["style.safetensors:0.8"]}; only prompt is required
+    (seed and id default to the line number, the size to the model's; loras are PATH[:SCALE] strings or
+    {"path": ..., "scale": ...} objects, and jobs with the same adapters share calls). DIR gets <id>.png per
+    job and results.jsonl (one line per job). Every line and size is checked before any work starts; running
+    the same command again after an interruption does only the jobs that are not done.
     """
 
     name = "batch"
@@ -153,7 +167,8 @@ class Batch(Command):
     def add_arguments(self, p: argparse.ArgumentParser) -> None:
         add_model(p)
         p.add_argument("prompts", type=Path, metavar="PROMPTS.jsonl",
-                       help="one job per line: prompt, negative_prompt, seed, steps, guidance, height, width, id")
+                       help="one job per line: prompt, negative_prompt, seed, steps, guidance, height, width, id, "
+                            "loras")
         p.add_argument("--out", type=Path, required=True, metavar="DIR",
                        help="folder for <id>.png per job and results.jsonl (created if missing; jobs already "
                             "there are skipped)")
@@ -177,6 +192,7 @@ class Batch(Command):
                        help="image heights the engines serve (default: half to double the model's size)")
         p.add_argument("--width", type=size_range, metavar="MIN:MAX",
                        help="image widths the engines serve (default: half to double the model's size)")
+        add_lora_targets(p)
         add_cache_dir(p)
         add_json(p, "the run's summary")
 
@@ -191,11 +207,13 @@ class Batch(Command):
         if args.ray is not None:
             import_ray()  # a missing extra is the first thing to say
         threads = args.threads or (1 if args.ray is not None else None)  # Ray: one CPU per worker unless asked
-        options = CompileOptions(backend=args.backend, precision=args.precision, min_psnr=args.min_psnr,
-                                 cache_dir=args.cache_dir,
-                                 threads=threads)
-        check_backend(options)
         jobs = read_jobs(args.prompts)
+        # jobs with adapters switch them between batches: by default the attention projections are run-time weights
+        targets = args.lora_targets if args.lora_targets is not None else \
+            ("attention" if any(job.loras for job in jobs) else ())
+        options = CompileOptions(backend=args.backend, precision=args.precision, min_psnr=args.min_psnr,
+                                 cache_dir=args.cache_dir, threads=threads, lora_targets=targets)
+        check_backend(options)
         plan = prepare(args.model, jobs, args.out, batch_size=args.batch_size, options=options, height=args.height,
                        width=args.width)
         bar = _batch_bar()
