@@ -38,6 +38,10 @@ BAD = {
         ["generate", "{missing}", "a cat", "-o", "{out}"],
         ["generate", "{model}", "a cat", "-o", "{new}/x.png"],
         ["generate", "{model}", "a cat", "-o", "{full}"],
+        ["generate", "{model}", "a cat", "-o", "{out}", "--lora", "{missing}"],
+        ["generate", "{model}", "a cat", "-o", "{out}", "--lora", "{file}:0.5"],
+        ["generate", "{model}", "a cat", "-o", "{out}", "--lora", "{file}:inf"],
+        ["generate", "{model}", "a cat", "-o", "{out}", "--lora-targets", "to q"],
     ],
     "batch": [
         ["batch", "{model}", "{jobs}", "--out", "{new}", "--batch-size", "0"],
@@ -47,6 +51,7 @@ BAD = {
         ["batch", "{model}", "{jobs}", "--out", "{new}", "--backend", "torch", "--precision", "fp16"],
         ["batch", "{model}", "{jobs}", "--out", "{new}", "--height", "64:0"],
         ["batch", "{model}", "{jobs}", "--out", "{file}"],
+        ["batch", "{model}", "{lora_jobs}", "--out", "{new}"],
     ],
     "export": [
         ["export", "{missing}", "{new}"],
@@ -60,6 +65,8 @@ BAD = {
         ["compile", "{model}", "--threads", "0"],
         ["compile", "{model}", "--trt-opt-level", "9"],
         ["compile", "{model}", "--components", "text_encoder_2"],
+        ["compile", "{model}", "--lora-targets", ".to_q"],
+        ["compile", "{model}", "--backend", "openvino", "--precision", "int8", "--lora-targets", "attention"],
         ["compile", "{file}"],
     ],
     "cache": [
@@ -97,10 +104,12 @@ def places(tmp_path, tiny_dir):
     Image.new("RGB", (64, 64)).save(tmp_path / "in.png")
     (tmp_path / "jobs.jsonl").write_text(json.dumps({"prompt": "a cat"}) + "\n")
     (tmp_path / "bad.jsonl").write_text('{"prompt": "a cat", "steps": 0}\n')
+    (tmp_path / "lora.jsonl").write_text(json.dumps({"prompt": "a cat", "loras": [str(tmp_path / "none")]}) + "\n")
     return {"model": str(tiny_dir), "out": str(tmp_path / "out.png"), "new": str(tmp_path / "new"),
             "full": str(full), "file": str(tmp_path / "file.txt"), "image": str(tmp_path / "in.png"),
             "missing": str(tmp_path / "missing"), "jobs": str(tmp_path / "jobs.jsonl"),
-            "bad_jobs": str(tmp_path / "bad.jsonl"), "cache": str(tmp_path / "cache")}
+            "bad_jobs": str(tmp_path / "bad.jsonl"), "cache": str(tmp_path / "cache"),
+            "lora_jobs": str(tmp_path / "lora.jsonl")}
 
 
 def _tree(path):

@@ -270,3 +270,33 @@ def test_batch_jobs_with_loras_share_a_pipeline(tiny_dir, tiny_cache, adapters, 
            for job in ("base", "base2", "a1")}
     assert psnr(out["base"], out["base2"]) >= MIN_PSNR  # one call per adapter set
     assert psnr(out["base"], out["a1"]) < MIN_PSNR
+
+
+def _tensorrt_reason() -> str:
+    from kasoku.backends.tensorrt import TensorRTBackend
+
+    availability = TensorRTBackend.availability()
+    return "" if availability.available else f"TensorRT unavailable: {availability.reason}"
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(bool(_tensorrt_reason()), reason=_tensorrt_reason() or "TensorRT available")
+def test_tensorrt_refits_lora_targets_by_name(adapters, reference, tmp_path):
+    """Run-time weights on TensorRT: only they are refittable; a switch refits them, unloading refits the kept
+    base values (never a subtraction, TensorRT issue 3628)."""
+    fast = kasoku.compile(tiny_pipeline(), "tensorrt", cache_dir=tmp_path, components=TXT2IMG,
+                          lora_targets="attention")
+    base_unet = unet_outputs_on_host(fast)
+    fast.load_lora_weights(str(adapters["a"]), adapter_name="a")
+    reference.load_lora_weights(str(adapters["a"]), adapter_name="a")
+    try:
+        assert psnr(image(reference), image(fast)) >= MIN_PSNR
+    finally:
+        reference.unload_lora_weights()
+    fast.unload_lora_weights()
+    np.testing.assert_array_equal(unet_outputs_on_host(fast), base_unet)
+
+
+def unet_outputs_on_host(fast):
+    spec = fast.engines["unet"].spec
+    return fast.engines["unet"].run(spec.sample_inputs(spec.profile.opt, seed=5))["out_sample"].cpu().numpy()

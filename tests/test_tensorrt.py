@@ -34,6 +34,10 @@ def test_builder_options_mapping(tiny_specs, tmp_path):
     assert not fp32.fp16 and not fp32.tf32 and fp32.timing_cache is None
     with pytest.raises(ValueError, match="0..5"):
         trt_build_options(tiny_specs["unet"], Precision.FP32, 9, None)
+    assert fp32.refittable == ()  # plain engines: no weight is refittable (no speed cost)
+    run_time = frozenset({"unet.b.to_q.weight", "unet.a.to_q.weight"})
+    assert trt_build_options(tiny_specs["unet"], Precision.FP32, 3, None, run_time).refittable == (
+        "unet.a.to_q.weight", "unet.b.to_q.weight")
 
 
 @pytest.mark.skipif(importlib.util.find_spec("polygraphy") is None,

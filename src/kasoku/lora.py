@@ -136,7 +136,7 @@ def read_adapter(source: str | Path | Mapping[str, torch.Tensor], name: str, pip
     try:
         state_dict, alphas, metadata = pipeline_class.lora_state_dict(given, unet_config=unet_config,
                                                                       return_lora_metadata=True, **kwargs)
-    except (OSError, ValueError, KeyError) as error:
+    except Exception as error:  # safetensors, torch.load and diffusers' converters raise many kinds
         raise LoraError(f"cannot read the LoRA adapter {source if not isinstance(source, Mapping) else '(dict)'}: "
                         f"{error}") from None
     unknown = sorted({key.split(".")[0] for key in state_dict} - set(graph_weights))
@@ -178,7 +178,7 @@ def check_adapter_file(path: str | Path, pipe, flag: str = "adapter") -> None:
     try:
         state_dict, _ = family_of(pipe).pipeline_class("txt2img").lora_state_dict(str(path),
                                                                                  unet_config=pipe.unet.config)
-    except (OSError, ValueError, KeyError) as error:
+    except Exception as error:  # safetensors, torch.load and diffusers' converters raise many kinds
         raise LoraError(f"{flag} {path} is not a LoRA adapter diffusers can read: {error}") from None
     if not state_dict or not all("lora" in key for key in state_dict):
         raise LoraError(f"{flag} {path} holds no LoRA weights (its tensor names carry no 'lora').")
@@ -218,10 +218,13 @@ class LoraState:
     def next_name(self) -> str:
         return f"default_{len(self.adapters)}"
 
-    def add(self, adapter: LoraAdapter) -> None:
-        if adapter.name in self.adapters:
-            raise LoraError(f"adapter name {adapter.name!r} is already in use; pass another `adapter_name` or "
+    def check_new(self, name: str) -> None:
+        if name in self.adapters:
+            raise LoraError(f"adapter name {name!r} is already in use; pass another `adapter_name` or "
                             "`unload_lora_weights()` first.")
+
+    def add(self, adapter: LoraAdapter) -> None:
+        self.check_new(adapter.name)
         self.adapters[adapter.name] = adapter
         self.active, self.weights = [adapter.name], {adapter.name: 1.0}
 
@@ -301,7 +304,8 @@ class WeightBinding:
         self.graph_weights = dict(graph_weights)
         self.base_run_time = engine.bound  # the exact base values, as the entry stores them
         self.current = engine
-        self._constants_key: tuple = ()
+        self._constants_key: tuple = ()  # which adapters, at which weights, the current engine's constants hold
+        self._constants_adapters: list[LoraAdapter] = []  # kept alive: the key names them by id
         self._module_weights: dict[str, torch.Tensor] | None = None
 
     @property
@@ -329,8 +333,8 @@ class WeightBinding:
         component = self.spec.name
         touched = {n for adapter, _ in contributions for n in adapter.layers.get(component, {})}
         constant_names = touched - self.run_time
-        key = tuple((id(a), w, tuple(sorted(set(a.layers.get(component, {})) & constant_names)))
-                    for a, w in contributions if set(a.layers.get(component, {})) & constant_names)
+        changing = [(a, w) for a, w in contributions if set(a.layers.get(component, {})) & constant_names]
+        key = tuple((id(a), w) for a, w in changing)
         if key != self._constants_key:
             if not key:
                 self.current = self.compiled
@@ -338,7 +342,7 @@ class WeightBinding:
                 constants = merged(self.base(constant_names), contributions, component, constant_names)
                 weights = {**self.module_weights(), **constants, **self.base_run_time}
                 self.current = self.backend.bind_weights(self.spec, self.graph, self.precision, weights, self.run_time)
-            self._constants_key = key
+            self._constants_key, self._constants_adapters = key, [a for a, _ in changing]
         if self.run_time:
             run_time = touched & self.run_time
             self.current.bind({**self.base_run_time, **merged(self.base(run_time), contributions, component,

@@ -245,8 +245,7 @@ class KasokuPipeline:
 
         bindings = self._weight_bindings()
         name = adapter_name or self._loras.next_name()
-        if name in self._loras.adapters:
-            self._loras.add(self._loras.adapters[name])  # raises, naming the adapter, before reading the file
+        self._loras.check_new(name)  # before reading the file
         adapter = read_adapter(pretrained_model_name_or_path_or_dict, name, self.family.pipeline_class("txt2img"),
                                self._source.unet.config, {c: b.graph_weights for c, b in bindings.items()}, **kwargs)
         self._loras.add(adapter)

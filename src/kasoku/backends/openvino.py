@@ -193,6 +193,9 @@ class OpenVinoBackend(Backend):
     def bind_weights(self, spec: ComponentSpec, graph: Path, precision: Precision, weights: dict[str, torch.Tensor],
                      run_time: frozenset[str] = frozenset()) -> Engine:
         self.require()
+        if Precision(precision) == Precision.INT8:
+            raise UnsupportedPrecision(f"new weights for the int8 {spec.name} engine would need quantizing (and "
+                                       "calibrating) it again; compile fp32 or bf16 engines for LoRA adapters.")
         constants = {n: t for n, t in weights.items() if n not in run_time}
         compiled, _ = self._compiled(spec, graph, precision, constants)
         engine = OpenVinoEngine(spec, precision, compiled, blob=constants)

@@ -193,6 +193,8 @@ def check_backend(options) -> None:
         backend.require()
         for precision in precisions - {FASTEST}:
             backend.check_precision(precision)
+            if options.lora_targets:
+                backend.check_run_time_weights(precision)
 
 
 def profile_from_args(args: argparse.Namespace):
