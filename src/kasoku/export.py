@@ -220,8 +220,9 @@ def onnx_files(path: Path) -> list[Path]:
 def ort_session(path: Path, threads: int | None = None, weights: dict[str, torch.Tensor] | None = None):
     """An ONNX Runtime CPU session of an ONNX file; of an architecture graph with `weights` bound as
     initializers at session creation (the session keeps them alive)."""
-    import onnxruntime as ort
+    from .extras import import_onnxruntime
 
+    ort = import_onnxruntime()
     options = ort.SessionOptions()
     options.log_severity_level = 3
     if threads:
@@ -302,9 +303,11 @@ def export_component(
 
 def versions() -> dict[str, str]:
     import diffusers
-    import onnxruntime
     import transformers
 
+    from .extras import import_onnxruntime
+
+    onnxruntime = import_onnxruntime()
     return {
         "kasoku": __version__,
         "torch": torch.__version__,

@@ -160,12 +160,16 @@ def add_engine_arguments(parser: argparse.ArgumentParser, *, profile_flags: bool
     parser.add_argument("--keep-intermediate", action="store_true",
                         help="keep what engines were only built through (int8 calibration engines) in the cache "
                              "(default: drop them; the architecture graphs are always kept: they hold no weights)")
+    parser.add_argument("--cuda-graph", action="store_true",
+                        help="tensorrt and onnxruntime-cuda: capture each engine's GPU work once and replay it as a "
+                             "CUDA graph; needs exact-shape engines (`kasoku generate` builds them for its call)")
     add_lora_targets(parser)
     add_cache_dir(parser)
 
 
-def options_from_args(args: argparse.Namespace, profile=None):
-    """The CompileOptions of the engine arguments, checked before anything is loaded or written."""
+def options_from_args(args: argparse.Namespace, profile=None, *, cuda_graph: bool | None = None):
+    """The CompileOptions of the engine arguments, checked before anything is loaded or written.
+    `cuda_graph` overrides --cuda-graph (a command that chooses its profile later sets it with the profile)."""
     from ..options import CompileOptions
 
     options = CompileOptions(
@@ -176,13 +180,15 @@ def options_from_args(args: argparse.Namespace, profile=None):
         trt_opt_level=getattr(args, "trt_opt_level", CompileOptions.trt_opt_level),
         keep_intermediate=getattr(args, "keep_intermediate", False),
         lora_targets=getattr(args, "lora_targets", None) or (),
+        cuda_graph=getattr(args, "cuda_graph", False) if cuda_graph is None else cuda_graph,
     )
     check_backend(options)
     return options
 
 
-def check_backend(options) -> None:
-    """An explicit backend must be installed and build the asked precision: say so before any work."""
+def check_backend(options, *, cuda_graph: bool = False) -> None:
+    """An explicit backend must be installed and build the asked precision (and, with `cuda_graph`,
+    replay CUDA graphs): say so before any work."""
     from ..backends import get_backend
     from ..options import FASTEST
 
@@ -191,6 +197,8 @@ def check_backend(options) -> None:
     for name in names - {"auto"}:
         backend = get_backend(name, options)
         backend.require()
+        if cuda_graph:
+            backend.check_cuda_graph(asked=True)
         for precision in precisions - {FASTEST}:
             backend.check_precision(precision)
             if options.lora_targets:
