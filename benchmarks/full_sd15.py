@@ -58,13 +58,15 @@ SMOKE_DIR = Path("/tmp/kasoku-full_sd15-smoke")  # --smoke: every stage on the t
 
 def use_smoke_model() -> None:
     """Point every stage at the tiny pipeline (64x64, steps of 16) and keep its results apart."""
-    global MODEL_DIR, WORK, RESULTS, SIZE, MULTIPLE
+    global MODEL_DIR, SECOND_MODEL_DIR, WORK, RESULTS, SIZE, MULTIPLE
     MODEL_DIR, WORK, RESULTS = SMOKE_DIR / "model", SMOKE_DIR / "work", SMOKE_DIR / "results"
+    SECOND_MODEL_DIR = SMOKE_DIR / "model-2"
     SIZE, MULTIPLE = 64, 16
-    if not (MODEL_DIR / "model_index.json").exists():
-        from kasoku.tiny import write_tiny_pipeline
+    from kasoku.tiny import write_tiny_pipeline
 
-        write_tiny_pipeline(MODEL_DIR)
+    for folder, seed in ((MODEL_DIR, 0), (SECOND_MODEL_DIR, 1)):
+        if not (folder / "model_index.json").exists():
+            write_tiny_pipeline(folder, seed=seed)
 
 
 def build_sd15(directory: Path, seed: int = 0) -> Path:
@@ -451,8 +453,11 @@ def stage_lora(backend: str, args) -> dict:
     from lora import measure  # benchmarks/lora.py: this folder is the script's
 
     result = measure(MODEL_DIR, SECOND_MODEL_DIR, backend, args.work / f"lora-{backend}", threads=args.threads,
-                     repeats=args.repeats, rank_a=4, rank_b=64, log=lambda message: print(message, flush=True))
+                     repeats=args.repeats, rank_a=4, rank_b=8 if args.smoke else 64,  # tiny projections: 32 wide
+                     log=lambda message: print(message, flush=True))
     return {**result, "weights_bytes": weights_bytes(MODEL_DIR), "peak_mb": peak_mb()}
+
+
 def stage_ort_qdq(_target: str, args) -> dict:
     """ONNX Runtime's own int8 (static QDQ quantization, per channel, the pipeline's own calibration samples)
     on the full U-Net, against kasoku's int8 (NNCF on OpenVINO) and ONNX Runtime fp32, one call each at
