@@ -39,6 +39,7 @@ test-fast: setup
 bench: setup
 	$(PY) benchmarks/tiny_pipeline.py
 	$(PY) benchmarks/batch_tiny.py
+	$(PY) benchmarks/lora.py
 	$(PY) benchmarks/serve_tiny.py
 	$(PY) benchmarks/full_sd15.py
 	$(PY) benchmarks/full_sdxl.py

@@ -22,6 +22,11 @@ the largest stage's VmHWM):
                      weights, built once into benchmarks/.models/): the ControlNet, then the U-Net that takes
                      its residuals, one call each after warm-up, against torch eager, with the FLOP floor and
                      the whole step; checked against torch's outputs as the speed stage is.
+- lora:<backend>     checkpoints and LoRA adapters without re-export (benchmarks/lora.py): the cold compile of
+                     the base, the compile of a second checkpoint (the architecture with other random weights,
+                     built into benchmarks/.models/sd15-random-2), the switch between two adapters (ranks 4 and
+                     64 on the U-Net's attention projections) with run-time weights and with constant weights,
+                     and the U-Net's speed with bound weights against constant and run-time weights.
 
 Every stage's result is merged into benchmarks/results/<date>-<host>-full_sd15.json, and the markdown
 beside it is written again from everything measured that day, so stages can be run one at a time.
@@ -47,6 +52,7 @@ import torch
 HERE = Path(__file__).resolve().parent
 MODEL_DIR = HERE / ".models" / "sd15-random"
 CONTROLNET_DIR = HERE / ".models" / "sd15-controlnet-random"
+SECOND_MODEL_DIR = HERE / ".models" / "sd15-random-2"  # the same architecture, other weights (stage lora)
 WORK = HERE / ".models" / "sd15-work"
 RESULTS = HERE / "results"
 TXT2IMG = ("text_encoder", "unet", "vae_decoder")
@@ -58,14 +64,16 @@ SMOKE_DIR = Path("/tmp/kasoku-full_sd15-smoke")  # --smoke: every stage on the t
 
 def use_smoke_model() -> None:
     """Point every stage at the tiny pipeline (64x64, steps of 16) and keep its results apart."""
-    global MODEL_DIR, CONTROLNET_DIR, WORK, RESULTS, SIZE, MULTIPLE
+    global MODEL_DIR, CONTROLNET_DIR, SECOND_MODEL_DIR, WORK, RESULTS, SIZE, MULTIPLE
     MODEL_DIR, WORK, RESULTS = SMOKE_DIR / "model", SMOKE_DIR / "work", SMOKE_DIR / "results"
     CONTROLNET_DIR = MODEL_DIR / "controlnet"
+    SECOND_MODEL_DIR = SMOKE_DIR / "model-2"
     SIZE, MULTIPLE = 64, 16
-    if not (MODEL_DIR / "model_index.json").exists():
-        from kasoku.tiny import write_tiny_pipeline
+    from kasoku.tiny import write_tiny_pipeline
 
-        write_tiny_pipeline(MODEL_DIR)
+    for folder, seed in ((MODEL_DIR, 0), (SECOND_MODEL_DIR, 1)):
+        if not (folder / "model_index.json").exists():
+            write_tiny_pipeline(folder, seed=seed)
     if not (CONTROLNET_DIR / "config.json").exists():
         from kasoku.tiny import write_tiny_controlnet
 
@@ -127,10 +135,11 @@ def cache_for(args, backend: str) -> Path:
     return args.cache / backend
 
 
-def stage_model(_target: str, args) -> dict:
+def stage_model(target: str, args) -> dict:
+    folder, seed = (SECOND_MODEL_DIR, 1) if target == "sd15-2" else (MODEL_DIR, 0)
     start = time.perf_counter()
-    build_sd15(MODEL_DIR)
-    return {"seconds": time.perf_counter() - start, "weights_bytes": weights_bytes(MODEL_DIR), "peak_mb": peak_mb()}
+    build_sd15(folder, seed=seed)
+    return {"seconds": time.perf_counter() - start, "weights_bytes": weights_bytes(folder), "peak_mb": peak_mb()}
 
 
 def stage_cold(backend: str, args) -> dict:
@@ -515,6 +524,16 @@ def stage_fidelity(precision: str, args) -> dict:
     return result
 
 
+def stage_lora(backend: str, args) -> dict:
+    """benchmarks/lora.py's measurements at full size, in a cache of their own (emptied first)."""
+    from lora import measure  # benchmarks/lora.py: this folder is the script's
+
+    result = measure(MODEL_DIR, SECOND_MODEL_DIR, backend, args.work / f"lora-{backend}", threads=args.threads,
+                     repeats=args.repeats, rank_a=4, rank_b=8 if args.smoke else 64,  # tiny projections: 32 wide
+                     log=lambda message: print(message, flush=True))
+    return {**result, "weights_bytes": weights_bytes(MODEL_DIR), "peak_mb": peak_mb()}
+
+
 def stage_ort_qdq(_target: str, args) -> dict:
     """ONNX Runtime's own int8 (static QDQ quantization, per channel, the pipeline's own calibration samples)
     on the full U-Net, against kasoku's int8 (NNCF on OpenVINO) and ONNX Runtime fp32, one call each at
@@ -585,7 +604,7 @@ def stage_ort_qdq(_target: str, args) -> dict:
 STAGES = {"model": stage_model, "cold": stage_cold, "warm": stage_warm, "warm-folder": stage_warm_folder,
           "runtime": stage_runtime, "speed": stage_speed, "ov-probe": stage_ov_probe, "image": stage_image,
           "fidelity": stage_fidelity, "ort-qdq": stage_ort_qdq,
-          "controlnet": stage_controlnet}
+          "controlnet": stage_controlnet, "lora": stage_lora}
 
 
 # ---- the run -----------------------------------------------------------------------------------------
@@ -685,6 +704,9 @@ def main(argv: list[str] | None = None) -> int:
     if not (MODEL_DIR / "model_index.json").exists():  # built in a process of its own: its memory goes with it
         log(f"building SD 1.5 with random weights into {MODEL_DIR}")
         _record("model", "sd15", _run_stage("model", "sd15", args, log), machine)
+    if "lora" in args.stages.split(",") and not (SECOND_MODEL_DIR / "model_index.json").exists():
+        log(f"building a second SD 1.5 checkpoint (other random weights) into {SECOND_MODEL_DIR}")
+        _record("model", "sd15-2", _run_stage("model", "sd15-2", args, log), machine)
     for stage in args.stages.split(","):
         targets = {"speed": args.contenders.split(","), "controlnet": args.contenders.split(","),
                    "ov-probe": ["unet"], "ort-qdq": ["unet"],
@@ -801,6 +823,11 @@ def markdown(report: dict) -> str:
                       + (f"{_median(r['onnxruntime_int8_s']):.2f} (rel. error {r['onnxruntime_int8_rel_error']:.3f},"
                          f" quantized in {r['onnxruntime_quantize_s']:.0f} s) |" if "onnxruntime_int8_s" in r
                          else f"failed: {r.get('quantize_failed')} |"), ""]
+    if "lora" in report:
+        from lora import markdown as lora_markdown
+
+        lines += [lora_markdown(report["lora"], "Checkpoints and LoRA adapters without re-export (stage lora)").replace(
+            "# ", "## ", 1), ""]
     if "image" in report:
         lines += _image_table(report)
     if "fidelity" in report:

@@ -60,20 +60,25 @@ def test_only_the_engine_is_proven_and_a_failure_names_the_stage(tiny_dir, tmp_p
     assert len({p["shape"] for p in engine.detail["parity"]}) == 2
     assert "parity" not in next(s for s in report.stages if s.stage == "export").detail
 
-    def export_then_break(spec, path, **kwargs):  # a broken exporter: its file computes something else
+    def export_then_break(spec, path, **kwargs):  # a broken exporter: its graph computes something else
+        import numpy as np
         import onnx
-        from onnx import numpy_helper
+        from onnx import helper, numpy_helper
 
         result = real_export(spec, path, **kwargs)
         model = onnx.load(str(path))
-        matrices = [t for t in model.graph.initializer if t.data_type == onnx.TensorProto.FLOAT and len(t.dims) == 2]
-        weight = matrices[len(matrices) // 2]  # a projection inside the encoder
-        weight.CopyFrom(numpy_helper.from_array(numpy_helper.to_array(weight) * -2.0, weight.name))
+        output = model.graph.output[0].name
+        for node in model.graph.node:
+            for i, name in enumerate(node.output):
+                if name == output:
+                    node.output[i] = f"{output}.unbroken"
+        model.graph.node.append(helper.make_node("Mul", [f"{output}.unbroken", "minus_two"], [output]))
+        model.graph.initializer.append(numpy_helper.from_array(np.array(-2.0, np.float32), "minus_two"))
         onnx.save(model, str(path))
         return result
 
-    real_export = kasoku.build.export_component
-    monkeypatch.setattr(kasoku.build, "export_component", export_then_break)
+    real_export = kasoku.build.export_graph
+    monkeypatch.setattr(kasoku.build, "export_graph", export_then_break)
     with pytest.raises(ParityError, match="export of text_encoder"):
         compile_components(tiny_dir, backend="onnxruntime", cache=tmp_path / "other", components=["text_encoder"])
 

@@ -51,6 +51,10 @@ BAD = {
         ["generate", "{missing}", "a cat", "-o", "{out}"],
         ["generate", "{model}", "a cat", "-o", "{new}/x.png"],
         ["generate", "{model}", "a cat", "-o", "{full}"],
+        ["generate", "{model}", "a cat", "-o", "{out}", "--lora", "{missing}"],
+        ["generate", "{model}", "a cat", "-o", "{out}", "--lora", "{file}:0.5"],
+        ["generate", "{model}", "a cat", "-o", "{out}", "--lora", "{file}:inf"],
+        ["generate", "{model}", "a cat", "-o", "{out}", "--lora-targets", "to q"],
     ],
     "batch": [
         ["batch", "{model}", "{jobs}", "--out", "{new}", "--batch-size", "0"],
@@ -62,6 +66,7 @@ BAD = {
         ["batch", "{model}", "{jobs}", "--out", "{file}"],
         ["batch", "{model}", "{control_jobs}", "--out", "{new}"],
         ["batch", "{model}", "{jobs}", "--out", "{new}", "--controlnet", "{controlnet}"],
+        ["batch", "{model}", "{lora_jobs}", "--out", "{new}"],
     ],
     "serve": [
         ["serve", "{model}", "--port", "70000"],
@@ -91,6 +96,8 @@ BAD = {
         ["compile", "{model}", "--cuda-graph", "--batch", "1:1", "--height", "64:64", "--width", "64:64"],  # guidance?
         ["compile", "{model}", "--trt-opt-level", "9"],
         ["compile", "{model}", "--components", "text_encoder_2"],
+        ["compile", "{model}", "--lora-targets", ".to_q"],
+        ["compile", "{model}", "--backend", "openvino", "--precision", "int8", "--lora-targets", "attention"],
         ["compile", "{file}"],
         ["compile", "{model}", "--controlnet", "{missing}"],
     ],
@@ -140,12 +147,14 @@ def places(tmp_path, tiny_dir, controlnet_folder):
     (tmp_path / "jobs.jsonl").write_text(json.dumps({"prompt": "a cat"}) + "\n")
     (tmp_path / "control.jsonl").write_text(json.dumps({"prompt": "a cat", "control_image": "in.png"}) + "\n")
     (tmp_path / "bad.jsonl").write_text('{"prompt": "a cat", "steps": 0}\n')
+    (tmp_path / "lora.jsonl").write_text(json.dumps({"prompt": "a cat", "loras": [str(tmp_path / "none")]}) + "\n")
     return {"model": str(tiny_dir), "out": str(tmp_path / "out.png"), "new": str(tmp_path / "new"),
             "full": str(full), "file": str(tmp_path / "file.txt"), "image": str(tmp_path / "in.png"),
             "missing": str(tmp_path / "missing"), "jobs": str(tmp_path / "jobs.jsonl"),
             "bad_jobs": str(tmp_path / "bad.jsonl"), "cache": str(tmp_path / "cache"),
             "controlnet": str(controlnet_folder), "small": str(tmp_path / "small.png"),
-            "control_jobs": str(tmp_path / "control.jsonl")}
+            "control_jobs": str(tmp_path / "control.jsonl"),
+            "lora_jobs": str(tmp_path / "lora.jsonl")}
 
 
 def _tree(path):

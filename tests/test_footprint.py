@@ -1,5 +1,5 @@
-"""The cache's footprint: intermediates dropped once the engines exist, one copy of the weights per
-engine, a size budget with least-recently-used eviction that never pulls an entry from under a loader."""
+"""The cache's footprint: architecture graphs without weights, one copy of the weights per engine, a size
+budget with least-recently-used eviction that never pulls an entry from under a loader."""
 
 from __future__ import annotations
 
@@ -28,8 +28,8 @@ def test_a_compiled_unet_costs_at_most_twice_its_weights(tiny_dir, tmp_path, bac
     cache = tmp_path / "cache"
     args = ["compile", str(tiny_dir), "--backend", backend, "--components", "unet", "--cache-dir", str(cache)]
     assert main(args) == 0
-    kinds = {e.kind for e in Cache(cache).list()}
-    assert "onnx" not in kinds  # the export was dropped once the engine existed
+    graphs = [e for e in Cache(cache).list() if e.kind == "graph"]
+    assert len(graphs) == 1 and _initializer_bytes(Cache(cache), graphs[0]) < 1024  # the graph holds no weights
     ratio = Cache(cache).total_bytes() / weights_bytes(tiny_dir / "unet")
     assert ratio <= bound, f"{backend}: the cache is {ratio:.2f}x the U-Net's weights"
     assert len([e for e in Cache(cache).list() if e.kind == "engine"]) == 1  # auto's loser is gone
@@ -38,10 +38,18 @@ def test_a_compiled_unet_costs_at_most_twice_its_weights(tiny_dir, tmp_path, bac
     assert {s["status"] for s in again["stages"]} == {"reused"}
 
 
-def test_keep_intermediate_keeps_the_exports(tiny_dir, tmp_path):
+def _initializer_bytes(cache, entry) -> int:
+    import onnx
+
+    model = onnx.load(str(cache.entries / entry.key / "model.onnx"))
+    return sum(len(t.raw_data) for t in model.graph.initializer)
+
+
+def test_the_graphs_stay_for_the_next_checkpoint(tiny_dir, tmp_path):
+    """A graph holds no weights: it is kept once the engine exists, for any checkpoint of the architecture."""
     assert main(["compile", str(tiny_dir), "--backend", "onnxruntime", "--components", "text_encoder",
-                 "--keep-intermediate", "--cache-dir", str(tmp_path)]) == 0
-    assert sorted(e.kind for e in Cache(tmp_path).list()) == ["engine", "onnx"]
+                 "--cache-dir", str(tmp_path)]) == 0
+    assert sorted(e.kind for e in Cache(tmp_path).list()) == ["engine", "graph"]
 
 
 def _compile(model, cache, env=None, components=("text_encoder",)):

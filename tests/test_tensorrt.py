@@ -117,6 +117,10 @@ def test_builder_options_mapping(tiny_specs, tmp_path):
     assert not (fp32.fp16 or fp32.bf16 or fp32.strongly_typed or fp32.tf32) and fp32.timing_cache is None
     with pytest.raises(ValueError, match="0..5"):
         trt_build_options(tiny_specs["unet"], trt_precision_plan("fp32", "10.9", H200), 9, None)
+    assert fp32.refittable == ()  # plain engines: no weight is refittable (no speed cost)
+    run_time = frozenset({"unet.b.to_q.weight", "unet.a.to_q.weight"})
+    assert trt_build_options(tiny_specs["unet"], trt_precision_plan("fp32", "10.9", H200), 3, None,
+                             run_time).refittable == ("unet.a.to_q.weight", "unet.b.to_q.weight")
 
 
 @pytest.mark.skipif(importlib.util.find_spec("polygraphy") is None,

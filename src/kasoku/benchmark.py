@@ -245,7 +245,7 @@ def bench(
                                   "torch": torch.__version__},
                          threads=threads, repeats=repeats, matmul_gflops=rate, kasoku_backends=kasoku_backends,
                          family=family_of(pipe).title)
-    options = CompileOptions(threads=threads, keep_intermediate=bool(peers))  # the peers run the exported ONNX
+    options = CompileOptions(threads=threads)  # the peers run the exported graph with the weights bound
     compile_seconds: dict[str, dict[str, float]] = {}
     for backend in kasoku_backends:
         log(f"compiling with {backend} (cold)")
@@ -283,13 +283,14 @@ def bench(
                 rss_mb=rss_mb())
         for peer in peers:
             log(f"{name}: {peer}")
-            onnx_path = _exported_onnx(cache, name)
-            run, load = _peer_runner(peer, spec, onnx_path, threads)
-            first, samples = timed_runs(lambda: run(inputs), repeats)  # noqa: B023
-            median = statistics.median(samples)
-            entry.results[peer] = ContenderResult(Stats.of(samples), _max_abs(reference, run(inputs)), base / median,
-                                                  median / floor, warm_load_s=load, first_call_s=first,
-                                                  rss_mb=rss_mb())
+            with tempfile.TemporaryDirectory(prefix="kasoku-bench-onnx-") as folder:
+                onnx_path = _exported_onnx(cache, spec, Path(folder))
+                run, load = _peer_runner(peer, spec, onnx_path, threads)
+                first, samples = timed_runs(lambda: run(inputs), repeats)  # noqa: B023
+                median = statistics.median(samples)
+                entry.results[peer] = ContenderResult(Stats.of(samples), _max_abs(reference, run(inputs)),
+                                                      base / median, median / floor, warm_load_s=load,
+                                                      first_call_s=first, rss_mb=rss_mb())
         report.components.append(entry)
     if end_to_end and kasoku_backends:
         report.end_to_end = _bench_end_to_end(pipe, report, specs, cache, profile, shape, steps, guidance, repeats,
@@ -300,10 +301,14 @@ def bench(
     return report
 
 
-def _exported_onnx(cache, component: str) -> Path | None:
+def _exported_onnx(cache, spec: ComponentSpec, folder: Path) -> Path | None:
+    """The component's exported graph from the cache with its weights bound, as a self-contained ONNX file in
+    `folder` (what the peers run)."""
+    from .export import materialize
+
     for info in cache.list():
-        if info.kind == "onnx" and info.component == component:
-            return cache.entries / info.key / "model.onnx"
+        if info.kind == "graph" and info.component == spec.name and info.parts.get("architecture") == spec.architecture:
+            return materialize(spec, cache.entries / info.key / "model.onnx", folder / "model.onnx")
     return None
 
 

@@ -1,11 +1,14 @@
 """Compile a pipeline's components into engines, every artefact through the cache.
 
-Per component: export (ONNX, parity-checked) → optimize (backend's passes, parity re-checked)
-→ engine (backend build) → load. Each stage is a cache entry keyed by everything that changes
-it. The keys are computed, not walked: the engine's key is derived from the export's and the
-optimization's key parts without opening those entries, so a warm start opens only the final
-engine entry, checks its manifest cheaply and loads it (what the runtime's own load costs).
-Only a miss walks the chain, building what is missing.
+Per component: export (the architecture graph, weights as named inputs) → optimize (backend's
+passes) → engine (backend build, the checkpoint's weights bound) → load. Each stage is a cache entry
+keyed by everything that changes it. The graph and its optimization are keyed by the architecture
+alone (config, exporter, opset, profile, passes, precision), so every checkpoint of an architecture
+shares them; only the engine is keyed by the weights too. The keys are computed, not walked: the
+engine's key is derived from the export's and the optimization's key parts without opening those
+entries, so a warm start opens only the final engine entry, checks its manifest cheaply and loads it
+(what the runtime's own load costs). Only a miss walks the chain, building what is missing: for a
+new checkpoint of a known architecture, only its engine.
 
 `auto` picks per component: on a GPU TensorRT, then ONNX Runtime CUDA; on a CPU whichever of
 ONNX Runtime and OpenVINO runs the component faster here. The choice is measured once per
@@ -34,13 +37,21 @@ from .backends.base import Backend, cpu_name
 from .cache import Cache, CacheEntry, default_cache_dir, digest_key, file_sha256
 from .components import ComponentSpec, Precision, component_specs
 from .errors import KasokuError
-from .export import EXPORT_CODE_VERSION, check_onnx_parity, default_check_shapes, export_component, onnx_files
+from .export import (
+    EXPORT_CODE_VERSION,
+    check_onnx_parity,
+    default_check_shapes,
+    export_graph,
+    module_weights,
+    onnx_files,
+)
 from .extras import import_onnxruntime
 from .families import family_of
 from .fingerprint import WeightsFingerprints
 from .optimize import optimize
 from .options import FASTEST, CompileOptions
 from .parity import parity_against_torch, raise_on_failure
+from .weights import GraphWeight, bindable_tensors, read_graph_weights, run_time_weights
 
 ONNX_FILE = "model.onnx"
 AUTO_REPEATS = 3
@@ -132,11 +143,22 @@ class Compiler:
     # ---- key parts, computed without opening any entry --------------------------------------
 
     def export_parts(self, spec: ComponentSpec) -> dict[str, Any]:
+        """The architecture graph's key: no weights (every checkpoint of the architecture shares it)."""
         if self.options.onnx_dir is not None:
             files = onnx_files(self._given_onnx(spec))
             return {"kind": "onnx-file", "component": spec.name, "files": [file_sha256(f) for f in files]}
-        return {"kind": "onnx", "component": spec.name, "weights": spec.fingerprint, "exporter": self.options.exporter,
-                "opset": self.options.opset, "profile": spec.profile.to_dict(), **_versions()}
+        return {"kind": "graph", "component": spec.name, "architecture": spec.architecture,
+                "exporter": self.options.exporter, "opset": self.options.opset, "profile": spec.profile.to_dict(),
+                **_versions()}
+
+    def binds_weights(self) -> bool:
+        """Whether engines are built from an architecture graph and a checkpoint's weights (not from ONNX files
+        that hold their own weights)."""
+        return self.options.onnx_dir is None
+
+    def lora_targets(self, spec: ComponentSpec) -> tuple[str, ...]:
+        """The modules whose weights stay inputs of `spec`'s engine (bound per LoRA adapter set)."""
+        return self.options.lora_targets if spec.takes_lora and self.binds_weights() else ()
 
     def optimized_parts(self, spec: ComponentSpec, backend: Backend, source: str) -> dict[str, Any]:
         # The passes say everything precision changes in the graph (the fp16 pass); precisions that
@@ -153,12 +175,20 @@ class Compiler:
         plan = CalibrationPlan(samples=self.options.calibration_samples)
         precision = Precision.BF16 if native_bf16() else Precision.FP32
         return {"kind": "calibration", "component": spec.name, "source": source, "shape": vars(spec.profile.opt),
-                "plan": plan.to_dict(), "precision": precision.value, "backend": "openvino"}
+                "plan": plan.to_dict(), "precision": precision.value, "backend": "openvino",
+                **({"weights": spec.fingerprint} if self.binds_weights() else {})}
 
     def engine_parts(self, spec: ComponentSpec, backend: Backend, source: str) -> dict[str, Any]:
+        """The engine's key: its graph's, the checkpoint's weights, the backend's, and the LoRA targets kept as
+        run-time weights."""
         precision = self.precision(spec)
-        return {"kind": "engine", "component": spec.name, "source": source, "profile": spec.profile.to_dict(),
-                **backend.key(precision)}
+        parts = {"kind": "engine", "component": spec.name, "source": source, "profile": spec.profile.to_dict(),
+                 **backend.key(precision)}
+        if self.binds_weights():
+            parts["weights"] = spec.fingerprint
+        if self.lora_targets(spec):
+            parts["lora_targets"] = list(self.lora_targets(spec))
+        return parts
 
     def chain(self, spec: ComponentSpec, backend: Backend) -> KeyChain:
         """The key parts of every entry from the export to `backend`'s engine of `spec`."""
@@ -219,10 +249,9 @@ class Compiler:
 
         def build(tmp: Path) -> dict:
             # Proven against torch once, at the end of the chain (the engine); a failure there checks
-            # this file again to name the stage that broke it (see `engine_parity`).
-            result = export_component(spec, tmp / ONNX_FILE, exporter=self.options.exporter, opset=self.options.opset,
-                                      check_shapes=[])
-            return {"export_seconds": result.seconds}
+            # this graph again, with the weights bound, to name the stage that broke it (see `engine_parity`).
+            result = export_graph(spec, tmp / ONNX_FILE, exporter=self.options.exporter, opset=self.options.opset)
+            return {"export_seconds": result.seconds, "weights": result.weights}
 
         return self._stage(spec, "export", parts, build)
 
@@ -271,12 +300,24 @@ class Compiler:
     def built_engine(self, spec: ComponentSpec, backend: Backend, parts: dict, sources: list[CacheEntry],
                      calibration: Callable[[], list] | None = None) -> CacheEntry:
         precision = self.precision(spec)
+        graph = sources[-1].file(ONNX_FILE)
+        # A graph this compile exported is proven at two shapes of the profile; one from the cache was proven
+        # when it was built, so only the weights are new: one shape, the profile's smallest, proves them.
+        exported_now = any(r.component == spec.name and r.stage == "export" and r.status != "reused"
+                           for r in self.records)
 
         def build(tmp: Path) -> dict:
-            meta = backend.build(spec, sources[-1].file(ONNX_FILE), tmp, precision, calibration=calibration) or {}
+            weights = run_time = None
+            if self.binds_weights():
+                weights = module_weights(spec, onnx.load(str(graph)))
+                run_time = run_time_weights(weights, self.lora_targets(spec))
+            meta = backend.build(spec, graph, tmp, precision, calibration=calibration, weights=weights,
+                                 run_time=run_time or frozenset()) or {}
             if self.options.check_parity:
                 engine = backend.load(spec, tmp, precision)
-                meta["parity"] = [p.to_dict() for p in self.engine_parity(spec, engine, precision, sources)]
+                shapes = None if exported_now or not self.binds_weights() else [spec.profile.min]
+                meta["parity"] = [p.to_dict() for p in self.engine_parity(spec, engine, precision, sources, shapes,
+                                                                          weights)]
             return meta
 
         return self._stage(spec, "engine", parts, build)
@@ -291,10 +332,12 @@ class Compiler:
         backend = self.backend(backend_name)
         precision = self.precision(spec)
         backend.check_precision(precision)
+        if self.lora_targets(spec):
+            backend.check_run_time_weights(precision)
         if not backend.needs_onnx:
             return backend.load(spec, None, precision)
         chain = self.chain(spec, backend)
-        export_parts, optimized_parts, engine_parts = chain.export, chain.optimized, chain.engine
+        engine_parts = chain.engine
         calibration = None
         if chain.calibration is not None:
             def calibration() -> list:
@@ -309,13 +352,10 @@ class Compiler:
                 self._record(spec, "engine", "reused", entry, time.perf_counter() - start)
                 return engine
         with contextlib.ExitStack() as held:  # no other process drops a source while we build from it
-            sources = [self.exported(spec, export_parts)]
-            held.enter_context(self.cache.reading(sources[0].key))
-            if optimized_parts is not None:
-                sources.append(self.optimized(spec, optimized_parts, sources[0]))
-                held.enter_context(self.cache.reading(sources[1].key))
+            sources = self.sources(spec, backend, chain, held)
             entry = self.built_engine(spec, backend, engine_parts, sources, calibration)
-        self.intermediates.update(source.key for source in sources)
+        if not self.binds_weights():  # a user's ONNX files and their optimization hold weights: throwaway copies
+            self.intermediates.update(source.key for source in sources)
         if self.records[-1].status != "reused":
             self.built[(spec.name, backend_name)] = entry.key
         engine = self._load(spec, backend, entry, precision)
@@ -323,6 +363,35 @@ class Compiler:
             raise EngineLoadError(f"the {backend.name} engine of {spec.name} in {entry.path} was damaged right "
                                   "after it was built; check the disk, then `kasoku cache check --repair`.")
         return engine
+
+    def sources(self, spec: ComponentSpec, backend: Backend, chain: KeyChain,
+                held: contextlib.ExitStack) -> list[CacheEntry]:
+        """The export and, where the backend runs passes, the optimized graph of `spec`: from the cache, built
+        when missing, each held for reading until `held` closes."""
+        sources = [self.exported(spec, chain.export)]
+        held.enter_context(self.cache.reading(sources[0].key))
+        if chain.optimized is not None:
+            sources.append(self.optimized(spec, chain.optimized, sources[0]))
+            held.enter_context(self.cache.reading(sources[1].key))
+        return sources
+
+    def weight_binding(self, spec: ComponentSpec, backend_name: str, engine: Engine):
+        """What rebinding `spec`'s weights needs (LoRA adapters on a compiled pipeline): its graph (from the
+        cache, built again if it was evicted), backend and precision, and the compiled engine."""
+        from .lora import WeightBinding
+
+        if not self.binds_weights():
+            raise KasokuError(f"the {spec.name} engine was built from ONNX files that hold their own weights "
+                              "(onnx_dir); LoRA adapters need engines compiled from the model itself.")
+        backend = self.backend(backend_name)
+        if not backend.needs_onnx:  # torch binds the module's own tensors: no graph
+            weights = {n: GraphWeight.of(n, t) for n, t in bindable_tensors(spec.module).items()}
+            return WeightBinding(spec, backend, self.precision(spec), None, engine, weights)
+        chain = self.chain(spec, backend)
+        with contextlib.ExitStack() as held:
+            graph = self.sources(spec, backend, chain, held)[-1].file(ONNX_FILE)
+        return WeightBinding(spec, backend, self.precision(spec), graph, engine,
+                             read_graph_weights(graph, spec.input_names))
 
     def finish(self) -> None:
         """Once every engine of this compile exists: drop the intermediates they were built from (unless
@@ -335,18 +404,20 @@ class Compiler:
         self.cache.enforce_budget(keep=used - self.intermediates)
 
     def engine_parity(self, spec: ComponentSpec, engine: Engine, precision: Precision,
-                      sources: list[CacheEntry]) -> list:
-        """The new engine against torch at two shapes of its profile: one check for the whole chain
-        (export, passes, engine build). A mismatch checks the ONNX files of the chain in ONNX Runtime to
-        name the stage that broke parity."""
+                      sources: list[CacheEntry], shapes=None, weights: dict | None = None) -> list:
+        """The new engine against torch at `shapes` (default: two shapes of its profile): one check for the
+        whole chain (export, passes, engine build). A mismatch checks the ONNX files of the chain in ONNX
+        Runtime (the graphs with `weights` bound) to name the stage that broke parity."""
         from .parity import ParityError
 
-        shapes = default_check_shapes(spec.profile)
+        shapes = shapes or default_check_shapes(spec.profile)
         try:
             return engine_parity(spec, engine, precision, self.references, shapes)
         except ParityError as error:
             for stage, entry in zip(("export", "optimization"), sources):
-                check_onnx_parity(spec, entry.file(ONNX_FILE), shapes, stage=stage,
+                graph = entry.file(ONNX_FILE)
+                bound = None if weights is None else module_weights(spec, onnx.load(str(graph)))
+                check_onnx_parity(spec, graph, shapes, stage=stage, weights=bound,
                                   precision=Precision.FP32 if stage == "export" else precision)
             raise error
 

@@ -244,6 +244,7 @@ class ComponentSpec:
     fp16_keep_ops: tuple[str, ...] = ()  # ops that overflow in fp16 in this component, kept fp32
     modules: tuple[str, ...] = ()  # the pipeline attributes whose weights it uses ("vae", "unet", ...)
     int8: str = "weights"  # int8 recipe (kasoku.quantize): "weights" only, or "hybrid" (calibrated activations)
+    takes_lora: bool = False  # LoRA adapters change its weights (diffusers loads them into this component)
 
     def precision_for(self, requested: Precision | str) -> Precision:
         """The precision this component is built in when `requested` is asked for."""
@@ -344,9 +345,22 @@ class ComponentSpec:
         return {name: out.detach().cpu().numpy() for name, out in zip(self.output_names, outputs)}
 
 
+# Config entries that say how a module was saved, not what its graph is: a pipeline saved to a folder and loaded
+# back gains them (transformers writes `architectures` and `dtype`) and must keep its architecture key. A dtype
+# other than fp32 stays: it changes the graph's weight inputs.
+_NOT_ARCHITECTURE = frozenset({"architectures", "transformers_version"})
+_FP32_NAMES = (None, "float32", "torch.float32")
+
+
+def _architecture_entry(key: str, value) -> bool:
+    if key.startswith("_") or key in _NOT_ARCHITECTURE:
+        return False
+    return not (key in ("dtype", "torch_dtype") and (value in _FP32_NAMES or str(value) in _FP32_NAMES))
+
+
 def _jsonable(value):
     if isinstance(value, Mapping):
-        return {str(k): _jsonable(v) for k, v in value.items() if not str(k).startswith("_")}
+        return {str(k): _jsonable(v) for k, v in value.items() if _architecture_entry(str(k), v)}
     if isinstance(value, (list, tuple)):
         return [_jsonable(v) for v in value]
     if isinstance(value, (str, int, float, bool)) or value is None:

@@ -1,7 +1,11 @@
 """Export components to ONNX, always under :func:`exportable_attention`, and prove parity.
 
-Right after a component is written, ONNX Runtime (CPU) runs it at two shapes inside its
-profile and compares with torch; a mismatch over the tolerance fails the export.
+The cache keeps one graph per architecture (:func:`export_graph`): the exported graph with every
+weight a named input and no weight data, so any checkpoint of the architecture binds its own weights
+to it (:mod:`kasoku.weights`). :func:`export_component` writes a self-contained ONNX file (the graph
+with the module's weights as initializers) for `kasoku export` and proves parity: ONNX Runtime (CPU)
+runs it at two shapes inside its profile and compares with torch; a mismatch over the tolerance fails
+the export.
 """
 
 from __future__ import annotations
@@ -26,11 +30,21 @@ from .components import ComponentSpec, ImageShape, Precision, ShapeProfile, comp
 from .errors import KasokuError
 from .options import DEFAULT_EXPORTER, DEFAULT_OPSET, EXPORTERS
 from .parity import OutputParity, parity_against_torch, raise_on_failure
+from .weights import (
+    as_numpy,
+    base_layers,
+    bindable_tensors,
+    graph_weights,
+    save_with_weights,
+    weights_for,
+    with_initializers,
+)
 
 logger = logging.getLogger(__name__)
 
 # Bump when a change here changes the exported graphs: it is part of every export's cache key.
-EXPORT_CODE_VERSION = 2
+# 3: graphs without weights (weights are named inputs), keyed by architecture.
+EXPORT_CODE_VERSION = 3
 # A protobuf cannot exceed 2 GiB, so larger models keep their weights in a side file.
 EXTERNAL_DATA_THRESHOLD = 2 * 1024**3
 
@@ -74,10 +88,6 @@ def _export_shape(profile: ShapeProfile) -> ImageShape:
     # sizes 0 and 1, which would freeze the batch.
     opt, high = profile.opt, profile.max
     return ImageShape(batch=min(max(2, opt.batch), high.batch), height=opt.height, width=opt.width)
-
-
-def _parameter_bytes(module: torch.nn.Module) -> int:
-    return sum(p.numel() * p.element_size() for p in module.state_dict().values())
 
 
 def _dynamo_dims(spec: ComponentSpec) -> dict[str, object]:
@@ -131,36 +141,94 @@ def _quiet_exporter():
         yield
 
 
-def _export_to_file(
-    spec: ComponentSpec, path: Path, exporter: str, opset: int, external_data: bool
-) -> None:
+def _weights_to_inputs(graph, names: set[str]) -> None:
+    """An onnx_ir graph's weight initializers (those in `names`) as graph inputs without data."""
+    for name in [n for n in graph.initializers if n in names]:
+        value = graph.initializers.pop(name)
+        value.const_value = None
+        graph.inputs.append(value)
+
+
+def _export_graph_to_file(spec: ComponentSpec, path: Path, exporter: str, opset: int, weights: set[str]) -> None:
+    """The graph with `weights` as named inputs. The dynamo exporter runs without its optimizer, which
+    would fold weights into new, unnamed constants (transposed projections, reshaped norms); its optimizer
+    runs afterwards on the graph whose weights are inputs, so it folds only what no weight feeds."""
     example = spec.sample_inputs(_export_shape(spec.profile))
     args = tuple(example[name] for name in spec.input_names)
     common = dict(input_names=list(spec.input_names), output_names=list(spec.output_names), opset_version=opset)
     with exportable_attention(), torch.no_grad(), _quiet_exporter():
         if exporter == "dynamo":
-            program = torch.onnx.export(
-                spec.module, args, dynamo=True, dynamic_shapes=_dynamo_dynamic_shapes(spec), verbose=False, **common
-            )
-            program.save(str(path), external_data=external_data)
-        else:
-            torch.onnx.export(
-                spec.module, args, str(path), dynamo=False, dynamic_axes=_torchscript_dynamic_axes(spec), **common
-            )
-            if external_data:
-                _move_weights_to_external_data(path)
+            program = torch.onnx.export(spec.module, args, dynamo=True, dynamic_shapes=_dynamo_dynamic_shapes(spec),
+                                        verbose=False, optimize=False, **common)
+            _weights_to_inputs(program.model.graph, weights)
+            program.optimize()
+            program.save(str(path), external_data=False)
+            return
+        torch.onnx.export(spec.module, args, str(path), dynamo=False, do_constant_folding=False,
+                          keep_initializers_as_inputs=True, dynamic_axes=_torchscript_dynamic_axes(spec), **common)
+    model = onnx.load(str(path), load_external_data=False)
+    kept = [t for t in model.graph.initializer if t.name not in weights]
+    del model.graph.initializer[:]
+    model.graph.initializer.extend(kept)
+    for side_file in onnx_files(path)[1:]:
+        side_file.unlink()
+    onnx.save_model(model, str(path))
 
 
-def _move_weights_to_external_data(path: Path) -> None:
+@dataclass
+class ExportedGraph:
+    """An architecture graph: weights are named inputs (`weights`: how many), no weight data."""
+
+    path: Path
+    weights: int
+    size_bytes: int
+    seconds: float
+
+
+def export_graph(spec: ComponentSpec, path: str | Path, *, exporter: str = DEFAULT_EXPORTER,
+                 opset: int = DEFAULT_OPSET) -> ExportedGraph:
+    """Export the architecture graph of `spec` to `path`: every weight a graph input named as in the
+    module's state dict, no weight data (a PEFT-wrapped module exports as its base architecture). Every
+    weight input must be a tensor of the module; anything else in the graph is independent of the weights."""
+    if exporter not in EXPORTERS:
+        raise ValueError(f"exporter must be one of {EXPORTERS} but is {exporter!r}.")
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    start = time.perf_counter()
+    with base_layers(spec.module):
+        names = set(bindable_tensors(spec.module))
+        try:
+            _export_graph_to_file(spec, path, exporter, opset, names)
+        except Exception as error:  # the exporters raise many kinds; name the component
+            raise ExportError(f"exporting {spec.name} with the {exporter} exporter failed: {error}") from error
     model = onnx.load(str(path))
-    onnx.save_model(
-        model,
-        str(path),
-        save_as_external_data=True,
-        all_tensors_to_one_file=True,
-        location=path.name + ".data",
-        size_threshold=1024,
-    )
+    for node in model.graph.node:  # the exporter's debugging notes (stack traces, FX nodes): most of the file
+        del node.metadata_props[:]
+    onnx.save_model(model, str(path))
+    onnx.checker.check_model(model)
+    strangers = [name for name in graph_weights(model, spec.input_names) if name not in names]
+    if strangers:
+        raise ExportError(f"the {exporter} exporter gave {spec.name} graph inputs that are not weights of the "
+                          f"module: {', '.join(strangers[:5])}; weights cannot be bound to this graph by name.")
+    return ExportedGraph(path, len(graph_weights(model, spec.input_names)), path.stat().st_size,
+                         time.perf_counter() - start)
+
+
+def module_weights(spec: ComponentSpec, graph: onnx.ModelProto) -> dict[str, torch.Tensor]:
+    """The module's weights for `graph`'s weight inputs, in the graph's dtypes (the module is loaded)."""
+    return weights_for(graph_weights(graph, spec.input_names), bindable_tensors(spec.module), spec.name)
+
+
+def materialize(spec: ComponentSpec, graph_path: Path, path: Path,
+                tensors: dict[str, torch.Tensor] | None = None) -> Path:
+    """A self-contained ONNX file at `path`: the graph at `graph_path` with `tensors` (default: the module's
+    weights) as initializers; the weights in `path`.data when they pass protobuf's 2 GB."""
+    graph = onnx.load(str(graph_path))
+    tensors = tensors if tensors is not None else module_weights(spec, graph)
+    external = sum(t.numel() * t.element_size() for t in tensors.values()) > EXTERNAL_DATA_THRESHOLD
+    path.parent.mkdir(parents=True, exist_ok=True)
+    save_with_weights(graph, tensors, path, external=external)
+    return path
 
 
 def onnx_files(path: Path) -> list[Path]:
@@ -170,7 +238,9 @@ def onnx_files(path: Path) -> list[Path]:
     return files
 
 
-def ort_session(path: Path, threads: int | None = None):
+def ort_session(path: Path, threads: int | None = None, weights: dict[str, torch.Tensor] | None = None):
+    """An ONNX Runtime CPU session of an ONNX file; of an architecture graph with `weights` bound as
+    initializers at session creation (the session keeps them alive)."""
     from .extras import import_onnxruntime
 
     ort = import_onnxruntime()
@@ -178,7 +248,15 @@ def ort_session(path: Path, threads: int | None = None):
     options.log_severity_level = 3
     if threads:
         options.intra_op_num_threads = threads
-    return ort.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
+    model = str(path)
+    values = []
+    if weights:
+        model = with_initializers(onnx.load(str(path)), weights).SerializeToString()
+        values = [ort.OrtValue.ortvalue_from_numpy(as_numpy(t)) for t in weights.values()]
+        options.add_external_initializers(list(weights), values)
+    session = ort.InferenceSession(model, options, providers=["CPUExecutionProvider"])
+    session.kasoku_weights = (weights, values)  # ONNX Runtime reads the caller's memory: it must outlive the session
+    return session
 
 
 def check_onnx_parity(
@@ -189,9 +267,11 @@ def check_onnx_parity(
     session=None,
     stage: str = "export",
     precision: Precision = Precision.FP32,
+    weights: dict[str, torch.Tensor] | None = None,
 ) -> list[OutputParity]:
-    """Run the ONNX file in ONNX Runtime at each shape and compare with torch; raise on mismatch."""
-    session = session or ort_session(path)
+    """Run the ONNX file (an architecture graph with `weights` bound) in ONNX Runtime at each shape and
+    compare with torch; raise on mismatch."""
+    session = session or ort_session(path, weights=weights)
 
     def run(feeds):
         return dict(zip(spec.output_names, session.run(list(spec.output_names), feeds)))
@@ -210,17 +290,19 @@ def export_component(
     check_shapes: Sequence[ImageShape] | None = None,
     external_data_threshold: int = EXTERNAL_DATA_THRESHOLD,
 ) -> ExportedComponent:
-    """Export one component to `path`, run onnx.checker on it and prove parity with torch."""
-    if exporter not in EXPORTERS:
-        raise ValueError(f"exporter must be one of {EXPORTERS} but is {exporter!r}.")
+    """Export one component to a self-contained ONNX file at `path` (its architecture graph with the
+    module's weights as initializers), run onnx.checker on it and prove parity with torch."""
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    external = _parameter_bytes(spec.module) > external_data_threshold
     start = time.perf_counter()
+    graph_path = path.with_name(path.stem + ".graph.onnx")
     try:
-        _export_to_file(spec, path, exporter, opset, external)
-    except Exception as error:  # the exporters raise many kinds; name the component
-        raise ExportError(f"exporting {spec.name} with the {exporter} exporter failed: {error}") from error
+        export_graph(spec, graph_path, exporter=exporter, opset=opset)
+        graph = onnx.load(str(graph_path))
+    finally:
+        graph_path.unlink(missing_ok=True)
+    tensors = module_weights(spec, graph)
+    external = sum(t.numel() * t.element_size() for t in tensors.values()) > external_data_threshold
+    save_with_weights(graph, tensors, path, external=external)
     onnx.checker.check_model(str(path))
     # None: the profile's default shapes; an empty list: no check (the caller compares elsewhere)
     shapes = default_check_shapes(spec.profile) if check_shapes is None else check_shapes

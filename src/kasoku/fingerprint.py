@@ -1,7 +1,9 @@
-"""Weight digests: what the cache keys an exported graph on, computed as rarely as possible.
+"""Weight digests: the weights key of an engine (its graph is keyed by architecture alone), computed
+as rarely as possible.
 
-The digest of a module is SHA-256 over its state dict in name order: each tensor's name, shape and
-the CRC-32 of its fp32 bytes, so a module gives the same digest however it was loaded. CRC-32 runs
+The digest of a module is SHA-256 over the weights its graph binds (:func:`kasoku.weights.bindable_tensors`:
+parameters and buffers, PEFT LoRA layers merged) in name order: each tensor's name, shape and the
+CRC-32 of its fp32 bytes, so a module gives the same digest however it was loaded. CRC-32 runs
 at memory speed (zlib releases the GIL, so two threads share the work): about half a second for
 SD 1.5's 4 GB, where SHA-256 of the bytes took three. It is a change detector, not a defence
 against forgery: a changed tensor goes unnoticed with probability 2^-32, and a fine-tune or a
@@ -26,9 +28,11 @@ from pathlib import Path
 import torch
 
 from .cache import atomic_write_text
+from .weights import bindable_tensors
 
 THREADS = 2
 FINGERPRINTS = "fingerprints"
+DIGEST_VERSION = 2  # 2: over the bound weights (parameters and buffers, PEFT layers merged), not the state dict
 
 
 def _tensor_digest(tensor: torch.Tensor) -> bytes:
@@ -37,8 +41,8 @@ def _tensor_digest(tensor: torch.Tensor) -> bytes:
 
 
 def module_fingerprint(module: torch.nn.Module) -> str:
-    """SHA-256 of the module's state dict: names, shapes and the CRC-32 of the fp32 values."""
-    items = sorted(module.state_dict().items())
+    """SHA-256 of the weights the module's graph binds: names, shapes and the CRC-32 of the fp32 values."""
+    items = sorted(bindable_tensors(module).items())
     digests: dict[str, bytes] = {}
 
     def digest_all(names: list[str]) -> None:
@@ -76,7 +80,7 @@ def _files_key(files: list[Path], config: dict) -> str:
     for path in files:
         info = path.stat()
         stats.append([str(path.resolve()), info.st_size, info.st_mtime_ns])
-    described = json.dumps({"files": stats, "config": config}, sort_keys=True, default=str)
+    described = json.dumps({"files": stats, "config": config, "digest": DIGEST_VERSION}, sort_keys=True, default=str)
     return hashlib.sha256(described.encode()).hexdigest()[:32]
 
 

@@ -39,10 +39,12 @@ class PassContext:
     precision: Precision = Precision.FP32
     graph_kind: str = ""  # ONNX Runtime's transformer optimizer's name for the graph: clip, unet, vae
     fp16_keep_ops: tuple[str, ...] = ()  # the component's ops that stay fp32 in an fp16 graph
+    io_names: tuple[str, ...] = ()  # the component's own inputs and outputs (other graph inputs are weights)
 
     @classmethod
     def of(cls, spec: ComponentSpec, precision: Precision) -> PassContext:
-        return cls(spec.name, Precision(precision), spec.graph_kind, spec.fp16_keep_ops)
+        return cls(spec.name, Precision(precision), spec.graph_kind, spec.fp16_keep_ops,
+                   (*spec.input_names, *spec.output_names))
 
 
 @dataclass
@@ -127,14 +129,17 @@ def ort_transformer_fusions(model: onnx.ModelProto, ctx: PassContext) -> onnx.Mo
 
 
 def _to_half_types(model: onnx.ModelProto, ctx: PassContext) -> onnx.ModelProto:
-    """ONNX Runtime's float16 converter: float tensors fp16 except graph inputs/outputs and the keep-list."""
+    """ONNX Runtime's float16 converter: float tensors fp16 except the component's own inputs and outputs and
+    the keep-list; weight inputs of an architecture graph are declared fp16, so weights are bound in fp16 (the
+    pass re-run on the weights alone: a cast)."""
     from .extras import import_onnxruntime
 
     import_onnxruntime()  # a clear error naming the extras when neither is installed
     from onnxruntime.transformers.float16 import convert_float_to_float16
 
     keep = sorted(set(_FP16_ALWAYS_FP32) | set(ctx.fp16_keep_ops))
-    model = convert_float_to_float16(model, keep_io_types=True, op_block_list=keep, disable_shape_infer=True)
+    keep_io = list(ctx.io_names) if ctx.io_names else True
+    model = convert_float_to_float16(model, keep_io_types=keep_io, op_block_list=keep, disable_shape_infer=True)
     toposort(model.graph)  # the converter appends its input casts last; TensorRT's parser reads nodes in order
     return model
 
@@ -198,7 +203,7 @@ def _set_raw(tensor: onnx.TensorProto, data_type: int, payload: bytes) -> None:
 
 
 def to_fp16(model: onnx.ModelProto, ctx: PassContext) -> onnx.ModelProto:
-    """After: float tensors are fp16 except graph inputs/outputs and the component's fp32
+    """After: float tensors are fp16 except the component's own inputs/outputs and the component's fp32
     keep-list (ops known to overflow); in graph-only models over 2 GB too (their weights are then held
     in memory, in fp16, until saved)."""
     if ctx.precision != Precision.FP16:

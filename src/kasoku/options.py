@@ -22,6 +22,9 @@ DEFAULT_EXPORTER = "dynamo"
 EXPORTERS = ("dynamo", "torchscript")
 DEFAULT_OPSET = 18
 TRT_OPT_LEVELS = range(0, 6)
+# Named sets of LoRA targets (module names, matched as suffixes): the attention projections diffusers'
+# training scripts adapt by default, in the U-Net (to_*) and the CLIP text encoders (*_proj).
+LORA_TARGET_PRESETS = {"attention": ("to_q", "to_k", "to_v", "to_out.0", "q_proj", "k_proj", "v_proj", "out_proj")}
 
 
 class InvalidOptions(KasokuError, ValueError):
@@ -52,7 +55,10 @@ class CompileOptions:
     check_parity: bool = True  # prove every built artefact against torch
     onnx_dir: Path | None = None  # build from these ONNX files (a `kasoku export` folder) instead of exporting
     calibration_samples: int = 32  # int8: U-Net calls recorded from the pipeline's own runs to calibrate on
-    keep_intermediate: bool = False  # keep the ONNX export and optimized graphs once the engines exist
+    keep_intermediate: bool = False  # keep what engines were only built through (calibration engines)
+    # modules whose weights stay engine inputs, bound once per LoRA adapter set (a switch in seconds); a preset
+    # name of LORA_TARGET_PRESETS or module names; empty: every weight is a constant of its engine
+    lora_targets: tuple[str, ...] = ()
     extra: Mapping[str, Any] = field(default_factory=dict)  # backend-specific settings
 
     def __post_init__(self) -> None:
@@ -65,6 +71,7 @@ class CompileOptions:
             set_(self, "backend", dict(self.backend))
         if self.components is not None:
             set_(self, "components", tuple(self.components))
+        set_(self, "lora_targets", lora_targets(self.lora_targets))
         for name in ("cache_dir", "onnx_dir"):
             value = getattr(self, name)
             if value is not None:
@@ -124,6 +131,21 @@ class CompileOptions:
 PRECISION_CHOICES = (*(p.value for p in Precision), FASTEST)
 
 
+def lora_targets(value: str | tuple[str, ...] | list[str] | None) -> tuple[str, ...]:
+    """LoRA targets as module names: a preset name or comma-separated names expanded, sorted, unique."""
+    items = value.split(",") if isinstance(value, str) else list(value or ())
+    names: set[str] = set()
+    for item in (str(i).strip() for i in items):
+        if not item:
+            continue
+        if item in LORA_TARGET_PRESETS:
+            names.update(LORA_TARGET_PRESETS[item])
+        elif any(c.isspace() for c in item) or item.startswith(".") or item.endswith("."):
+            raise InvalidOptions(f"`lora_targets` are module names such as to_q or to_out.0 (or the preset "
+                                 f"{', '.join(LORA_TARGET_PRESETS)}) but one is {item!r}.")
+        else:
+            names.add(item)
+    return tuple(sorted(names))
 def check_cuda_graph_profile(profile: ShapeProfile | None) -> None:
     """A CUDA graph replays the kernels it captured at one set of shapes, so `cuda_graph` needs a static
     profile: one image count, height, width and guidance (ShapeProfile.is_static)."""

@@ -7,18 +7,26 @@ own txt2img / img2img / inpaint pipelines of that family run unchanged on top of
 signature, schedulers, image processing, callbacks and outputs are therefore diffusers' own, and
 the same seed gives the same image. kasoku adds what an engine needs first: every input is
 checked against the compiled profile before anything runs.
+
+LoRA adapters keep diffusers' names (`load_lora_weights`, `set_adapters`, `disable_lora`,
+`unload_lora_weights`, `fuse_lora`, ...) and rebind the engines' weights without re-export
+(:mod:`kasoku.lora`).
 """
 
 from __future__ import annotations
 
 import math
 import numbers
+from collections.abc import Mapping, Sequence
+from pathlib import Path
 from typing import Any
 
 from .backends import Engine
 from .build import CompileReport, compile_components
 from .components import ImageShape, ShapeProfile, default_profile, native_size
+from .errors import KasokuError
 from .families import TASKS, family_of, family_only_arguments
+from .lora import AdapterWeight, LoraError, LoraState
 from .options import CompileOptions
 from .schedulers import SCHEDULERS, most_steps
 from .standins import EngineTimes, InvalidInput
@@ -101,14 +109,19 @@ class KasokuPipeline:
     """
 
     def __init__(self, diffusers_pipe, engines: dict[str, Engine], profile: ShapeProfile,
-                 report: CompileReport | None = None):
+                 report: CompileReport | None = None, *, options: CompileOptions | None = None,
+                 cache_root: Path | None = None):
         self.family = family_of(diffusers_pipe)
         self.controlnets = len(self.family.controlnet_paths(diffusers_pipe))  # how many ControlNets steer it
         self.profile = profile
-        self.engines = engines
+        self.engines = engines  # the stand-ins read this dict on every call: rebinding weights swaps entries
         self.compile_report = report
         self.times = EngineTimes()
         self._source = diffusers_pipe
+        self._options = options  # what compiled the engines (LoRA rebinds weights to the same graphs)
+        self._cache_root = cache_root
+        self._loras = LoraState()
+        self._bindings: dict | None = None
         stand_ins = self.family.stand_ins(diffusers_pipe, engines, self.times)
         self._pipes = {task: self.family.task_pipeline(diffusers_pipe, task, **stand_ins) for task in TASKS}
 
@@ -343,6 +356,112 @@ class KasokuPipeline:
                                    f"this is a {self.family.title} model.")
         self.family.check_arguments(kwargs)
 
+    # ---- LoRA adapters: diffusers' names, weights rebound without re-export ------------------------
+
+    def load_lora_weights(self, pretrained_model_name_or_path_or_dict, adapter_name: str | None = None,
+                          **kwargs) -> None:
+        """Load a LoRA adapter (a diffusers, kohya or PEFT file, its folder, or a state dict) and make it the
+        active one, as diffusers does; `kwargs` go to diffusers' `lora_state_dict` (weight_name, ...)."""
+        from .lora import read_adapter
+
+        bindings = self._weight_bindings()
+        name = adapter_name or self._loras.next_name()
+        self._loras.check_new(name)  # before reading the file
+        adapter = read_adapter(pretrained_model_name_or_path_or_dict, name, self.family.pipeline_class("txt2img"),
+                               self._source.unet.config, {c: b.graph_weights for c, b in bindings.items()}, **kwargs)
+        self._loras.add(adapter)
+        self._apply_loras()
+
+    def set_adapters(self, adapter_names: str | Sequence[str],
+                     adapter_weights: AdapterWeight | Sequence[AdapterWeight | None] | None = None) -> None:
+        """Activate these adapters, each at its weight (a number, or one per component such as
+        {"unet": 0.5, "text_encoder": 1.0}; default 1.0)."""
+        names = [adapter_names] if isinstance(adapter_names, str) else list(adapter_names)
+        if adapter_weights is None or isinstance(adapter_weights, (int, float, Mapping)):
+            weights = [adapter_weights] * len(names)
+        else:
+            weights = list(adapter_weights)
+            if len(weights) != len(names):
+                raise LoraError(f"`adapter_weights` must give one weight per adapter: {len(names)} adapter(s) but "
+                                f"{len(weights)} weight(s).")
+        self._loras.set_active(names, weights)
+        self._apply_loras()
+
+    def disable_lora(self) -> None:
+        """Run without the active adapters (fused ones stay part of the weights); `enable_lora` turns them on."""
+        self._loras.enabled = False
+        self._apply_loras()
+
+    def enable_lora(self) -> None:
+        self._loras.enabled = True
+        self._apply_loras()
+
+    def unload_lora_weights(self) -> None:
+        """Forget every adapter: the engines run exactly their base weights again (fused adapters stay part of
+        the weights, as in diffusers; `unfuse_lora` removes them)."""
+        self._loras.delete(list(self._loras.adapters))
+        self._apply_loras()
+
+    def delete_adapters(self, adapter_names: str | Sequence[str]) -> None:
+        self._loras.delete([adapter_names] if isinstance(adapter_names, str) else list(adapter_names))
+        self._apply_loras()
+
+    def fuse_lora(self, components: Sequence[str] | None = None, lora_scale: float = 1.0,
+                  adapter_names: Sequence[str] | None = None, **kwargs) -> None:
+        """Make the active adapters (or `adapter_names`) part of the weights of `components` (default: every
+        component adapters change) at `lora_scale`; they stay so after `unload_lora_weights`."""
+        components = list(components or self.lora_components)
+        self._check_lora_components(components)
+        self._loras.fuse(components, float(lora_scale), adapter_names)
+        self._apply_loras()
+
+    def unfuse_lora(self, components: Sequence[str] | None = None, **kwargs) -> None:
+        """Remove fused adapters from `components`: their base weights exactly, as kept (no subtraction)."""
+        components = list(components or self.lora_components)
+        self._check_lora_components(components)
+        self._loras.unfuse(components)
+        self._apply_loras()
+
+    def get_active_adapters(self) -> list[str]:
+        return list(self._loras.active) if self._loras.enabled else []
+
+    def get_list_adapters(self) -> dict[str, list[str]]:
+        """Per component, the adapters that change it."""
+        return {c: [n for n, a in self._loras.adapters.items() if c in a.layers] for c in self.lora_components}
+
+    @property
+    def lora_components(self) -> tuple[str, ...]:
+        """The compiled components LoRA adapters change (the U-Net and the text encoders)."""
+        return tuple(name for name, engine in self.engines.items() if engine.spec.takes_lora)
+
+    def _check_lora_components(self, components: Sequence[str]) -> None:
+        unknown = [c for c in components if c not in self.lora_components]
+        if unknown:
+            raise LoraError(f"`components` must be among {', '.join(self.lora_components)} but include "
+                            f"{', '.join(unknown)}.")
+
+    def _apply_loras(self) -> None:
+        for component, binding in self._weight_bindings().items():
+            self.engines[component] = binding.apply(self._loras.contributions(component))
+
+    def _weight_bindings(self) -> dict:
+        """Per LoRA component, its weight binding (created on first use: graphs from the cache)."""
+        if self._bindings is None:
+            if self._options is None or self.compile_report is None:
+                raise KasokuError("this KasokuPipeline was made from engines directly; LoRA adapters need one made "
+                                  "by kasoku.compile or KasokuPipeline.from_pretrained.")
+            from .build import Compiler
+            from .cache import Cache
+            from .components import Precision
+
+            report = self.compile_report
+            options = self._options.replace(backend=dict(report.backends),
+                                            precision={c: Precision(p) for c, p in report.precisions.items()})
+            compiler = Compiler(Cache(self._cache_root), options, label=report.model, pipe=self._source)
+            self._bindings = {name: compiler.weight_binding(self.engines[name].spec, report.backends[name],
+                                                            self.engines[name]) for name in self.lora_components}
+        return self._bindings
+
     def __repr__(self) -> str:
         backends = {name: engine.backend for name, engine in self.engines.items()}
         return f"KasokuPipeline({self.family.title}, backends={backends}, profile={self.profile})"
@@ -365,6 +484,8 @@ def compile(
     `controlnet` (ControlNet folders or models, one or a list) adds ControlNets to a pipeline without them.
     `options` is a :class:`CompileOptions`; its fields may also be given as keywords (backend,
     precision, profile, components, cache_dir, threads, ...)."""
+    from .cache import Cache, default_cache_dir
+
     family_of(pipe)  # an unsupported pipeline fails here, naming the supported ones
     if controlnet is not None:
         from .loading import load_pipeline
@@ -375,4 +496,5 @@ def compile(
         options = options.replace(profile=default_profile(pipe))
     kwargs: dict[str, Any] = {"on_stage": on_stage} if on_stage else {}
     engines, report = compile_components(pipe, options, cache=cache, label=label, **kwargs)
-    return KasokuPipeline(pipe, engines, options.profile, report)
+    root = cache.root if isinstance(cache, Cache) else Path(cache or options.cache_dir or default_cache_dir())
+    return KasokuPipeline(pipe, engines, options.profile, report, options=options, cache_root=root)

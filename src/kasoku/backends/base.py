@@ -1,11 +1,17 @@
 """The one interface every backend implements.
 
-A :class:`Backend` builds engine files from an optimized ONNX artefact into a folder (the
-cache stores that folder) and loads an :class:`Engine` from it. ``Engine.run`` is a template
-method, as Polygraphy's runners are: it checks names, dtypes and the shape profile, puts the
+A :class:`Backend` builds engine files from an architecture graph and a checkpoint's weights into a
+folder (the cache stores that folder) and loads an :class:`Engine` from it. ``Engine.run`` is a
+template method, as Polygraphy's runners are: it checks names, dtypes and the shape profile, puts the
 inputs on the engine's device, then calls the backend's ``_run``. Engines take and return torch
 tensors on their own device (numpy inputs are accepted too), so a pipeline on a GPU engine never
 copies a tensor back to the CPU between steps.
+
+Weights are bound when an engine is built (:mod:`kasoku.weights`): as constants, except the *run-time
+weights* an engine compiled with LoRA targets keeps as inputs. Those are bound with
+:meth:`Engine.bind` once per adapter set (ONNX Runtime and OpenVINO read them as inputs, TensorRT
+refits them, torch runs its module with them); the entry stores their base values, so an engine
+loaded from the cache starts on exactly the checkpoint's weights.
 """
 
 from __future__ import annotations
@@ -26,6 +32,9 @@ import torch
 from ..components import ComponentSpec, Precision, ShapeOutOfProfile
 from ..errors import KasokuError
 from ..options import CompileOptions, InvalidOptions, check_cuda_graph_profile
+from ..weights import WeightBindingError
+
+BOUND_FILE = "bound.safetensors"  # in an engine entry: the base values of its run-time weights
 
 
 class BackendUnavailable(KasokuError):
@@ -147,6 +156,7 @@ class Engine(ABC):
         self.device = torch.device(device)
         self.dtype = dtype  # of its floating-point inputs and outputs
         self._axes = spec.axes()
+        self._bound: dict[str, torch.Tensor] = {}  # run-time weights (LoRA targets), by graph name
 
     def run(self, inputs: Mapping[str, Any]) -> dict[str, torch.Tensor]:
         """Check the inputs against the component's spec and profile, then run."""
@@ -157,7 +167,42 @@ class Engine(ABC):
 
     @abstractmethod
     def _run(self, feeds: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        """Run checked, contiguous inputs on the engine's device; return every output by name."""
+        """Run checked, contiguous inputs on the engine's device; return every output by name. Engines with
+        run-time weights read them from `self._bound`."""
+
+    # ---- run-time weights ------------------------------------------------------------------------
+
+    @property
+    def bound(self) -> dict[str, torch.Tensor]:
+        """The run-time weights this engine takes, as bound now (empty: all its weights are constants)."""
+        return dict(self._bound)
+
+    def bind(self, tensors: Mapping[str, torch.Tensor]) -> None:
+        """Bind the run-time weights: the first call (at load) declares them; later calls give every one of
+        them again, each of the same shape (a switch of LoRA adapters)."""
+        if self._bound:
+            wrong = sorted(set(tensors) ^ set(self._bound))
+            if wrong:
+                raise WeightBindingError(f"the {self.spec.name} engine binds {len(self._bound)} run-time weights; "
+                                         f"{', '.join(wrong[:3])} {'is' if len(wrong) == 1 else 'are'} not among "
+                                         "them or missing.")
+            for name, tensor in tensors.items():
+                if tuple(tensor.shape) != tuple(self._bound[name].shape):
+                    raise WeightBindingError(f"{self.spec.name} weight {name!r} has shape {tuple(tensor.shape)} but "
+                                             f"the engine binds {tuple(self._bound[name].shape)}.")
+        initial = not self._bound
+        device = self._bound_device()
+        self._bound = {name: t.detach().to(device=device, dtype=self._bound[name].dtype if name in self._bound
+                                           else t.dtype).contiguous() for name, t in tensors.items()}
+        self._on_bind(initial)
+
+    def _bound_device(self) -> torch.device:
+        """Where run-time weights live (the engine's device: they are read as inputs)."""
+        return self.device
+
+    def _on_bind(self, initial: bool) -> None:
+        """Hook after `bind` (`initial`: the values the engine was built with)."""
+        return None
 
     def describe(self) -> dict[str, str]:
         return {"backend": self.backend, "component": self.spec.name, "precision": self.precision.value,
@@ -310,12 +355,49 @@ class Backend(ABC):
         """Whether building `spec` in `precision` needs calibration samples (recorded inputs)."""
         return False
 
+    def check_run_time_weights(self, precision: Precision) -> None:
+        """Raise for a precision whose engines cannot keep weights as run-time inputs (LoRA targets)."""
+        return None
+
     @abstractmethod
     def build(self, spec: ComponentSpec, onnx_path: Path, out_dir: Path, precision: Precision, *,
-              calibration: Callable[[], list] | None = None) -> dict[str, Any]:
+              calibration: Callable[[], list] | None = None, weights: dict[str, torch.Tensor] | None = None,
+              run_time: frozenset[str] = frozenset()) -> dict[str, Any]:
         """Write the engine files for `spec` into `out_dir`; return metadata for the manifest.
-        `calibration` returns the recorded input samples where :meth:`needs_calibration` says so."""
+
+        `onnx_path` is an architecture graph and `weights` its weights by graph name (kasoku.weights), or,
+        with `weights` None, an ONNX file that holds its own weights (a user's). Weights named in `run_time`
+        stay engine inputs (their base values go to the entry, see :func:`save_bound`); the others are
+        constants. `calibration` returns the recorded input samples where :meth:`needs_calibration` says so."""
 
     @abstractmethod
     def load(self, spec: ComponentSpec, entry_dir: Path, precision: Precision) -> Engine:
-        """Load an engine from files written by :meth:`build`."""
+        """Load an engine from files written by :meth:`build` (its run-time weights bound to their base)."""
+
+    def bind_weights(self, spec: ComponentSpec, graph: Path, precision: Precision, weights: dict[str, torch.Tensor],
+                     run_time: frozenset[str] = frozenset()) -> Engine:
+        """An engine of the graph with these weights, in memory (what binding a checkpoint's or a LoRA's merged
+        weights costs without a cache entry). The default builds into a temporary folder and loads."""
+        import tempfile
+
+        with tempfile.TemporaryDirectory(prefix="kasoku-bind-") as folder:
+            self.build(spec, graph, Path(folder), precision, weights=weights, run_time=run_time)
+            return self.load(spec, Path(folder), precision)
+
+
+def save_bound(out_dir: Path, weights: Mapping[str, torch.Tensor], run_time: frozenset[str]) -> None:
+    """The base values of an engine's run-time weights, beside its files."""
+    if run_time:
+        from safetensors.torch import save_file
+
+        save_file({name: weights[name].contiguous() for name in sorted(run_time)}, str(out_dir / BOUND_FILE))
+
+
+def load_bound(engine: Engine, entry_dir: Path) -> Engine:
+    """Bind an engine loaded from `entry_dir` to the base values of its run-time weights (if it has any)."""
+    path = entry_dir / BOUND_FILE
+    if path.is_file():
+        from safetensors.torch import load_file
+
+        engine.bind(load_file(str(path)))
+    return engine

@@ -4,6 +4,12 @@ Engines run through IO binding on torch tensors: inputs are read where they lie 
 written into torch tensors on the engine's device (CPU or CUDA), with no copy through numpy. The
 same code path runs on the CPU here, so it is tested on every machine.
 
+Weights are bound at session creation: the architecture graph's weight inputs become initializers
+that `SessionOptions.add_external_initializers` supplies from the checkpoint's tensors (never read
+from a file), and the CPU build saves ONNX Runtime's optimized model with them, so a warm load is one
+session creation. Run-time weights (LoRA targets) stay graph inputs and are bound through IO binding
+like any input.
+
 ONNX Runtime falls back silently from a provider it cannot initialise to the next one in the list:
 every GPU session is checked (:func:`check_provider`) when it is created, so an engine that did not
 get the provider it was built for is an error at build time and is never cached under that name.
@@ -22,13 +28,15 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import onnx
 import torch
 
 from ..components import ComponentSpec, Precision
 from ..export import onnx_files
 from ..extras import ORT_CHOICE, MissingOnnxRuntime, import_onnxruntime, installed_ort_distributions, ort_conflict
 from ..optimize import PROTO_LIMIT
-from .base import Availability, Backend, BackendUnavailable, Engine, cpu_name, gpu_identity
+from ..weights import as_numpy, save_with_weights, with_initializers
+from .base import Availability, Backend, BackendUnavailable, Engine, cpu_name, gpu_identity, load_bound, save_bound
 from .tensorrt import installed_trt_version, trt_precision_plan
 
 PROVIDERS = {
@@ -150,11 +158,12 @@ class OnnxRuntimeEngine(Engine):
     backend = "onnxruntime"
 
     def __init__(self, spec: ComponentSpec, precision: Precision, session, device: torch.device,
-                 cuda_graph: bool = False):
+                 cuda_graph: bool = False, keep_alive=None):
         super().__init__(spec, precision, device)
         self.session = session
         self._device_type = "cuda" if self.device.type == "cuda" else "cpu"
         self._device_id = self.device.index or 0
+        self._keep_alive = keep_alive  # weights supplied at session creation: ONNX Runtime reads their memory
         self.cuda_graph = cuda_graph
         self._static: dict[str, torch.Tensor] = {}  # the buffers the captured graph reads and writes
         self._static_binding = None
@@ -162,7 +171,7 @@ class OnnxRuntimeEngine(Engine):
     def _bind(self, feeds: dict[str, torch.Tensor]):
         """An IO binding of `feeds` where they lie and of new output tensors; returns (binding, outputs)."""
         binding = self.session.io_binding()
-        for name, tensor in feeds.items():
+        for name, tensor in (*feeds.items(), *self._bound.items()):
             binding.bind_input(name, self._device_type, self._device_id, NUMPY_TYPES[tensor.dtype],
                                tuple(tensor.shape), tensor.data_ptr())
         outputs = self.output_buffers(feeds)
@@ -187,12 +196,21 @@ class OnnxRuntimeEngine(Engine):
         if self._static_binding is None:
             inputs = {name: tensor.clone() for name, tensor in feeds.items()}
             self._static_binding, outputs = self._bind(inputs)
-            self._static = {**inputs, **outputs}
+            self._static = {**inputs, **outputs, **self._bound}
         else:
             for name, tensor in feeds.items():
                 self._static[name].copy_(tensor)
         self._launch(self._static_binding)
         return {name: self._static[name].clone() for name in self.spec.output_names}
+
+    def _on_bind(self, initial: bool) -> None:
+        """A captured CUDA graph reads the run-time weights from the addresses bound when it was captured:
+        new values are copied there."""
+        if self._static_binding is not None and not initial:
+            new = self._bound
+            self._bound = {name: self._static[name] for name in new}
+            for name, tensor in new.items():
+                self._bound[name].copy_(tensor)
 
     def describe(self) -> dict[str, str]:
         return {**super().describe(), "providers": ",".join(self.session.get_providers())}
@@ -280,7 +298,9 @@ class OnnxRuntimeBackend(Backend):
                                 cuda_graph=self.options.cuda_graph, trt_version=installed_trt_version())
 
     def _session(self, path: Path, spec: ComponentSpec, precision: Precision, cache_dir: Path | None,
-                 *, save_optimized: Path | None = None):
+                 *, save_optimized: Path | None = None, constants: dict[str, torch.Tensor] | None = None):
+        """A session of the ONNX file at `path`; of an architecture graph with `constants` bound as its
+        initializers. Returns (session, what must outlive it)."""
         ort = import_onnxruntime()
         provider = PROVIDERS[self.provider]
         self._require_provider(ort)
@@ -288,11 +308,18 @@ class OnnxRuntimeBackend(Backend):
         options.log_severity_level = 3
         if self.options.threads:
             options.intra_op_num_threads = self.options.threads
+        model: str | bytes = str(path)
+        values = []
+        if constants:
+            model = with_initializers(onnx.load(str(path)), constants).SerializeToString()
+            values = [ort.OrtValue.ortvalue_from_numpy(as_numpy(t)) for t in constants.values()]
+            options.add_external_initializers(list(constants), values)
         if save_optimized is not None:
             # Store ORT's own graph optimizations in the entry, so a warm load skips them.
             options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_EXTENDED
             options.optimized_model_filepath = str(save_optimized)
-            if _onnx_bytes(path) > PROTO_LIMIT * 0.9:  # weights must leave the protobuf
+            weight_bytes = sum(t.numel() * t.element_size() for t in (constants or {}).values())
+            if _onnx_bytes(path) + weight_bytes > PROTO_LIMIT * 0.9:  # weights must leave the protobuf
                 options.add_session_config_entry(
                     "session.optimized_model_external_initializers_file_name", save_optimized.name + ".data"
                 )
@@ -300,32 +327,53 @@ class OnnxRuntimeBackend(Backend):
                     "session.optimized_model_external_initializers_min_size_in_bytes", "1024"
                 )
         providers = self._providers(path, spec, precision, cache_dir)
+        keep_alive = (constants, values)
         if self.provider == "cpu":
-            return ort.InferenceSession(str(path), options, providers=providers)
+            return ort.InferenceSession(model, options, providers=providers), keep_alive
         with native_stderr() as log:
-            session = ort.InferenceSession(str(path), options, providers=providers)
+            session = ort.InferenceSession(model, options, providers=providers)
         check_provider(provider, session.get_providers(), "".join(log))
         sys.stderr.write(log[0])  # what ONNX Runtime printed, as it would have without the capture
-        return session
+        return session, keep_alive
 
     def build(self, spec: ComponentSpec, onnx_path: Path, out_dir: Path, precision: Precision, *,
-              calibration=None) -> dict[str, Any]:
+              calibration=None, weights: dict[str, torch.Tensor] | None = None,
+              run_time: frozenset[str] = frozenset()) -> dict[str, Any]:
         self.require()
         self.check_engine_profile(spec)
         target = out_dir / MODEL_FILE
+        constants = None if weights is None else {n: t for n, t in weights.items() if n not in run_time}
         if self.provider == "cpu":
-            self._session(onnx_path, spec, precision, None, save_optimized=target)
+            self._session(onnx_path, spec, precision, None, save_optimized=target, constants=constants)
         else:
-            for file in onnx_files(onnx_path):
-                shutil.copy2(file, out_dir / file.name.replace(onnx_path.name, MODEL_FILE))
+            if constants is None:
+                for file in onnx_files(onnx_path):
+                    shutil.copy2(file, out_dir / file.name.replace(onnx_path.name, MODEL_FILE))
+            else:  # the GPU providers build from a file that holds its constants
+                external = sum(t.numel() * t.element_size() for t in constants.values()) > PROTO_LIMIT * 0.9
+                save_with_weights(onnx.load(str(onnx_path)), constants, target, external=external)
             self._session(target, spec, precision, out_dir)  # builds the TensorRT EP engine caches
-        return {"providers": self._providers(target, spec, precision, None)[0]}
+        if weights is not None:
+            save_bound(out_dir, weights, run_time)
+        return {"providers": self._providers(target, spec, precision, None)[0], "run_time_weights": len(run_time)}
 
     def load(self, spec: ComponentSpec, entry_dir: Path, precision: Precision) -> Engine:
         self.require()
         self.check_engine_profile(spec)
         cache_dir = entry_dir if self.provider == "tensorrt" else None
-        session = self._session(entry_dir / MODEL_FILE, spec, precision, cache_dir)
-        return OnnxRuntimeEngine(spec, precision, session, self.device,
-                                 cuda_graph=self.options.cuda_graph and self.provider == "cuda")
+        session, _ = self._session(entry_dir / MODEL_FILE, spec, precision, cache_dir)
+        engine = OnnxRuntimeEngine(spec, precision, session, self.device,
+                                   cuda_graph=self.options.cuda_graph and self.provider == "cuda")
+        return load_bound(engine, entry_dir)
 
+    def bind_weights(self, spec: ComponentSpec, graph: Path, precision: Precision, weights: dict[str, torch.Tensor],
+                     run_time: frozenset[str] = frozenset()) -> Engine:
+        if self.provider != "cpu":  # the GPU providers build from files
+            return super().bind_weights(spec, graph, precision, weights, run_time)
+        self.require()
+        constants = {n: t for n, t in weights.items() if n not in run_time}
+        session, keep_alive = self._session(graph, spec, precision, None, constants=constants)
+        engine = OnnxRuntimeEngine(spec, precision, session, self.device, keep_alive=keep_alive)
+        if run_time:
+            engine.bind({name: weights[name] for name in run_time})
+        return engine

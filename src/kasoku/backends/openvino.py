@@ -8,6 +8,11 @@ of reading an IR and compiling again. The inference precision is always explicit
 CPUs that have it) and read back after compiling: a precision the CPU did not apply is an error,
 never a silent fp32 run. Engines read their inputs from the torch tensors' memory and write their
 outputs into torch tensors (no copies).
+
+Weights are bound before compiling: each weight parameter of the architecture graph is replaced by a
+Constant over the checkpoint's tensor (shared memory, no copy), so OpenVINO's own constant folding and
+weight repacking see them as an exported model's. Run-time weights (LoRA targets) stay parameters and
+are set on the infer request once per adapter set.
 """
 
 from __future__ import annotations
@@ -21,7 +26,8 @@ import numpy as np
 import torch
 
 from ..components import ComponentSpec, Precision
-from .base import Availability, Backend, BackendUnavailable, Engine, UnsupportedPrecision
+from ..weights import as_numpy
+from .base import Availability, Backend, BackendUnavailable, Engine, UnsupportedPrecision, load_bound, save_bound
 
 BLOB_FILE = "model.blob"
 _HINTS = {Precision.FP32: "f32", Precision.FP16: "f16", Precision.BF16: "bf16"}
@@ -78,7 +84,7 @@ class OpenVinoEngine(Engine):
         super().__init__(spec, precision)
         self.compiled = compiled
         self.request = compiled.create_infer_request()
-        self._blob = blob  # the mapped blob an imported model may read its weights from: it lives as long
+        self._blob = blob  # the mapped blob (or the bound weights) the compiled model may read: it lives as long
 
     def _run(self, feeds: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         import openvino as ov
@@ -88,6 +94,29 @@ class OpenVinoEngine(Engine):
             self.request.set_tensor(name, ov.Tensor(tensor.numpy(), shared_memory=True))
         self.request.infer()
         return outputs
+
+    def _on_bind(self, initial: bool) -> None:
+        """Run-time weights are set on the request once; each inference reads them from there."""
+        import openvino as ov
+
+        for name, tensor in self._bound.items():
+            self.request.set_tensor(name, ov.Tensor(as_numpy(tensor), shared_memory=True))
+
+
+def bind_constants(model, constants: dict[str, torch.Tensor]):
+    """`model` (read from an architecture graph) with each weight parameter in `constants` replaced by a
+    Constant sharing the tensor's memory."""
+    import openvino as ov
+
+    for parameter in list(model.get_parameters()):
+        name = parameter.get_friendly_name()
+        if name in constants:
+            constant = ov.op.Constant(ov.Tensor(as_numpy(constants[name]), shared_memory=True))
+            constant.set_friendly_name(name)
+            parameter.output(0).replace(constant.output(0))
+            model.remove_parameter(parameter)
+    model.validate_nodes_and_infer_types()
+    return model
 
 
 class OpenVinoBackend(Backend):
@@ -119,13 +148,21 @@ class OpenVinoBackend(Backend):
     def needs_calibration(self, spec: ComponentSpec, precision: Precision) -> bool:
         return Precision(precision) == Precision.INT8 and spec.int8 == "hybrid"
 
-    def build(self, spec: ComponentSpec, onnx_path: Path, out_dir: Path, precision: Precision, *,
-              calibration: Callable[[], list] | None = None) -> dict[str, Any]:
-        self.require()
+    def check_run_time_weights(self, precision: Precision) -> None:
+        if Precision(precision) == Precision.INT8:
+            raise UnsupportedPrecision("int8 engines quantize their weights, so none can stay a run-time input: "
+                                       "compile LoRA targets in fp32 or bf16.")
+
+    def _compiled(self, spec: ComponentSpec, onnx_path: Path, precision: Precision,
+                  constants: dict[str, torch.Tensor] | None, calibration: Callable[[], list] | None = None):
+        """(compiled model, build metadata): the graph read, its constants bound, reshaped to the profile,
+        int8-quantized when asked, compiled."""
         import openvino as ov
 
         core = ov.Core()
         model = core.read_model(str(onnx_path))
+        if constants:
+            model = bind_constants(model, constants)
         model.reshape({
             name: ov.PartialShape([ov.Dimension(lo, hi) for lo, hi in dims])
             for name, dims in bounded_shapes(spec).items()
@@ -140,8 +177,31 @@ class OpenVinoBackend(Backend):
         config = openvino_config(precision, self.options.threads)
         compiled = core.compile_model(model, "CPU", config)
         self._check_applied(compiled, precision)
+        return compiled, {**meta, "config": config}
+
+    def build(self, spec: ComponentSpec, onnx_path: Path, out_dir: Path, precision: Precision, *,
+              calibration: Callable[[], list] | None = None, weights: dict[str, torch.Tensor] | None = None,
+              run_time: frozenset[str] = frozenset()) -> dict[str, Any]:
+        self.require()
+        constants = None if weights is None else {n: t for n, t in weights.items() if n not in run_time}
+        compiled, meta = self._compiled(spec, onnx_path, precision, constants, calibration)
         (out_dir / BLOB_FILE).write_bytes(compiled.export_model().getbuffer())
-        return {**meta, "config": config}
+        if weights is not None:
+            save_bound(out_dir, weights, run_time)
+        return {**meta, "run_time_weights": len(run_time)}
+
+    def bind_weights(self, spec: ComponentSpec, graph: Path, precision: Precision, weights: dict[str, torch.Tensor],
+                     run_time: frozenset[str] = frozenset()) -> Engine:
+        self.require()
+        if Precision(precision) == Precision.INT8:
+            raise UnsupportedPrecision(f"new weights for the int8 {spec.name} engine would need quantizing (and "
+                                       "calibrating) it again; compile fp32 or bf16 engines for LoRA adapters.")
+        constants = {n: t for n, t in weights.items() if n not in run_time}
+        compiled, _ = self._compiled(spec, graph, precision, constants)
+        engine = OpenVinoEngine(spec, precision, compiled, blob=constants)
+        if run_time:
+            engine.bind({name: weights[name] for name in run_time})
+        return engine
 
     def _check_applied(self, compiled, precision: Precision) -> None:
         wanted = inference_hint(precision)
@@ -159,4 +219,4 @@ class OpenVinoBackend(Backend):
         compiled = ov.Core().import_model(ov.Tensor(blob, shared_memory=True), "CPU",
                                           openvino_config(precision, self.options.threads))
         self._check_applied(compiled, precision)
-        return OpenVinoEngine(spec, precision, compiled, blob)
+        return load_bound(OpenVinoEngine(spec, precision, compiled, blob), entry_dir)

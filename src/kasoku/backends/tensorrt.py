@@ -7,6 +7,12 @@ file of the cache entry, the timing cache is shared per TensorRT version and GPU
 Run: TensorRT's runtime with named I/O tensors bound to torch CUDA buffers on a CUDA stream,
 optionally replayed as a CUDA graph (static profiles only).
 
+Weights: the architecture graph and the checkpoint's weights are materialized into one ONNX file
+for the parser (weights named as in the torch state dict, so TensorRT's weights carry those names).
+Run-time weights (LoRA targets) are marked refittable (REFIT_INDIVIDUAL: only they are) and bound by
+refitting them by name (`trt.Refitter.set_named_weights`), the base values kept beside the plan so
+that unloading refits exactly the base weights back (never a subtraction, TensorRT issue 3628).
+
 The parts that need no GPU (the precision plan, profile, builder options, availability) are plain
 functions so that they are tested on any machine.
 """
@@ -21,7 +27,16 @@ from pathlib import Path
 from typing import Any
 
 from ..components import ComponentSpec, Precision
-from .base import Availability, Backend, BackendUnavailable, Engine, UnsupportedPrecision, gpu_identity
+from .base import (
+    Availability,
+    Backend,
+    BackendUnavailable,
+    Engine,
+    UnsupportedPrecision,
+    gpu_identity,
+    load_bound,
+    save_bound,
+)
 
 PLAN_FILE = "engine.plan"
 TIMING_CACHE_FILE = "timing.cache"
@@ -108,6 +123,7 @@ class TrtBuildOptions:
     profile: dict[str, tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...]]]
     builder_optimization_level: int
     timing_cache: str | None
+    refittable: tuple[str, ...] = ()  # weights marked refittable (REFIT_INDIVIDUAL): the run-time weights
 
 
 def trt_profile(spec: ComponentSpec) -> dict[str, tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...]]]:
@@ -116,7 +132,8 @@ def trt_profile(spec: ComponentSpec) -> dict[str, tuple[tuple[int, ...], tuple[i
 
 
 def trt_build_options(
-    spec: ComponentSpec, plan: TrtPrecisionPlan, optimization_level: int, timing_cache: Path | None
+    spec: ComponentSpec, plan: TrtPrecisionPlan, optimization_level: int, timing_cache: Path | None,
+    refittable: frozenset[str] = frozenset(),
 ) -> TrtBuildOptions:
     if not 0 <= optimization_level <= 5:
         raise ValueError(f"builder_optimization_level must be 0..5 but is {optimization_level}.")
@@ -128,7 +145,17 @@ def trt_build_options(
         profile=trt_profile(spec),
         builder_optimization_level=optimization_level,
         timing_cache=str(timing_cache) if timing_cache else None,
+        refittable=tuple(sorted(refittable)),
     )
+
+
+def mark_refittable(network, names: tuple[str, ...]) -> None:
+    """Mark the named weights refittable (needs TensorRT 10's REFIT_INDIVIDUAL); a name the parsed network
+    does not have is an error naming it."""
+    missing = [name for name in names if not network.mark_weights_refittable(name)]
+    if missing:
+        raise RuntimeError(f"TensorRT's network has no weights named {', '.join(missing[:3])}; they cannot be "
+                           "refitted by name.")
 
 
 def polygraphy_config(options: TrtBuildOptions):
@@ -195,6 +222,24 @@ class TensorRTEngine(Engine):
         self._graph = None
         self._graph_shapes = None
         self._static: dict[str, Any] = {}  # the captured graph's buffers
+
+    def _bound_device(self):
+        import torch
+
+        return torch.device("cpu")  # refitted from host memory, never read as inputs
+
+    def _on_bind(self, initial: bool) -> None:
+        """Refit the run-time weights by name (the plan was built with the initial values)."""
+        if initial:
+            return
+        refitter = self._trt.Refitter(self.engine, self.logger)
+        for name, tensor in self._bound.items():  # bfloat16 has no numpy type: its host memory, by pointer
+            weights = (self._trt.Weights(self._trt.bfloat16, tensor.data_ptr(), tensor.numel())
+                       if tensor.dtype == self._torch.bfloat16 else self._trt.Weights(tensor.numpy()))
+            refitter.set_named_weights(name, weights)
+        if not refitter.refit_cuda_engine():
+            raise RuntimeError(f"TensorRT could not refit the {self.spec.name} engine.")
+        self._graph = None  # a captured CUDA graph holds the old weights' kernels' arguments
 
     def _torch_dtype(self, name: str):
         return {
@@ -315,26 +360,45 @@ class TensorRTBackend(Backend):
 
 
     def build(self, spec: ComponentSpec, onnx_path: Path, out_dir: Path, precision: Precision, *,
-              calibration=None) -> dict[str, Any]:
+              calibration=None, weights=None, run_time: frozenset[str] = frozenset()) -> dict[str, Any]:
         self.require()
         self.check_engine_profile(spec)
-        from polygraphy.backend.trt import engine_bytes_from_network
+        import shutil
+        import tempfile
+
+        from ..export import materialize
 
         plan = self.precision_plan(precision)
         timing_cache = self.timing_cache(out_dir)
         options = trt_build_options(spec, plan, self.options.trt_opt_level,
-                                    timing_cache if timing_cache.exists() else None)
-        engine = engine_bytes_from_network(
-            polygraphy_network(onnx_path, options),
-            config=polygraphy_config(options),
-            save_timing_cache=str(timing_cache),
-        )
+                                    timing_cache if timing_cache.exists() else None, run_time)
+        with tempfile.TemporaryDirectory(prefix="kasoku-trt-", dir=out_dir.parent) as folder:
+            source = onnx_path
+            if weights is not None:  # the parser reads weights from the file: the graph with them bound
+                source = materialize(spec, onnx_path, Path(folder) / "model.onnx", weights)
+            engine = self._plan(source, options, timing_cache)
+            shutil.rmtree(folder, ignore_errors=True)
         (out_dir / PLAN_FILE).write_bytes(engine)
+        if weights is not None:
+            save_bound(out_dir, weights, run_time)
         return {"precision_plan": asdict(plan), "builder_optimization_level": options.builder_optimization_level,
-                "profile": {k: [list(s) for s in v] for k, v in options.profile.items()}}
+                "profile": {k: [list(s) for s in v] for k, v in options.profile.items()},
+                "refittable_weights": len(options.refittable)}
+
+    def _plan(self, onnx_path: Path, options: TrtBuildOptions, timing_cache: Path) -> bytes:
+        import tensorrt as trt
+        from polygraphy.backend.trt import engine_bytes_from_network
+
+        builder, network, parser = polygraphy_network(onnx_path, options)()
+        config = polygraphy_config(options)(builder, network)
+        if options.refittable:
+            config.set_flag(trt.BuilderFlag.REFIT_INDIVIDUAL)
+            mark_refittable(network, options.refittable)
+        return engine_bytes_from_network((builder, network, parser), config=config,
+                                         save_timing_cache=str(timing_cache))
 
     def load(self, spec: ComponentSpec, entry_dir: Path, precision: Precision) -> Engine:
         self.require()
         self.check_engine_profile(spec)
         plan = (entry_dir / PLAN_FILE).read_bytes()
-        return TensorRTEngine(spec, precision, plan, cuda_graph=self.options.cuda_graph)
+        return load_bound(TensorRTEngine(spec, precision, plan, cuda_graph=self.options.cuda_graph), entry_dir)

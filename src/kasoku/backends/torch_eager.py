@@ -1,4 +1,7 @@
-"""The reference: the eager torch component behind the same engine interface."""
+"""The reference: the eager torch component behind the same engine interface.
+
+Binding weights is trivial here: the module runs with them in place of its own
+(`torch.func.functional_call`), which leaves the module itself untouched."""
 
 from __future__ import annotations
 
@@ -9,6 +12,7 @@ import torch
 
 from ..attention import exportable_attention
 from ..components import ComponentSpec, Precision
+from ..weights import base_layers
 from .base import Availability, Backend, Engine
 
 
@@ -23,8 +27,13 @@ class TorchEngine(Engine):
     def _run(self, feeds: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         if self.threads:
             torch.set_num_threads(self.threads)
+        args = tuple(feeds[name] for name in self.spec.input_names)
         with exportable_attention():
-            outputs = self.spec.module(*(feeds[name] for name in self.spec.input_names))
+            if not self._bound:
+                outputs = self.spec.module(*args)
+            else:  # bound weights are named as the base architecture's
+                with base_layers(self.spec.module) as module:
+                    outputs = torch.func.functional_call(module, self._bound, args)
         return dict(zip(self.spec.output_names, outputs))
 
 
@@ -47,3 +56,9 @@ class TorchBackend(Backend):
     def load(self, spec: ComponentSpec, entry_dir: Path | None, precision: Precision) -> Engine:
         self.check_precision(precision)
         return TorchEngine(spec, precision, self.options.threads)
+
+    def bind_weights(self, spec: ComponentSpec, graph: Path | None, precision: Precision,
+                     weights: dict[str, torch.Tensor], run_time: frozenset[str] = frozenset()) -> Engine:
+        engine = self.load(spec, None, precision)
+        engine.bind(weights)  # every weight: the module runs with them in place of its own
+        return engine

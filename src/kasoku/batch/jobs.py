@@ -15,9 +15,10 @@ from ..components import ImageShape, ShapeOutOfProfile, ShapeProfile
 from ..errors import KasokuError
 
 JOB_FIELDS = ("id", "prompt", "negative_prompt", "seed", "steps", "guidance", "height", "width", "control_image",
-              "control_scale")
-# ControlNet fields: in a job's key only when given, so that the keys of jobs without them stay what they were.
-CONTROL_FIELDS = ("control_image", "control_scale")
+              "control_scale", "loras")
+# ControlNet and LoRA fields: in a job's key only when given, so that the keys of jobs without them stay what
+# they were.
+OPTIONAL_FIELDS = ("control_image", "control_scale", "loras")
 DEFAULT_STEPS = 30
 DEFAULT_GUIDANCE = 7.5
 DEFAULT_BATCH_SIZE = 4
@@ -50,6 +51,7 @@ class Job:
     width: int | None = None
     control_image: tuple[str, ...] = ()  # one image file per ControlNet (absolute paths)
     control_scale: float | tuple[float, ...] | None = None  # one for all ControlNets, or one each; None: diffusers'
+    loras: tuple[tuple[str, float], ...] = ()  # LoRA adapters (absolute path, weight); () runs the base weights
     source: str = field(default="", compare=False)  # "prompts.jsonl:3", for messages
 
     @property
@@ -60,13 +62,13 @@ class Job:
     def key(self) -> str:
         """A digest of everything that changes the image: a result line only counts for this job."""
         parts = {name: getattr(self, name) for name in JOB_FIELDS
-                 if name not in CONTROL_FIELDS or getattr(self, name) not in ((), None)}
+                 if name not in OPTIONAL_FIELDS or getattr(self, name) not in ((), None)}
         return hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()[:16]
 
     @property
     def call_key(self) -> tuple:
         return call_key(self.height, self.width, self.steps, self.guidance, self.negative_prompt is not None,
-                        control_scale=self.control_scale)
+                        control_scale=self.control_scale, loras=self.loras)
 
 
 # ---- which jobs share an engine call, and the call they share ----------------------------------
@@ -75,11 +77,11 @@ class Job:
 
 def call_key(height: int | None, width: int | None, steps: int, guidance: float, negative: bool, *,
              task: str = "txt2img", strength: float | None = None,
-             control_scale: float | tuple[float, ...] | None = None) -> tuple:
-    """Jobs with equal call keys can share one pipeline call: one task, size, steps and guidance (and
-    strength for img2img and inpaint, the control scale with ControlNets), and negative prompts for all
-    or for none (SDXL encodes a missing one as zeros, not as "")."""
-    return (task, height, width, steps, guidance, negative, strength, control_scale)
+             control_scale: float | tuple[float, ...] | None = None, loras: tuple = ()) -> tuple:
+    """Jobs with equal call keys can share one pipeline call: one task, adapter set (LoRA paths and
+    weights), size, steps and guidance (and strength for img2img and inpaint, the control scale with
+    ControlNets), and negative prompts for all or for none (SDXL encodes a missing one as zeros, not as "")."""
+    return (task, loras, height, width, steps, guidance, negative, strength, control_scale)
 
 
 def call_arguments(jobs: Sequence) -> dict[str, Any]:
@@ -156,6 +158,34 @@ def _control_scale(value: Any) -> float | tuple[float, ...]:
                      f"{json.dumps(value)}.")
 
 
+def _loras(value: Any) -> tuple[tuple[str, float], ...]:
+    """`loras`: a list of "PATH[:SCALE]" strings or {"path": ..., "scale": ...} objects; each file must exist
+    (paths are made absolute: workers may run elsewhere)."""
+    rule = 'a list of "PATH[:SCALE]" strings or {"path": ..., "scale": ...} objects'
+    if not isinstance(value, list):
+        raise _LineError(f"`loras` must be {rule} but is {json.dumps(value)}.")
+    out = []
+    for item in value:
+        if isinstance(item, str):
+            path, _, tail = item.rpartition(":")
+            try:
+                path, scale = (path, float(tail)) if path else (item, 1.0)
+            except ValueError:
+                path, scale = item, 1.0
+        elif isinstance(item, dict) and set(item) <= {"path", "scale"} and isinstance(item.get("path"), str) and \
+                (_is_int(item.get("scale", 1.0)) or isinstance(item.get("scale", 1.0), float)):
+            path, scale = item["path"], float(item.get("scale", 1.0))
+        else:
+            raise _LineError(f"`loras` must be {rule} but has {json.dumps(item)}.")
+        if not math.isfinite(scale):
+            raise _LineError(f"`loras`: a scale must be a finite number but {json.dumps(item)} has {scale}.")
+        resolved = Path(path).expanduser().absolute()
+        if not resolved.exists():
+            raise _LineError(f"`loras`: {path} does not exist.")
+        out.append((str(resolved), scale))
+    return tuple(out)
+
+
 def parse_job(line: str, number: int, source: str, folder: Path = Path(".")) -> Job:
     """One JSONL line → a Job; seed and id default to the line number, so a re-run is the same run.
     `folder` is where a relative `control_image` path starts (the prompts file's folder)."""
@@ -189,6 +219,7 @@ def parse_job(line: str, number: int, source: str, folder: Path = Path(".")) -> 
         width=_field(record, "width", _is_size, "a positive integer (pixels)", None),
         control_image=_control_images(record["control_image"], folder) if "control_image" in record else (),
         control_scale=_control_scale(record["control_scale"]) if "control_scale" in record else None,
+        loras=_loras(record["loras"]) if "loras" in record else (),
         source=source,
     )
 
@@ -249,7 +280,7 @@ def _control_errors(job: Job, controlnets: int) -> list[str]:
     from PIL import Image
 
     if not controlnets:
-        given = [name for name in CONTROL_FIELDS if getattr(job, name) not in ((), None)]
+        given = [name for name in ("control_image", "control_scale") if getattr(job, name) not in ((), None)]
         return [f"`{given[0]}` needs --controlnet (the ControlNet it steers)."] if given else []
     wanted = f"{controlnets} control image{'s' if controlnets > 1 else ''}, one per ControlNet"
     if len(job.control_image) != controlnets:

@@ -137,6 +137,8 @@ class BatchWorker:
         self.out = Path(out_dir)
         self.tmp = self.out / STATE_DIR / "tmp"
         self.status_file = self.out / STATE_DIR / "workers" / f"{self.node}-{os.getpid()}.json"
+        self._adapters: dict[str, str] = {}  # LoRA file -> its adapter name in the pipeline
+        self._loras: tuple = ()  # the adapter set the pipeline runs now
         self._write_status([])  # also proves that this node can write the output folder
 
     def info(self) -> WorkerInfo:
@@ -156,8 +158,20 @@ class BatchWorker:
         return [JobResult(job.id, job.seed, job.file, round(share, 6), self.backend, self.name, len(batch), job.key)
                 for job in batch]
 
+    def _use_loras(self, loras: tuple[tuple[str, float], ...]) -> None:
+        """Switch the pipeline to a batch's adapter set (each file loaded once; the weights are rebound)."""
+        if loras == self._loras:
+            return
+        for path, _scale in loras:
+            if path not in self._adapters:
+                self._adapters[path] = f"lora{len(self._adapters)}"
+                self.pipeline.load_lora_weights(path, adapter_name=self._adapters[path])
+        self.pipeline.set_adapters([self._adapters[path] for path, _ in loras], [scale for _, scale in loras])
+        self._loras = loras
+
     def _generate(self, batch: list[Job]):
         first = batch[0]
+        self._use_loras(first.loras)  # a batch shares one adapter set (its call key)
         start = time.perf_counter()
         images = self.pipeline(**call_arguments(batch), height=first.height, width=first.width,
                                **_control_arguments(batch)).images

@@ -69,6 +69,39 @@ def component_name(text: str) -> str:
     return text
 
 
+def lora_spec(text: str) -> tuple[Path, float]:
+    """PATH[:SCALE]: a LoRA file or folder and its weight (default 1)."""
+    path, _, tail = text.rpartition(":")
+    try:
+        scale = float(tail) if path else 1.0
+    except ValueError:
+        path, scale = "", 1.0
+    if not math.isfinite(scale):
+        raise argparse.ArgumentTypeError(f"expected PATH[:SCALE] with a finite SCALE, got {text!r}")
+    return Path(path or text).expanduser(), scale
+
+
+def lora_targets(text: str) -> tuple[str, ...]:
+    """A preset (attention) or comma-separated module names."""
+    from ..options import InvalidOptions
+    from ..options import lora_targets as parse
+
+    try:
+        return parse(text)
+    except InvalidOptions as error:
+        raise argparse.ArgumentTypeError(str(error)) from None
+
+
+def add_lora_targets(parser: argparse.ArgumentParser) -> None:
+    from ..options import LORA_TARGET_PRESETS
+
+    parser.add_argument("--lora-targets", type=lora_targets, default=None, metavar="NAMES",
+                        help="modules whose weights stay engine inputs, so that switching LoRA adapters takes "
+                             f"seconds: a preset ({', '.join(LORA_TARGET_PRESETS)}: the U-Net's and text encoders' "
+                             "attention projections) or comma-separated module names such as to_q,to_k "
+                             "(default: none; every weight is a constant, and an adapter rebuilds the engine)")
+
+
 def size_range(text: str) -> tuple[int, ...]:
     """MIN:MAX or MIN:OPT:MAX, positive integers."""
     rule = "MIN:MAX or MIN:OPT:MAX (positive integers)"
@@ -150,11 +183,12 @@ def add_engine_arguments(parser: argparse.ArgumentParser, *, profile_flags: bool
     parser.add_argument("--trt-opt-level", type=int, choices=list(TRT_OPT_LEVELS), default=3,
                         help="TensorRT builder optimization level 0-5 (default 3)")
     parser.add_argument("--keep-intermediate", action="store_true",
-                        help="keep the ONNX exports in the cache once the engines exist (default: drop them; a "
-                             "compile for another backend or precision then exports again)")
+                        help="keep what engines were only built through (int8 calibration engines) in the cache "
+                             "(default: drop them; the architecture graphs are always kept: they hold no weights)")
     parser.add_argument("--cuda-graph", action="store_true",
                         help="tensorrt and onnxruntime-cuda: capture each engine's GPU work once and replay it as a "
                              "CUDA graph; needs exact-shape engines (`kasoku generate` builds them for its call)")
+    add_lora_targets(parser)
     add_cache_dir(parser)
 
 
@@ -170,6 +204,7 @@ def options_from_args(args: argparse.Namespace, profile=None, *, cuda_graph: boo
         opset=getattr(args, "opset", None) or CompileOptions.opset,
         trt_opt_level=getattr(args, "trt_opt_level", CompileOptions.trt_opt_level),
         keep_intermediate=getattr(args, "keep_intermediate", False),
+        lora_targets=getattr(args, "lora_targets", None) or (),
         cuda_graph=getattr(args, "cuda_graph", False) if cuda_graph is None else cuda_graph,
     )
     check_backend(options)
@@ -191,6 +226,8 @@ def check_backend(options, *, cuda_graph: bool = False) -> None:
             backend.check_cuda_graph(asked=True)
         for precision in precisions - {FASTEST}:
             backend.check_precision(precision)
+            if options.lora_targets:
+                backend.check_run_time_weights(precision)
 
 
 def profile_from_args(args: argparse.Namespace):

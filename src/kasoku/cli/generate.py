@@ -14,12 +14,14 @@ from .base import (
     add_controlnet,
     add_engine_arguments,
     add_json,
+    add_lora_targets,
     add_model,
     check_backend,
     check_output_file,
     controlnets_from_args,
     finite_float,
     fraction,
+    lora_spec,
     non_negative_int,
     open_image,
     options_from_args,
@@ -70,6 +72,9 @@ class Generate(Command):
                             "(default: diffusers', 1.0; 0.8 for img2img)")
         p.add_argument("--guess-mode", action="store_true",
                        help="ControlNet guess mode: the ControlNet sees the conditional half of the batch only")
+        p.add_argument("--lora", type=lora_spec, action="append", default=[], metavar="PATH[:SCALE]",
+                       help="a LoRA adapter (a diffusers, kohya or PEFT .safetensors file, or its folder) at weight "
+                            "SCALE (default 1); repeat to blend several")
         add_engine_arguments(p, profile_flags=False)
 
     def run(self, args: argparse.Namespace) -> int:
@@ -78,6 +83,7 @@ class Generate(Command):
         from ..components import native_size
         from ..console import console, steps_bar, table
         from ..loading import load_pipeline
+        from ..lora import check_adapter_file
         from ..pipeline import check_size, compile
 
         output = check_output_file(args.output)
@@ -101,8 +107,15 @@ class Generate(Command):
             from ..pipeline import check_control_images
 
             check_control_images(controls, 1, shape.height, shape.width)
+        for path, _scale in args.lora:
+            check_adapter_file(path, reference, "--lora")
         options = options.replace(profile=_profile_for(args, shape, reference, options), cuda_graph=args.cuda_graph)
         pipe = compile(reference, options=options, on_stage=show_stage, label=str(args.model))
+        if args.lora:
+            names = [f"lora{i}" for i in range(len(args.lora))]
+            for name, (path, _scale) in zip(names, args.lora):
+                pipe.load_lora_weights(str(path), adapter_name=name)
+            pipe.set_adapters(names, [scale for _path, scale in args.lora])
         load_seconds = time.perf_counter() - start
         if args.scheduler:
             pipe.set_scheduler(args.scheduler)
@@ -134,7 +147,7 @@ class Generate(Command):
                                                    for i in range(len(images))]
         for img, path in zip(images, paths):
             img.save(path)
-        rows = [["compile / load engines", f"{load_seconds:.2f} s", ""]]
+        rows = [["compile / load engines" + (" + LoRA" if args.lora else ""), f"{load_seconds:.2f} s", ""]]
         rows += [[name, f"{pipe.times.seconds[name]:.2f} s", f"{pipe.times.calls[name]} calls"]
                  for name in pipe.times.seconds]
         rows.append(["whole call", f"{call_seconds:.2f} s", pipe.task(image, mask)])
@@ -200,12 +213,13 @@ class Batch(Command):
     """Generate one image per line of a JSONL file, in this process or on a Ray cluster (--ray).
 
     Each line is one job: {"prompt": "...", "negative_prompt": "...", "seed": 1, "steps": 30, "guidance": 7.5,
-    "height": 512, "width": 512, "id": "cat-1"}; only prompt is required (seed and id default to the line
-    number, the size to the model's). With --controlnet, each job also gives "control_image" (a file, or a
-    list with one per ControlNet, relative to the JSONL file's folder) and may give "control_scale" (a number,
-    or one per ControlNet). DIR gets <id>.png per job and results.jsonl (one line per job). Every
-    line and size is checked before any work starts; running the same command again after an interruption
-    does only the jobs that are not done.
+    "height": 512, "width": 512, "id": "cat-1", "loras": ["style.safetensors:0.8"]}; only prompt is required
+    (seed and id default to the line number, the size to the model's; loras are PATH[:SCALE] strings or
+    {"path": ..., "scale": ...} objects, and jobs with the same adapters share calls). With --controlnet, each
+    job also gives "control_image" (a file, or a list with one per ControlNet, relative to the JSONL file's
+    folder) and may give "control_scale" (a number, or one per ControlNet). DIR gets <id>.png per job and
+    results.jsonl (one line per job). Every line and size is checked before any work starts; running the same
+    command again after an interruption does only the jobs that are not done.
     """
 
     name = "batch"
@@ -214,7 +228,7 @@ class Batch(Command):
         add_model(p)
         p.add_argument("prompts", type=Path, metavar="PROMPTS.jsonl",
                        help="one job per line: prompt, negative_prompt, seed, steps, guidance, height, width, id, "
-                            "control_image, control_scale")
+                            "control_image, control_scale, loras")
         p.add_argument("--out", type=Path, required=True, metavar="DIR",
                        help="folder for <id>.png per job and results.jsonl (created if missing; jobs already "
                             "there are skipped)")
@@ -239,6 +253,7 @@ class Batch(Command):
                        help="image heights the engines serve (default: half to double the model's size)")
         p.add_argument("--width", type=size_range, metavar="MIN:MAX",
                        help="image widths the engines serve (default: half to double the model's size)")
+        add_lora_targets(p)
         add_cache_dir(p)
         add_json(p, "the run's summary")
 
@@ -253,11 +268,13 @@ class Batch(Command):
         if args.ray is not None:
             import_ray()  # a missing extra is the first thing to say
         threads = args.threads or (1 if args.ray is not None else None)  # Ray: one CPU per worker unless asked
-        options = CompileOptions(backend=args.backend, precision=args.precision, min_psnr=args.min_psnr,
-                                 cache_dir=args.cache_dir,
-                                 threads=threads)
-        check_backend(options)
         jobs = read_jobs(args.prompts)
+        # jobs with adapters switch them between batches: by default the attention projections are run-time weights
+        targets = args.lora_targets if args.lora_targets is not None else \
+            ("attention" if any(job.loras for job in jobs) else ())
+        options = CompileOptions(backend=args.backend, precision=args.precision, min_psnr=args.min_psnr,
+                                 cache_dir=args.cache_dir, threads=threads, lora_targets=targets)
+        check_backend(options)
         plan = prepare(args.model, jobs, args.out, batch_size=args.batch_size, controlnet=controlnets_from_args(args),
                        options=options, height=args.height, width=args.width)
         bar = _batch_bar()

@@ -196,6 +196,7 @@ class Family:
             config={**encoder.config.to_dict(), "kasoku_outputs": output_names},
             graph_kind="clip",
             modules=(name,),
+            takes_lora=True,
         )
 
     def unet_added_inputs(self, pipe, axes: Axes) -> tuple[TensorSpec, ...]:
@@ -228,6 +229,7 @@ class Family:
             graph_kind="unet",
             modules=("unet",),
             int8="hybrid",
+            takes_lora=True,
         )
 
     def vae_fp32_for(self, pipe) -> dict[Precision, str]:
