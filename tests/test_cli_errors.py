@@ -35,6 +35,12 @@ BAD = {
         ["generate", "{model}", "a cat", "-o", "{out}", "--image", "{missing}"],
         ["generate", "{model}", "a cat", "-o", "{out}", "--mask", "{image}"],
         ["generate", "{model}", "a cat", "-o", "{out}", "--threads", "0"],
+        ["generate", "{model}", "a cat", "-o", "{out}", "--cache-interval", "0"],
+        ["generate", "{model}", "a cat", "-o", "{out}", "--cache-interval", "-2"],
+        ["generate", "{model}", "a cat", "-o", "{out}", "--cache-interval", "2.5"],
+        ["generate", "{model}", "a cat", "-o", "{out}", "--cache-interval", "3", "--cache-schedule", "linear"],
+        ["generate", "{model}", "a cat", "-o", "{out}", "--cache-interval", "3", "--cache-branch", "-1"],
+        ["generate", "{model}", "a cat", "-o", "{out}", "--cache-interval", "3", "--cache-branch", "4"],
         ["generate", "{missing}", "a cat", "-o", "{out}"],
         ["generate", "{model}", "a cat", "-o", "{new}/x.png"],
         ["generate", "{model}", "a cat", "-o", "{full}"],
@@ -47,6 +53,8 @@ BAD = {
         ["batch", "{model}", "{jobs}", "--out", "{new}", "--backend", "torch", "--precision", "fp16"],
         ["batch", "{model}", "{jobs}", "--out", "{new}", "--height", "64:0"],
         ["batch", "{model}", "{jobs}", "--out", "{file}"],
+        ["batch", "{model}", "{bad_cache_jobs}", "--out", "{new}"],
+        ["batch", "{model}", "{jobs}", "--out", "{new}", "--cache-branch", "-1"],
     ],
     "export": [
         ["export", "{missing}", "{new}"],
@@ -60,6 +68,8 @@ BAD = {
         ["compile", "{model}", "--threads", "0"],
         ["compile", "{model}", "--trt-opt-level", "9"],
         ["compile", "{model}", "--components", "text_encoder_2"],
+        ["compile", "{model}", "--step-cache", "--cache-branch", "4"],
+        ["compile", "{model}", "--cache-branch", "x"],
         ["compile", "{file}"],
     ],
     "cache": [
@@ -70,6 +80,8 @@ BAD = {
     "verify": [
         ["verify", "{model}", "--backend", "torch", "--precision", "fp16"],
         ["verify", "{missing}"],
+        ["verify", "{model}", "--cache-interval", "0"],
+        ["verify", "{model}", "--cache-interval", "2", "--cache-schedule", "quadratic"],
     ],
     "bench": [
         ["bench", "{model}", "--repeats", "2"],
@@ -97,10 +109,12 @@ def places(tmp_path, tiny_dir):
     Image.new("RGB", (64, 64)).save(tmp_path / "in.png")
     (tmp_path / "jobs.jsonl").write_text(json.dumps({"prompt": "a cat"}) + "\n")
     (tmp_path / "bad.jsonl").write_text('{"prompt": "a cat", "steps": 0}\n')
+    (tmp_path / "bad_cache.jsonl").write_text('{"prompt": "a cat", "cache_interval": 0}\n')
     return {"model": str(tiny_dir), "out": str(tmp_path / "out.png"), "new": str(tmp_path / "new"),
             "full": str(full), "file": str(tmp_path / "file.txt"), "image": str(tmp_path / "in.png"),
             "missing": str(tmp_path / "missing"), "jobs": str(tmp_path / "jobs.jsonl"),
-            "bad_jobs": str(tmp_path / "bad.jsonl"), "cache": str(tmp_path / "cache")}
+            "bad_jobs": str(tmp_path / "bad.jsonl"), "bad_cache_jobs": str(tmp_path / "bad_cache.jsonl"),
+            "cache": str(tmp_path / "cache")}
 
 
 def _tree(path):
@@ -143,6 +157,12 @@ def torch_pipeline(tiny_pipe, tmp_path_factory):
     ({"num_images_per_prompt": 0}, "`num_images_per_prompt` must be a positive int"),
     ({"guidance_scale": float("nan")}, "`guidance_scale` must be a finite number"),
     ({"prompt_2": "a dog"}, "`prompt_2`: only Stable Diffusion XL pipelines take this argument"),
+    ({"cache_interval": 0}, "`cache_interval` must be a positive int (1: every step runs the whole U-Net, no "
+                            "caching) but is 0"),
+    ({"cache_interval": -2}, "`cache_interval` must be a positive int"),
+    ({"cache_interval": 2.0}, "`cache_interval` must be a positive int"),
+    ({"cache_interval": 3, "cache_schedule": "linear"}, "`cache_schedule` must be one of uniform, nonuniform but "
+                                                         "is 'linear'"),
 ])
 def test_python_api_refuses_the_same_values(torch_pipeline, kwargs, message):
     calls_before = dict(torch_pipeline.times.calls)

@@ -22,7 +22,7 @@ import torch
 
 from . import __version__
 from .attention import exportable_attention
-from .components import ComponentSpec, ImageShape, Precision, ShapeProfile, component_specs
+from .components import AxisRange, ComponentSpec, ImageShape, Precision, ShapeProfile, component_specs
 from .errors import KasokuError
 from .options import DEFAULT_EXPORTER, DEFAULT_OPSET, EXPORTERS
 from .parity import OutputParity, parity_against_torch, raise_on_failure
@@ -81,17 +81,24 @@ def _parameter_bytes(module: torch.nn.Module) -> int:
 
 
 def _dynamo_dynamic_shapes(spec: ComponentSpec) -> dict[str, dict[int, object]]:
+    """torch.export's Dims of the spec's dynamic input axes. Axes that scale one image dimension (the
+    latent's height and a deep feature's, at 1/2**k of it) are multiples of one Dim, its step: so the
+    exporter knows how they relate (one axis of an image dimension gets the Dims it always had)."""
     from torch.export import Dim
 
     dims: dict[str, object] = {}
-    for name, (_axis, rng) in spec.axes().items():
-        if rng.min == rng.max:
-            continue
+    by_image_dim: dict[str, list[tuple[str, AxisRange]]] = {}
+    for name, (axis, rng) in spec.axes().items():
+        if rng.min != rng.max:
+            by_image_dim.setdefault(axis.of, []).append((name, rng))
+    for axes in by_image_dim.values():
+        name, rng = min(axes, key=lambda a: a[1].step)  # the finest axis names the Dim, as when it is alone
         if rng.step > 1:
             base = Dim(f"{name}_div{rng.step}", min=math.ceil(rng.min / rng.step), max=rng.max // rng.step)
-            dims[name] = rng.step * base
         else:
-            dims[name] = Dim(name, min=rng.min, max=rng.max)
+            base = Dim(name, min=rng.min, max=rng.max)
+        for name, axis_range in axes:
+            dims[name] = axis_range.step * base if axis_range.step > 1 else base
     return {
         t.name: {i: dims[a.name] for i, a in t.dynamic_axes.items() if a.name in dims}
         for t in spec.inputs

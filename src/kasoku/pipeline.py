@@ -22,6 +22,8 @@ from .families import TASKS, family_of, family_only_arguments
 from .options import CompileOptions
 from .schedulers import SCHEDULERS
 from .standins import EngineTimes, InvalidInput
+from .step_cache import COMPONENTS as STEP_CACHE_COMPONENTS
+from .step_cache import DEFAULT_SCHEDULE, InvalidStepCache, StepCacheRun, check_interval, check_schedule
 
 __all__ = ["KasokuPipeline", "compile", "InvalidInput", "EngineTimes"]
 
@@ -57,17 +59,27 @@ class KasokuPipeline:
     ``pipe(prompt, image=..., mask_image=...)`` inpainting (9-channel inpainting U-Nets, and
     4-channel ones through diffusers' latent mask blending). Every other argument is diffusers'
     (for SDXL: prompt_2, negative_prompt_2, original_size, target_size, crops_coords_top_left, ...).
+
+    Step caching (DeepCache, see kasoku.step_cache) is kasoku's own argument: ``cache_interval=N``
+    runs the whole U-Net on one step in N (``cache_schedule="uniform"``, or the paper's
+    ``"nonuniform"`` spacing) and only its outer layers on the others. It is off by default
+    (``cache_interval=1``: every step runs the plain U-Net engine, exactly as without it); the first
+    call that asks builds the step-cache engines (or loads them from the cache), unless the pipeline
+    was compiled with ``step_cache=True``.
     """
 
     def __init__(self, diffusers_pipe, engines: dict[str, Engine], profile: ShapeProfile,
-                 report: CompileReport | None = None):
+                 report: CompileReport | None = None, *, options: CompileOptions | None = None,
+                 label: str | None = None, cache=None):
         self.family = family_of(diffusers_pipe)
         self.profile = profile
         self.engines = engines
         self.compile_report = report
         self.times = EngineTimes()
         self._source = diffusers_pipe
+        self._options, self._label, self._cache = options, label, cache  # to build the step-cache engines later
         stand_ins = self.family.stand_ins(diffusers_pipe, engines, self.times)
+        self._unet = stand_ins["unet"]
         self._pipes = {task: self.family.task_pipeline(diffusers_pipe, task, **stand_ins) for task in TASKS}
 
     # ---- construction --------------------------------------------------------------------------
@@ -123,25 +135,51 @@ class KasokuPipeline:
             return "inpaint"
         return "img2img" if image is not None else "txt2img"
 
-    def __call__(self, prompt=None, image=None, mask_image=None, **kwargs):
-        """diffusers' call: txt2img, or img2img with `image`, or inpaint with `image` and `mask_image`."""
+    def __call__(self, prompt=None, image=None, mask_image=None, *, cache_interval: int = 1,
+                 cache_schedule: str = DEFAULT_SCHEDULE, **kwargs):
+        """diffusers' call: txt2img, or img2img with `image`, or inpaint with `image` and `mask_image`;
+        with step caching where `cache_interval` > 1 (see the class docstring)."""
         task = self.task(image, mask_image)
-        self.check_inputs(task, prompt, image, mask_image, **kwargs)
-        if task == "txt2img":
-            return self._pipes[task](prompt=prompt, **kwargs)
-        if task == "img2img":
-            return self._pipes[task](prompt=prompt, image=image, **kwargs)
-        return self._pipes[task](prompt=prompt, image=image, mask_image=mask_image, **kwargs)
+        self.check_inputs(task, prompt, image, mask_image, cache_interval=cache_interval,
+                          cache_schedule=cache_schedule, **kwargs)
+        pipe = self._pipes[task]
+        run = None
+        if cache_interval > 1:
+            self.enable_step_cache()
+            run = StepCacheRun(cache_interval, cache_schedule, loop_length=lambda: pipe.num_timesteps)
+        images = {"txt2img": {}, "img2img": {"image": image}, "inpaint": {"image": image, "mask_image": mask_image}}
+        with self._unet.step_cache(run):
+            return pipe(prompt=prompt, **images[task], **kwargs)
+
+    def enable_step_cache(self, on_stage=None) -> None:
+        """Load the step-cache engines (unet_full, unet_shallow) for this pipeline's U-Net, on its
+        backend and in its precision; built first when the cache does not hold them."""
+        missing = [name for name in STEP_CACHE_COMPONENTS if name not in self.engines]
+        if not missing:
+            return
+        if self._options is None:
+            raise InvalidInput("step caching needs the unet_full and unet_shallow engines; compile with "
+                               "step_cache=True (kasoku.compile(..., step_cache=True)).")
+        unet = self.engines["unet"]
+        options = self._options.replace(components=tuple(missing), step_cache=False, backend=unet.backend,
+                                        precision=unet.precision)
+        engines, report = compile_components(self._source, options, cache=self._cache, label=self._label,
+                                             **({"on_stage": on_stage} if on_stage else {}))
+        self.engines.update(engines)
+        if self.compile_report is not None:
+            self.compile_report.merge(report)
 
     # ---- checks first --------------------------------------------------------------------------
 
-    def check_inputs(self, task: str, prompt, image, mask_image, **kwargs) -> None:
+    def check_inputs(self, task: str, prompt, image, mask_image, cache_interval: int = 1,
+                     cache_schedule: str = DEFAULT_SCHEDULE, **kwargs) -> None:
         """Everything an engine cannot serve, as one clear error before anything runs."""
         if isinstance(prompt, list) and not prompt:
             raise InvalidInput("`prompt` is an empty list; give at least one prompt.")
         if prompt is None and kwargs.get("prompt_embeds") is None:
             raise InvalidInput("give a `prompt` (str or list of str).")
         self._check_steps(task, kwargs)
+        self._check_step_cache(cache_interval, cache_schedule)
         if task == "inpaint":
             if image is None:
                 raise InvalidInput("inpainting needs `image` as well as `mask_image`.")
@@ -197,6 +235,16 @@ class KasokuPipeline:
             raise InvalidInput(f"`num_inference_steps` x `strength` must be at least 1 step of denoising but is "
                                f"{steps} x {strength}; raise either.")
 
+    def _check_step_cache(self, interval, schedule) -> None:
+        try:
+            check_interval(interval)
+            check_schedule(schedule)
+        except InvalidStepCache as error:
+            raise InvalidInput(str(error)) from None
+        if interval > 1 and self._options is None and not all(n in self.engines for n in STEP_CACHE_COMPONENTS):
+            raise InvalidInput(f"`cache_interval` {interval} needs the unet_full and unet_shallow engines, which "
+                               "this pipeline has not and cannot build; compile with step_cache=True.")
+
     def _output_size(self, task: str, image, height, width) -> tuple[int, int]:
         """The size the call generates, as diffusers derives it; checked to be positive and divisible by 8."""
         for name, value in (("height", height), ("width", width)):
@@ -241,11 +289,11 @@ def compile(
     also one with xFormers attention processors), an accelerated KasokuPipeline out.
 
     `options` is a :class:`CompileOptions`; its fields may also be given as keywords (backend,
-    precision, profile, components, cache_dir, threads, ...)."""
+    precision, profile, components, cache_dir, threads, step_cache, cache_branch, ...)."""
     family_of(pipe)  # an unsupported pipeline fails here, naming the supported ones
     options = CompileOptions.of(options, backend=backend, **fields)
     if options.profile is None:
         options = options.replace(profile=default_profile(pipe))
     kwargs: dict[str, Any] = {"on_stage": on_stage} if on_stage else {}
     engines, report = compile_components(pipe, options, cache=cache, label=label, **kwargs)
-    return KasokuPipeline(pipe, engines, options.profile, report)
+    return KasokuPipeline(pipe, engines, options.profile, report, options=options, label=label, cache=cache)

@@ -8,8 +8,10 @@ engines read them (on a GPU engine, no tensor crosses to the CPU between steps).
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections import defaultdict
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from types import SimpleNamespace
 from typing import TYPE_CHECKING
@@ -17,6 +19,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from .errors import KasokuError
+from .step_cache import FEATURE, FULL, SHALLOW, StepCacheRun
 
 if TYPE_CHECKING:
     from .backends import Engine
@@ -82,7 +85,11 @@ class EngineTextEncoder(EngineModule):
 
 
 class EngineUNet(EngineModule):
-    """The U-Net; inputs after sample, timestep and encoder_hidden_states come from added_cond_kwargs."""
+    """The U-Net; inputs after sample, timestep and encoder_hidden_states come from added_cond_kwargs.
+
+    Within :meth:`step_cache` (one pipeline call with step caching, kasoku.step_cache) each call is one
+    denoising step: a full step runs the unet_full engine and keeps its deep feature, the others run
+    the unet_shallow engine on it. Outside it, every call runs the plain U-Net engine."""
 
     BASE_INPUTS = ("sample", "timestep", "encoder_hidden_states")
 
@@ -90,6 +97,7 @@ class EngineUNet(EngineModule):
                  component: str = "unet"):
         super().__init__(original, engines, times, component)
         self._added = [name for name in self.engine.spec.input_names if name not in self.BASE_INPUTS]
+        self._step_cache: StepCacheRun | None = None
         if getattr(original, "add_embedding", None) is not None:
             # SDXL pipelines check the ids' width against the embedding's input size.
             self.add_embedding = SimpleNamespace(linear_1=SimpleNamespace(
@@ -108,13 +116,32 @@ class EngineUNet(EngineModule):
             raise InvalidInput(f"the compiled U-Net needs {', '.join(missing)} in added_cond_kwargs.")
         timesteps = torch.as_tensor(timestep, dtype=torch.float32).reshape(-1).expand(sample.shape[0])
         added = {name: added_cond_kwargs[name].to(torch.float32) for name in self._added}
-        out = self._run(self._component, sample=sample, timestep=timesteps.contiguous(),
-                        encoder_hidden_states=encoder_hidden_states, **added)["out_sample"]
+        out = self._denoise(dict(sample=sample, timestep=timesteps.contiguous(),
+                                 encoder_hidden_states=encoder_hidden_states, **added))
         if not return_dict:
             return (out,)
         from diffusers.models.unets.unet_2d_condition import UNet2DConditionOutput
 
         return UNet2DConditionOutput(sample=out)
+
+    def _denoise(self, inputs: dict[str, torch.Tensor]) -> torch.Tensor:
+        run = self._step_cache
+        if run is None:
+            return self._run(self._component, **inputs)["out_sample"]
+        if run.next_is_full():
+            outputs = self._run(FULL, **inputs)
+            run.feature = outputs[FEATURE]
+            return outputs["out_sample"]
+        return self._run(SHALLOW, **inputs, **{FEATURE: run.feature})["out_sample"]
+
+    @contextlib.contextmanager
+    def step_cache(self, run: StepCacheRun | None) -> Iterator[None]:
+        """Step caching for one pipeline call (None: none); its state goes with the call."""
+        self._step_cache = run
+        try:
+            yield
+        finally:
+            self._step_cache = None
 
 
 class EngineVAE(EngineModule):

@@ -13,8 +13,13 @@ from typing import Any
 
 from ..components import ImageShape, ShapeOutOfProfile, ShapeProfile
 from ..errors import KasokuError
+from ..step_cache import DEFAULT_SCHEDULE, SCHEDULES
 
-JOB_FIELDS = ("id", "prompt", "negative_prompt", "seed", "steps", "guidance", "height", "width")
+JOB_FIELDS = ("id", "prompt", "negative_prompt", "seed", "steps", "guidance", "height", "width", "cache_interval",
+              "cache_schedule")
+# Fields added after the first release: part of a job's key only when set to other than their default, so the
+# results of jobs that do not use them keep their keys (a re-run skips them).
+LATER_FIELDS = {"cache_interval": 1, "cache_schedule": DEFAULT_SCHEDULE}
 DEFAULT_STEPS = 30
 DEFAULT_GUIDANCE = 7.5
 DEFAULT_BATCH_SIZE = 4
@@ -45,6 +50,8 @@ class Job:
     guidance: float = DEFAULT_GUIDANCE
     height: int | None = None  # None: the model's native size (`prepare` fills it in)
     width: int | None = None
+    cache_interval: int = 1  # step caching: the whole U-Net on one step in N (1: off)
+    cache_schedule: str = DEFAULT_SCHEDULE
     source: str = field(default="", compare=False)  # "prompts.jsonl:3", for messages
 
     @property
@@ -54,14 +61,16 @@ class Job:
     @property
     def key(self) -> str:
         """A digest of everything that changes the image: a result line only counts for this job."""
-        parts = {name: getattr(self, name) for name in JOB_FIELDS}
+        parts = {name: getattr(self, name) for name in JOB_FIELDS
+                 if name not in LATER_FIELDS or getattr(self, name) != LATER_FIELDS[name]}
         return hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()[:16]
 
     @property
     def call_key(self) -> tuple:
-        """Jobs with equal call keys can share one pipeline call: one size, steps and guidance, and
-        negative prompts for all or for none (SDXL encodes a missing one as zeros, not as "")."""
-        return (self.height, self.width, self.steps, self.guidance, self.negative_prompt is not None)
+        """Jobs with equal call keys can share one pipeline call: one size, steps, guidance and step caching,
+        and negative prompts for all or for none (SDXL encodes a missing one as zeros, not as "")."""
+        return (self.height, self.width, self.steps, self.guidance, self.negative_prompt is not None,
+                self.cache_interval, self.cache_schedule)
 
 
 class _LineError(ValueError):
@@ -116,6 +125,10 @@ def parse_job(line: str, number: int, source: str) -> Job:
                               "a number", DEFAULT_GUIDANCE)),
         height=_field(record, "height", _is_size, "a positive integer (pixels)", None),
         width=_field(record, "width", _is_size, "a positive integer (pixels)", None),
+        cache_interval=_field(record, "cache_interval", lambda v: _is_int(v) and v >= 1,
+                              "an integer >= 1 (1: no step caching)", 1),
+        cache_schedule=_field(record, "cache_schedule", lambda v: v in SCHEDULES, f"one of {', '.join(SCHEDULES)}",
+                              DEFAULT_SCHEDULE),
         source=source,
     )
 

@@ -161,6 +161,7 @@ class BatchWorker:
             negative_prompt=None if first.negative_prompt is None else [job.negative_prompt for job in batch],
             generator=[torch.Generator().manual_seed(job.seed) for job in batch],  # one per job: its own noise
             num_inference_steps=first.steps, guidance_scale=first.guidance, height=first.height, width=first.width,
+            cache_interval=first.cache_interval, cache_schedule=first.cache_schedule,
         ).images
         return images, time.perf_counter() - start
 

@@ -10,6 +10,7 @@ from .base import (
     add_engine_arguments,
     add_json,
     add_model,
+    add_step_cache_arguments,
     non_negative_int,
     options_from_args,
     positive_int,
@@ -104,6 +105,7 @@ class Compile(Command):
     def add_arguments(self, p: argparse.ArgumentParser) -> None:
         add_model(p)
         add_engine_arguments(p)
+        add_step_cache_arguments(p, per_call=False)
         add_json(p)
 
     def run(self, args: argparse.Namespace) -> int:

@@ -10,10 +10,12 @@ from ..errors import KasokuError
 from .base import (
     Command,
     add_backend_arguments,
+    add_cache_branch,
     add_cache_dir,
     add_engine_arguments,
     add_json,
     add_model,
+    add_step_cache_arguments,
     check_backend,
     check_output_file,
     finite_float,
@@ -59,6 +61,7 @@ class Generate(Command):
         p.add_argument("--scheduler", choices=list(SCHEDULERS), default=None,
                        help="swap the model's scheduler (default: keep it)")
         add_engine_arguments(p, profile_flags=False)
+        add_step_cache_arguments(p, per_call=True)
 
     def run(self, args: argparse.Namespace) -> int:
         import torch
@@ -86,7 +89,8 @@ class Generate(Command):
             pipe.set_scheduler(args.scheduler)
         kwargs = dict(negative_prompt=args.negative, num_inference_steps=args.steps, guidance_scale=args.guidance,
                       num_images_per_prompt=args.num_images, height=args.height, width=args.width,
-                      generator=torch.Generator().manual_seed(args.seed))
+                      generator=torch.Generator().manual_seed(args.seed), cache_interval=args.cache_interval,
+                      cache_schedule=args.cache_schedule)
         kwargs.update({k: v for k, v in (("prompt_2", args.prompt_2), ("negative_prompt_2", args.negative_2)) if v})
         if image is not None:
             kwargs.update(image=image, strength=args.strength)
@@ -142,10 +146,11 @@ class Batch(Command):
     """Generate one image per line of a JSONL file, in this process or on a Ray cluster (--ray).
 
     Each line is one job: {"prompt": "...", "negative_prompt": "...", "seed": 1, "steps": 30, "guidance": 7.5,
-    "height": 512, "width": 512, "id": "cat-1"}; only prompt is required (seed and id default to the line
-    number, the size to the model's). DIR gets <id>.png per job and results.jsonl (one line per job). Every
-    line and size is checked before any work starts; running the same command again after an interruption
-    does only the jobs that are not done.
+    "height": 512, "width": 512, "id": "cat-1", "cache_interval": 3, "cache_schedule": "uniform"}; only prompt
+    is required (seed and id default to the line number, the size to the model's, cache_interval to 1: no
+    step caching; a job's above 1 builds the step-cache engines too). DIR gets <id>.png per job and
+    results.jsonl (one line per job). Every line and size is checked before any work starts; running the
+    same command again after an interruption does only the jobs that are not done.
     """
 
     name = "batch"
@@ -153,7 +158,8 @@ class Batch(Command):
     def add_arguments(self, p: argparse.ArgumentParser) -> None:
         add_model(p)
         p.add_argument("prompts", type=Path, metavar="PROMPTS.jsonl",
-                       help="one job per line: prompt, negative_prompt, seed, steps, guidance, height, width, id")
+                       help="one job per line: prompt, negative_prompt, seed, steps, guidance, height, width, id, "
+                            "cache_interval, cache_schedule")
         p.add_argument("--out", type=Path, required=True, metavar="DIR",
                        help="folder for <id>.png per job and results.jsonl (created if missing; jobs already "
                             "there are skipped)")
@@ -166,7 +172,7 @@ class Batch(Command):
                             "CPUs, or GPUs with --gpus-per-worker, hold)")
         p.add_argument("--batch-size", type=positive_int, default=4,
                        help="images per engine call (default 4); jobs batch together when they share size, "
-                            "steps, guidance and whether they have a negative prompt")
+                            "steps, guidance, step caching and whether they have a negative prompt")
         p.add_argument("--gpus-per-worker", type=_non_negative_float, default=0.0,
                        help="with --ray: GPUs Ray gives each worker, e.g. 1 for GPU backends (default 0)")
         p.add_argument("--threads", type=positive_int, default=None,
@@ -177,6 +183,7 @@ class Batch(Command):
                        help="image heights the engines serve (default: half to double the model's size)")
         p.add_argument("--width", type=size_range, metavar="MIN:MAX",
                        help="image widths the engines serve (default: half to double the model's size)")
+        add_cache_branch(p)
         add_cache_dir(p)
         add_json(p, "the run's summary")
 
@@ -192,8 +199,7 @@ class Batch(Command):
             import_ray()  # a missing extra is the first thing to say
         threads = args.threads or (1 if args.ray is not None else None)  # Ray: one CPU per worker unless asked
         options = CompileOptions(backend=args.backend, precision=args.precision, min_psnr=args.min_psnr,
-                                 cache_dir=args.cache_dir,
-                                 threads=threads)
+                                 cache_dir=args.cache_dir, threads=threads, cache_branch=args.cache_branch)
         check_backend(options)
         jobs = read_jobs(args.prompts)
         plan = prepare(args.model, jobs, args.out, batch_size=args.batch_size, options=options, height=args.height,
