@@ -50,6 +50,19 @@ WORK = HERE / ".models" / "sd15-work"
 RESULTS = HERE / "results"
 TXT2IMG = ("text_encoder", "unet", "vae_decoder")
 SIZE = 512
+MULTIPLE = 64  # SD 1.5's height/width step: the VAE's 8x times the U-Net's three downsamplings
+SMOKE_DIR = Path("/tmp/kasoku-full_sd15-smoke")  # --smoke: every stage on the tiny pipeline, results kept apart
+
+
+def use_smoke_model() -> None:
+    """Point every stage at the tiny pipeline (64x64, steps of 16) and keep its results apart."""
+    global MODEL_DIR, WORK, RESULTS, SIZE, MULTIPLE
+    MODEL_DIR, WORK, RESULTS = SMOKE_DIR / "model", SMOKE_DIR / "work", SMOKE_DIR / "results"
+    SIZE, MULTIPLE = 64, 16
+    if not (MODEL_DIR / "model_index.json").exists():
+        from kasoku.tiny import write_tiny_pipeline
+
+        write_tiny_pipeline(MODEL_DIR)
 
 
 def build_sd15(directory: Path, seed: int = 0) -> Path:
@@ -129,10 +142,22 @@ def stage_cold(backend: str, args) -> dict:
             "peak_mb": peak_mb()}
 
 
+def preheat(folder: Path) -> None:
+    """Read every file under `folder` once, untimed, so that the stages compared (kasoku's warm start,
+    the runtime's own load) all find the engine files in the page cache: a fair comparison of the loads,
+    not of the disk."""
+    for path in sorted(folder.rglob("*")):
+        if path.is_file():
+            with open(path, "rb") as handle:
+                while handle.read(1 << 24):
+                    pass
+
+
 def stage_warm(backend: str, args) -> dict:
     import kasoku
     from kasoku.loading import load_pipeline
 
+    preheat(cache_for(args, backend))
     start = time.perf_counter()
     pipe = load_pipeline(MODEL_DIR)
     load_pipe = time.perf_counter() - start
@@ -148,6 +173,7 @@ def stage_warm(backend: str, args) -> dict:
 def stage_warm_folder(backend: str, args) -> dict:
     import kasoku
 
+    preheat(cache_for(args, backend))
     start = time.perf_counter()
     fast = kasoku.KasokuPipeline.from_pretrained(MODEL_DIR, backend, components=TXT2IMG,
                                                  cache_dir=cache_for(args, backend), threads=args.threads)
@@ -160,6 +186,7 @@ def stage_runtime(backend: str, args) -> dict:
     """The runtimes' own load of the engine files the warm stage used, with kasoku's settings."""
     keys = _results(args)["warm"][backend]["engine_keys"]
     backends = _results(args)["warm"][backend]["backends"]
+    preheat(cache_for(args, backend))
     seconds = {}
     for component, key in keys.items():
         entry = cache_for(args, backend) / "entries" / key
@@ -189,7 +216,7 @@ def stage_speed(contender: str, args) -> dict:
     from kasoku.loading import load_pipeline
     from kasoku.parity import compare_output
 
-    profile = ShapeProfile.from_ranges((1, 1, 1), (SIZE,) * 3, (SIZE,) * 3, 64)
+    profile = ShapeProfile.from_ranges((1, 1, 1), (SIZE,) * 3, (SIZE,) * 3, MULTIPLE)
     io_file = args.work / "speed-io.npz"
     result: dict = {"components": {}}
     if contender == "torch":
@@ -331,7 +358,7 @@ def stage_image(contender: str, args) -> dict:
         precision, shape = KASOKU_IMAGES[contender]
         cache = args.work / "images" / f"{contender}-cache"
         shutil.rmtree(cache, ignore_errors=True)  # each kasoku contender compiles cold
-        profile = ShapeProfile.exact(ImageShape(1, SIZE, SIZE), guidance=True, multiple=64) \
+        profile = ShapeProfile.exact(ImageShape(1, SIZE, SIZE), guidance=True, multiple=MULTIPLE) \
             if shape == "static" else None
         pipe = kasoku.KasokuPipeline.from_pretrained(MODEL_DIR, "auto", precision=precision, profile=profile,
                                                      components=TXT2IMG, cache_dir=cache, threads=args.threads)
@@ -390,7 +417,7 @@ def stage_fidelity(precision: str, args) -> dict:
 
     folder = args.work / "fidelity"
     folder.mkdir(parents=True, exist_ok=True)
-    profile = ShapeProfile.exact(ImageShape(1, SIZE, SIZE), guidance=True, multiple=64)
+    profile = ShapeProfile.exact(ImageShape(1, SIZE, SIZE), guidance=True, multiple=MULTIPLE)
     pipe = load_pipeline(MODEL_DIR)
     fast = kasoku.compile(pipe, "openvino", precision=precision, profile=profile, components=TXT2IMG,
                           cache_dir=folder / f"cache-{precision}", threads=args.threads)
@@ -416,6 +443,73 @@ def stage_fidelity(precision: str, args) -> dict:
     return result
 
 
+def stage_ort_qdq(_target: str, args) -> dict:
+    """ONNX Runtime's own int8 (static QDQ quantization, per channel, the pipeline's own calibration samples)
+    on the full U-Net, against kasoku's int8 (NNCF on OpenVINO) and ONNX Runtime fp32, one call each at
+    512x512 with guidance after a warm-up: the measurement behind ONNX Runtime refusing --precision int8."""
+    import tempfile
+
+    import onnxruntime as ort
+    from onnxruntime.quantization import CalibrationDataReader, QuantFormat, QuantType, quantize_static
+
+    import kasoku
+    from kasoku.calibration import CalibrationPlan, load_samples
+    from kasoku.components import ImageShape, ShapeProfile
+
+    profile = ShapeProfile.exact(ImageShape(1, SIZE, SIZE), guidance=True, multiple=MULTIPLE)
+    cache = args.work / "qdq-cache"
+    shutil.rmtree(cache, ignore_errors=True)
+    start = time.perf_counter()
+    fast = kasoku.KasokuPipeline.from_pretrained(MODEL_DIR, "openvino", precision="int8", profile=profile,
+                                                 components=("text_encoder", "unet"), cache_dir=cache,
+                                                 threads=args.threads, keep_intermediate=True)
+    openvino_compile_s = time.perf_counter() - start
+    from kasoku.cache import Cache
+
+    entries = Cache(cache).list()
+    samples = load_samples(cache / "entries" / next(e.key for e in entries if e.kind == "calibration")
+                           / "calibration.npz")
+    feeds = {k: np.asarray(v) for k, v in samples[len(samples) // 2].items()}
+    result: dict = {"calibration_samples": len(samples), "openvino_int8_compile_s": openvino_compile_s}
+    int8_unet = fast.engines["unet"]
+    result["openvino_int8_s"] = _repeat(lambda engine=int8_unet: engine.run(feeds), args.repeats + 1)[0][1:]
+    onnx_file = cache / "entries" / next(e.key for e in entries if e.kind == "onnx" and e.component == "unet") \
+        / "model.onnx"
+    del fast, int8_unet
+    options = ort.SessionOptions()
+    options.intra_op_num_threads = args.threads
+    session = ort.InferenceSession(str(onnx_file), options, providers=["CPUExecutionProvider"])
+    result["onnxruntime_fp32_s"] = _repeat(lambda s=session: s.run(None, feeds), args.repeats + 1)[0][1:]
+    reference = session.run(None, feeds)[0]
+    del session
+
+    class Reader(CalibrationDataReader):
+        def __init__(self):
+            self.items = iter(samples)
+
+        def get_next(self):
+            return next(self.items, None)
+
+    with tempfile.TemporaryDirectory(dir=args.work) as tmp:
+        target = Path(tmp) / "unet-int8.onnx"
+        start = time.perf_counter()
+        try:
+            quantize_static(str(onnx_file), str(target), Reader(), quant_format=QuantFormat.QDQ, per_channel=True,
+                            activation_type=QuantType.QUInt8, weight_type=QuantType.QInt8,
+                            use_external_data_format=True)
+        except Exception as error:  # noqa: BLE001 - a probe: report what ONNX Runtime's tool did
+            result.update(quantize_failed=f"{type(error).__name__}: {str(error).splitlines()[0][:300]}")
+            return {**result, "peak_mb": peak_mb()}
+        result["onnxruntime_quantize_s"] = time.perf_counter() - start
+        session = ort.InferenceSession(str(target), options, providers=["CPUExecutionProvider"])
+        result["onnxruntime_int8_s"] = _repeat(lambda: session.run(None, feeds), args.repeats + 1)[0][1:]
+        out = session.run(None, feeds)[0]
+        result["onnxruntime_int8_rel_error"] = float(np.linalg.norm(out - reference) / np.linalg.norm(reference))
+    result["plan"] = CalibrationPlan().to_dict()
+    shutil.rmtree(cache, ignore_errors=True)
+    return {**result, "peak_mb": peak_mb()}
+
+
 # Step caching (DeepCache): (cache_interval, schedule) per run, interval 1 first (the reference: no caching).
 DEEPCACHE_RUNS = ((1, "uniform"), (2, "uniform"), (3, "uniform"), (5, "uniform"), (3, "nonuniform"))
 DEEPCACHE_STEPS = 20
@@ -433,7 +527,7 @@ def deepcache_flops(branch: int) -> dict:
 
     pipe = load_pipeline(MODEL_DIR, lazy=True)  # every module on the meta device
     family, geometry = family_of(pipe), Branch.of(pipe.unet.config, branch)
-    profile = ShapeProfile.exact(ImageShape(1, SIZE, SIZE), guidance=True, multiple=64)
+    profile = ShapeProfile.exact(ImageShape(1, SIZE, SIZE), guidance=True, multiple=MULTIPLE)
     specs = component_specs(pipe, profile, UNET_ENGINES, cache_branch=branch)
     modules = {"unet": family.unet_module(pipe.unet), "unet_full": family.unet_full_module(pipe.unet, geometry),
                "unet_shallow": family.unet_shallow_module(pipe.unet, geometry)}
@@ -455,7 +549,7 @@ def stage_deepcache(backend: str, args) -> dict:
     flops = deepcache_flops(DEFAULT_BRANCH)
     cache = args.work / f"deepcache-cache-{backend}"
     shutil.rmtree(cache, ignore_errors=True)
-    profile = ShapeProfile.exact(ImageShape(1, SIZE, SIZE), guidance=True, multiple=64)
+    profile = ShapeProfile.exact(ImageShape(1, SIZE, SIZE), guidance=True, multiple=MULTIPLE)
     start = time.perf_counter()
     pipe = kasoku.KasokuPipeline.from_pretrained(MODEL_DIR, backend, profile=profile, components=TXT2IMG,
                                                  cache_dir=cache, threads=args.threads, step_cache=True)
@@ -495,7 +589,7 @@ def stage_deepcache(backend: str, args) -> dict:
 
 STAGES = {"model": stage_model, "cold": stage_cold, "warm": stage_warm, "warm-folder": stage_warm_folder,
           "runtime": stage_runtime, "speed": stage_speed, "ov-probe": stage_ov_probe, "image": stage_image,
-          "fidelity": stage_fidelity, "deepcache": stage_deepcache}
+          "fidelity": stage_fidelity, "ort-qdq": stage_ort_qdq, "deepcache": stage_deepcache}
 
 
 # ---- the run -----------------------------------------------------------------------------------------
@@ -516,7 +610,8 @@ def _run_stage(stage: str, target: str, args, log) -> dict:
     out.unlink(missing_ok=True)
     log(f"stage {stage}:{target}")
     command = [sys.executable, __file__, "--stage", stage, "--target", target, "--stage-json", str(out),
-               "--threads", str(args.threads), "--repeats", str(args.repeats), "--cache", str(args.cache)]
+               "--threads", str(args.threads), "--repeats", str(args.repeats), "--cache", str(args.cache),
+               *(["--smoke"] if args.smoke else [])]
     start = time.perf_counter()
     code = subprocess.run(command).returncode
     if code != 0 or not out.exists():
@@ -555,10 +650,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--cache", type=Path, default=WORK / "cache", help="the benchmark's kasoku cache")
     parser.add_argument("--fresh-cache", action="store_true", help="empty the cache first (cold means cold)")
+    parser.add_argument("--smoke", action="store_true",
+                        help=f"run the stages on the built-in tiny pipeline at 64x64 (a check of this script; "
+                             f"results under {SMOKE_DIR})")
     parser.add_argument("--stage", choices=list(STAGES), help=argparse.SUPPRESS)
     parser.add_argument("--target", help=argparse.SUPPRESS)
     parser.add_argument("--stage-json", type=Path, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
+    if args.smoke:
+        use_smoke_model()
+        if args.cache == WORK / "cache":
+            args.cache = SMOKE_DIR / "work" / "cache"
     args.work = WORK
     args.work.mkdir(parents=True, exist_ok=True)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -583,7 +685,8 @@ def main(argv: list[str] | None = None) -> int:
         log(f"building SD 1.5 with random weights into {MODEL_DIR}")
         _record("model", "sd15", _run_stage("model", "sd15", args, log), machine)
     for stage in args.stages.split(","):
-        targets = {"speed": args.contenders.split(","), "ov-probe": ["unet"], "image": args.images.split(","),
+        targets = {"speed": args.contenders.split(","), "ov-probe": ["unet"], "ort-qdq": ["unet"],
+                   "image": args.images.split(","),
                    "fidelity": list(FIDELITY_PRECISIONS)}.get(stage, args.backends.split(","))
         for target in targets:
             _record(stage, target, _run_stage(stage, target, args, log), machine)
@@ -683,6 +786,18 @@ def markdown(report: dict) -> str:
                              f"{min(r['seconds']):.2f}–{max(r['seconds']):.2f} | {base / median:.2f}× | {floor:.2f} | "
                              f"{median / floor:.2f} | {check} |")
         lines.append("")
+    if "ort-qdq" in report:
+        r = report["ort-qdq"].get("unet", {})
+        if not r.get("failed"):
+            lines += ["## int8 U-Net step (512x512, batch 2), median after a warm-up: NNCF on OpenVINO against ONNX "
+                      "Runtime's own static QDQ quantization (same calibration samples)", "",
+                      "| engine | s / step |", "| --- | --- |",
+                      f"| ONNX Runtime fp32 | {_median(r['onnxruntime_fp32_s']):.2f} |",
+                      f"| kasoku int8 (NNCF hybrid, OpenVINO) | {_median(r['openvino_int8_s']):.2f} |",
+                      "| ONNX Runtime int8 (quantize_static, QDQ, per channel) | "
+                      + (f"{_median(r['onnxruntime_int8_s']):.2f} (rel. error {r['onnxruntime_int8_rel_error']:.3f},"
+                         f" quantized in {r['onnxruntime_quantize_s']:.0f} s) |" if "onnxruntime_int8_s" in r
+                         else f"failed: {r.get('quantize_failed')} |"), ""]
     if "image" in report:
         lines += _image_table(report)
     if "fidelity" in report:
@@ -702,7 +817,7 @@ def _image_table(report: dict) -> list[str]:
              "(genai: its own noise), median of the timed calls after a warm-up", "",
              "| pipeline | export / cold compile s | " + " | ".join(f"{s} steps s (vs diffusers)" for s in IMAGE_STEPS)
              + " | " + " | ".join(f"PSNR / SSIM vs diffusers, {s} steps" for s in IMAGE_STEPS) + " | peak RSS |",
-             "| --- | --- | " + " | ".join("---" for _ in IMAGE_STEPS) * 2 + " | --- |"]
+             "| --- | --- | " + " | ".join(["---"] * 2 * len(IMAGE_STEPS)) + " | --- |"]
     for name, r in images.items():
         if r.get("failed"):
             lines.append(f"| {name} | failed (exit {r['returncode']}) |" + " |" * (2 * len(IMAGE_STEPS) + 1))
@@ -725,7 +840,7 @@ def _image_table(report: dict) -> list[str]:
 
 
 def _fidelity_table(report: dict) -> list[str]:
-    lines = ["## Fidelity at full size (OpenVINO, exact-shape 512x512 engines): each component against torch fp32, "
+    lines = [f"## Fidelity (OpenVINO, exact-shape {SIZE}x{SIZE} engines): each component against torch fp32, "
              "the images of verify's three prompts at 20 steps against the fp32 engines' (same seed)", "",
              "| precision | text encoder rel. error | U-Net rel. error | VAE decoder rel. error | image PSNR, worst | "
              "image SSIM, worst |", "| --- | --- | --- | --- | --- | --- |"]
@@ -741,7 +856,6 @@ def _fidelity_table(report: dict) -> list[str]:
     return [*lines, ""]
 
 
-
 def _deepcache_table(report: dict) -> list[str]:
     rate = report.get("machine", {}).get("matmul_gflops") or 1.0
     lines = []
@@ -752,9 +866,9 @@ def _deepcache_table(report: dict) -> list[str]:
         flops = r["gflop_per_call"]
         base = r["runs"][next(iter(r["runs"]))]
         share = flops["unet_shallow"] / flops["unet"]
-        lines += [f"## Step caching (DeepCache, branch {r['branch']}) on {backend}, fp32, exact-shape 512x512 engines: "
-                  f"a {r['steps']}-step image with guidance from the same latents, median of the timed calls after a "
-                  "warm-up", "",
+        lines += [f"## Step caching (DeepCache, branch {r['branch']}) on {backend}, fp32, exact-shape "
+                  f"{SIZE}x{SIZE} engines: a {r['steps']}-step image with guidance from the same latents, median of "
+                  "the timed calls after a warm-up", "",
                   f"One U-Net call (batch 2): plain {flops['unet']:.0f} GFLOP, full graph {flops['unet_full']:.0f} "
                   f"GFLOP, shallow graph {flops['unet_shallow']:.0f} GFLOP (**{share:.1%} of the U-Net's FLOPs**). "
                   "Loop: the call less its text encoder and VAE decoder time.", "",

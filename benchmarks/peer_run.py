@@ -101,7 +101,7 @@ def run(peer: str, args) -> dict:
         target = args.work / "optimum-onnx-export"
         if not (target / "model_index.json").exists():
             export_start = time.perf_counter()
-            ORTStableDiffusionPipeline.from_pretrained(args.model, export=True).save_pretrained(target)
+            ORTStableDiffusionPipeline.from_pretrained(str(args.model), export=True).save_pretrained(target)
             seconds = time.perf_counter() - export_start
             (target / "kasoku-export-seconds.json").write_text(json.dumps({"seconds": seconds}))
         result["export_s"] = json.loads((target / "kasoku-export-seconds.json").read_text())["seconds"]

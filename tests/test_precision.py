@@ -125,7 +125,7 @@ def test_int8_is_calibrated_once_and_keeps_its_contract(tiny_pipe, fp32_openvino
 def _runtime_precisions(engine) -> set[str]:
     """What OpenVINO's CPU plugin runs the engine's layers in (int8 layers run in u8/i8)."""
     runtime = engine.compiled.get_runtime_model()
-    return {str(op.get_rt_info()["runtimePrecision"]) for op in runtime.get_ordered_ops()
+    return {op.get_rt_info()["runtimePrecision"].astype(str) for op in runtime.get_ordered_ops()
             if "runtimePrecision" in op.get_rt_info()}
 
 

@@ -182,7 +182,9 @@ def _peer_runner(peer: str, spec: ComponentSpec, onnx_path: Path | None, threads
                 out = compiled(*(torch.as_tensor(inputs[n]) for n in spec.input_names))
             return {n: o.numpy() for n, o in zip(spec.output_names, out)}
     elif peer == "onnxruntime-defaults":
-        import onnxruntime as ort
+        from .extras import import_onnxruntime
+
+        ort = import_onnxruntime()
 
         options = ort.SessionOptions()
         options.intra_op_num_threads = threads

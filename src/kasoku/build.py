@@ -17,6 +17,7 @@ as the backend builds exactly the same engines (what `kasoku batch` hands its wo
 from __future__ import annotations
 
 import contextlib
+import gc
 import shutil
 import statistics
 import time
@@ -26,7 +27,6 @@ from pathlib import Path
 from typing import Any
 
 import onnx
-import onnxruntime
 import torch
 
 from .backends import Engine, UnsupportedPrecision, cpu_candidates, get_backend, gpu_candidates
@@ -35,6 +35,7 @@ from .cache import Cache, CacheEntry, default_cache_dir, digest_key, file_sha256
 from .components import ComponentSpec, Precision, component_specs
 from .errors import KasokuError
 from .export import EXPORT_CODE_VERSION, check_onnx_parity, default_check_shapes, export_component, onnx_files
+from .extras import import_onnxruntime
 from .families import family_of
 from .fingerprint import WeightsFingerprints
 from .optimize import optimize
@@ -153,7 +154,7 @@ class Compiler:
         precision = self.precision(spec)
         return {"kind": "optimized", "component": spec.name, "source": source,
                 "passes": backend.optimization_passes(precision), "onnx": onnx.__version__,
-                "onnxruntime": onnxruntime.__version__}
+                "onnxruntime": import_onnxruntime().__version__}
 
     def calibration_parts(self, spec: ComponentSpec, source: str) -> dict[str, Any]:
         from .backends.openvino import native_bf16
@@ -416,25 +417,26 @@ class Compiler:
         if entry is not None:
             self._record(spec, "choose", "reused", entry, 0.0)
             return entry.meta["choice"], None
-        engines: dict[str, Engine] = {}
-
         def build(tmp: Path) -> dict:
-            # One warm-up and one timed call of each candidate at the profile's optimum: the choice is a
-            # ratio, and at full size each call is seconds.
+            # One warm-up and one timed call of each candidate at the profile's optimum (the choice is a
+            # ratio, and at full size each call is seconds), one engine in memory at a time: a full-size
+            # U-Net engine is as large as its weights.
             timings = {}
             for name in candidates:
-                engines[name] = self.engine(spec, name)
-                timings[name] = measure(engines[name], spec, repeats=1)
+                engine = self.engine(spec, name)
+                timings[name] = measure(engine, spec, repeats=1)
+                del engine
+                gc.collect()
             choice = min(timings, key=timings.get)
             (tmp / "choice.txt").write_text(choice)
             return {"choice": choice, "seconds": timings}
 
         entry = self._stage(spec, "choose", parts, build)
         choice = entry.meta["choice"]
-        self._drop_losers(spec, {name: engine for name, engine in engines.items() if name != choice})
-        return choice, engines.get(choice)
+        self._drop_losers(spec, [name for name in candidates if name != choice])
+        return choice, None
 
-    def _drop_losers(self, spec: ComponentSpec, losers: dict[str, Engine]) -> None:
+    def _drop_losers(self, spec: ComponentSpec, losers: list[str]) -> None:
         """Engines `auto` built only to measure: once the choice is recorded, they leave the cache."""
         for name in losers:
             key = self.built.pop((spec.name, name), None)
@@ -529,6 +531,7 @@ def compile_components(
         options = options.replace(precision=chosen_precisions)
     compiler = Compiler(cache, options, on_stage=on_stage, label=label, pipe=pipe, weights=weights)
     order = list(specs)
+    weights.prefetch(pipe, [attr for name in order for attr in specs[name].modules])
 
     def release_unneeded(done: str) -> None:
         # Free torch weights kasoku loaded itself once no later component needs them.

@@ -125,6 +125,8 @@ class Info(Command):
         rows = [[b["name"], "yes" if b["available"] else "no", b["version"] or "-", b["devices"] or b["reason"]]
                 for b in info["backends"]]
         console.print(table("backends", ["backend", "available", "version", "devices / why not"], rows))
+        for problem in info["problems"]:
+            console.print(f"problem: {problem}", markup=False)
         if args.json:
             write_json(args.json, info)
         return 0
