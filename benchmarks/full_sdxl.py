@@ -1,7 +1,7 @@
 """SDXL at full size, random weights, fp32: U-Net step and VAE decode at 1024x1024.
 
     python benchmarks/full_sdxl.py [--repeats 3] [--threads 2] [--components unet,vae_decoder]
-                                   [--backends onnxruntime,openvino] [--deepcache]
+                                   [--backends onnxruntime,openvino] [--deepcache] [--smoke]
 
 The SDXL base architecture (2.6B-parameter U-Net with added size/crop conditioning, the
 SDXL VAE) cannot sit in 24 GiB twice: torch's U-Net is 10.3 GB in fp32, and so is every
@@ -18,6 +18,9 @@ runtime's copy. So each contender runs in its own process, one after the other, 
 With --deepcache, the step-cache graphs (unet_full, unet_shallow: DeepCache's full and shallow U-Net,
 branch 0) go through the same two stages (`stage_deepcache`), for one step of each and the shallow
 graph's share of the FLOPs.
+
+--smoke runs the same stages on kasoku's tiny SDXL pipeline at 64x64 (a check of this script; results
+under /tmp/kasoku-full_sdxl-smoke).
 
 The matmul rate for the FLOP floor is measured once at the start, in the parent. Each stage
 reports its peak resident memory (VmHWM); the largest is the run's peak. BENCHMARK.md's
@@ -45,6 +48,8 @@ HERE = Path(__file__).resolve().parent
 WORK = HERE / ".models" / "sdxl-work"
 RESULTS = HERE / "results"
 SIZE = 1024
+SMOKE_DIR = Path("/tmp/kasoku-full_sdxl-smoke")  # --smoke: the tiny SDXL pipeline, results kept apart
+SMOKE = False
 SEEDS = {"text_encoder": 1, "text_encoder_2": 2, "unet": 3, "vae": 4}
 
 # stabilityai/stable-diffusion-xl-base-1.0's configurations.
@@ -77,13 +82,23 @@ def _module(name: str, real: bool, build):
         return build()
 
 
+def use_smoke_model() -> None:
+    """Point every stage at the tiny SDXL pipeline (64x64) and keep its results apart."""
+    global SMOKE, WORK, RESULTS, SIZE
+    SMOKE, WORK, RESULTS, SIZE = True, SMOKE_DIR / "work", SMOKE_DIR / "results", 64
+
+
 def sdxl_pipeline(real: tuple[str, ...] = ()):
-    """The SDXL base pipeline at full size; only the modules named in `real` hold weights."""
+    """The SDXL base pipeline at full size; only the modules named in `real` hold weights (--smoke: the tiny
+    SDXL pipeline, every module with its deterministic weights)."""
     from diffusers import AutoencoderKL, StableDiffusionXLPipeline, UNet2DConditionModel
     from transformers import CLIPTextConfig, CLIPTextModel, CLIPTextModelWithProjection
 
     from kasoku.families import FAMILIES
     from kasoku.tiny import tiny_tokenizer
+
+    if SMOKE:
+        return FAMILIES["sdxl"].tiny_pipeline()
 
     tokenizer, tokenizer_2 = tiny_tokenizer(), tiny_tokenizer("!")  # real CLIP BPE; ids inside the full vocab
 
@@ -298,12 +313,20 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--deepcache", action="store_true",
                         help="step caching: also time one step of the U-Net's full and shallow graphs (unet_full, "
                              "unet_shallow) per backend; with --components '' only those")
+    parser.add_argument("--smoke", action="store_true",
+                        help=f"run the stages on the built-in tiny SDXL pipeline at 64x64 (a check of this script; "
+                             f"results under {SMOKE_DIR})")
     parser.add_argument("--no-export", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--stage", choices=("torch", "engine"), help=argparse.SUPPRESS)
     parser.add_argument("--component", help=argparse.SUPPRESS)
     parser.add_argument("--backend", help=argparse.SUPPRESS)
     parser.add_argument("--stage-json", type=Path, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
+    if args.smoke:
+        full_size = (WORK, SIZE)
+        use_smoke_model()
+        args.work = WORK if args.work == full_size[0] else args.work
+        args.size = SIZE if args.size == full_size[1] else args.size
 
     from kasoku.console import console, quiet_third_party_logs
 
@@ -334,7 +357,7 @@ def main(argv: list[str] | None = None) -> int:
               "threads": args.threads, "torch": torch.__version__, "repeats": args.repeats, "size": args.size,
               "matmul_gflops": matmul_gflops(), "components": {}}
     common = ["--repeats", str(args.repeats), "--threads", str(args.threads), "--work", str(args.work),
-              "--size", str(args.size)]
+              "--size", str(args.size), *(["--smoke"] if args.smoke else [])]
     for component in filter(None, args.components.split(",")):
         entry = report["components"][component] = {"engines": {}}
         done = args.work / f"stage-torch-{component}.json"
@@ -365,7 +388,7 @@ def write_report(report: dict, stem: Path) -> None:
     entries = [*report["components"].values(), *report.get("deepcache", {}).values()]
     runs = [r for e in entries for r in [e["torch"], *e["engines"].values()]]
     report["peak_mb"] = max((r["peak_mb"] for r in runs if "peak_mb" in r), default=0.0)
-    RESULTS.mkdir(exist_ok=True)
+    RESULTS.mkdir(parents=True, exist_ok=True)
     stem.with_suffix(".md").write_text(markdown(report) + "\n")
     stem.with_suffix(".json").write_text(json.dumps(report, indent=2))
     console.print(markdown(report), markup=False)
@@ -377,7 +400,7 @@ def retime_torch(args, log) -> int:
     stem = _stem(datetime.date.today().isoformat(), args.size)
     report = json.loads(stem.with_suffix(".json").read_text())
     common = ["--repeats", str(args.repeats), "--threads", str(args.threads), "--work", str(args.work),
-              "--size", str(args.size), "--no-export"]
+              "--size", str(args.size), "--no-export", *(["--smoke"] if args.smoke else [])]
     args.work.mkdir(parents=True, exist_ok=True)
     for component in args.retime_torch.split(","):
         old = report["components"][component]["torch"]
