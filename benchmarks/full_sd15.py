@@ -869,8 +869,8 @@ def _deepcache_table(report: dict) -> list[str]:
         lines += [f"## Step caching (DeepCache, branch {r['branch']}) on {backend}, fp32, exact-shape "
                   f"{SIZE}x{SIZE} engines: a {r['steps']}-step image with guidance from the same latents, median of "
                   "the timed calls after a warm-up", "",
-                  f"One U-Net call (batch 2): plain {flops['unet']:.0f} GFLOP, full graph {flops['unet_full']:.0f} "
-                  f"GFLOP, shallow graph {flops['unet_shallow']:.0f} GFLOP (**{share:.1%} of the U-Net's FLOPs**). "
+                  f"One U-Net call (batch 2): plain {flops['unet']:.4g} GFLOP, full graph {flops['unet_full']:.4g} "
+                  f"GFLOP, shallow graph {flops['unet_shallow']:.4g} GFLOP (**{share:.1%} of the U-Net's FLOPs**). "
                   "Loop: the call less its text encoder and VAE decoder time.", "",
                   "| interval | schedule | full steps | loop s (min–max) | loop speed-up | whole image s | image "
                   "speed-up | U-Net GFLOP | U-Net FLOP floor s | PSNR / SSIM vs interval 1 |",

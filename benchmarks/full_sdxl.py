@@ -222,8 +222,8 @@ def _deepcache_lines(report: dict) -> list[str]:
     if full.get("failed") or shallow.get("failed"):
         return ["", "Step caching: the torch stage of a graph failed; see the JSON."]
     lines = ["", f"## Step caching (DeepCache, branch 0): one U-Net step at {report['size']}x{report['size']}, batch 2",
-             "", f"Shallow graph: {shallow['gflop']:.0f} GFLOP, **{shallow['gflop'] / full['gflop']:.1%}** of the full "
-                 f"graph's {full['gflop']:.0f} GFLOP.", "",
+             "", f"Shallow graph: {shallow['gflop']:.4g} GFLOP, **{shallow['gflop'] / full['gflop']:.1%}** of the full "
+                 f"graph's {full['gflop']:.4g} GFLOP.", "",
              "| contender | full graph s | shallow graph s | shallow ÷ full (time) | full / shallow max abs vs torch |",
              "| --- | --- | --- | --- | --- |"]
     contenders = [("torch eager", full, shallow)]
