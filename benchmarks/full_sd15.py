@@ -27,6 +27,10 @@ the largest stage's VmHWM):
                      built into benchmarks/.models/sd15-random-2), the switch between two adapters (ranks 4 and
                      64 on the U-Net's attention projections) with run-time weights and with constant weights,
                      and the U-Net's speed with bound weights against constant and run-time weights.
+- deepcache:<backend> step caching: a 20-step 512x512 image with guidance at cache intervals 1, 2, 3, 5
+                     (and 3 non-uniform) on one backend, fp32: loop and image seconds, the shallow graph's
+                     share of the U-Net's FLOPs, PSNR and SSIM against interval 1
+                     (`--stages deepcache --backends openvino`).
 
 Every stage's result is merged into benchmarks/results/<date>-<host>-full_sd15.json, and the markdown
 beside it is written again from everything measured that day, so stages can be run one at a time.
@@ -601,10 +605,87 @@ def stage_ort_qdq(_target: str, args) -> dict:
     return {**result, "peak_mb": peak_mb()}
 
 
+# Step caching (DeepCache): (cache_interval, schedule) per run, interval 1 first (the reference: no caching).
+DEEPCACHE_RUNS = ((1, "uniform"), (2, "uniform"), (3, "uniform"), (5, "uniform"), (3, "nonuniform"))
+DEEPCACHE_STEPS = 20
+UNET_ENGINES = ("unet", "unet_full", "unet_shallow")
+
+
+def deepcache_flops(branch: int) -> dict:
+    """GFLOP of one call of the plain U-Net, the full and the shallow graph (batch 2: guidance, 512x512),
+    counted on the meta device (no weights are read, nothing is computed)."""
+    from kasoku.benchmark import count_flops_meta
+    from kasoku.components import ImageShape, ShapeProfile, component_specs
+    from kasoku.families import family_of
+    from kasoku.loading import load_pipeline
+    from kasoku.step_cache import Branch
+
+    pipe = load_pipeline(MODEL_DIR, lazy=True)  # every module on the meta device
+    family, geometry = family_of(pipe), Branch.of(pipe.unet.config, branch)
+    profile = ShapeProfile.exact(ImageShape(1, SIZE, SIZE), guidance=True, multiple=MULTIPLE)
+    specs = component_specs(pipe, profile, UNET_ENGINES, cache_branch=branch)
+    modules = {"unet": family.unet_module(pipe.unet), "unet_full": family.unet_full_module(pipe.unet, geometry),
+               "unet_shallow": family.unet_shallow_module(pipe.unet, geometry)}
+    return {name: count_flops_meta(modules[name], specs[name].sample_inputs(profile.opt), specs[name].input_names)
+            / 1e9 for name in UNET_ENGINES}
+
+
+def stage_deepcache(backend: str, args) -> dict:
+    """Step caching at full size, side by side on one backend in fp32 with exact-shape 512x512 engines: a 20-step
+    image with guidance from the shared latents at each of DEEPCACHE_RUNS (a warm-up call of each, then the median
+    of `repeats`): the whole call, the denoising loop (the call less its text encoder and VAE decoder engine time),
+    the U-Net engines' calls and seconds, and the image's PSNR and SSIM against interval 1's; with the FLOPs of the
+    plain U-Net and of the full and shallow graphs (the shallow graph's share of the U-Net's FLOPs)."""
+    import kasoku
+    from kasoku.components import ImageShape, ShapeProfile
+    from kasoku.parity import psnr, ssim
+    from kasoku.step_cache import DEFAULT_BRANCH
+
+    flops = deepcache_flops(DEFAULT_BRANCH)
+    cache = args.work / f"deepcache-cache-{backend}"
+    shutil.rmtree(cache, ignore_errors=True)
+    profile = ShapeProfile.exact(ImageShape(1, SIZE, SIZE), guidance=True, multiple=MULTIPLE)
+    start = time.perf_counter()
+    pipe = kasoku.KasokuPipeline.from_pretrained(MODEL_DIR, backend, profile=profile, components=TXT2IMG,
+                                                 cache_dir=cache, threads=args.threads, step_cache=True)
+    compile_s = time.perf_counter() - start
+    latents = torch.from_numpy(np.load(latents_file(args)))
+
+    def call(interval: int, schedule: str) -> tuple[float, float, np.ndarray]:
+        """(whole call s, denoising loop s, image)"""
+        pipe.times.reset()
+        begin = time.perf_counter()
+        image = pipe(IMAGE_PROMPT, num_inference_steps=DEEPCACHE_STEPS, guidance_scale=7.5, height=SIZE, width=SIZE,
+                     latents=latents, output_type="np", cache_interval=interval, cache_schedule=schedule).images[0]
+        whole = time.perf_counter() - begin
+        return whole, whole - pipe.times.seconds["text_encoder"] - pipe.times.seconds["vae_decoder"], image
+
+    runs, images = {}, {}
+    for interval, schedule in DEEPCACHE_RUNS:
+        call(interval, schedule)  # warm-up: first calls of each engine allocate
+        samples = [call(interval, schedule) for _ in range(args.repeats)]
+        label = f"{interval}-{schedule}"
+        images[label] = np.asarray(samples[-1][2], np.float32)
+        calls = {n: pipe.times.calls[n] for n in UNET_ENGINES if pipe.times.calls.get(n)}
+        runs[label] = {"interval": interval, "schedule": schedule, "unet_calls": calls,
+                       "full_calls": calls.get("unet", 0) + calls.get("unet_full", 0),
+                       "seconds": [whole for whole, _, _ in samples], "loop_seconds": [loop for _, loop, _ in samples],
+                       "unet_seconds": {n: pipe.times.seconds[n] for n in calls}}
+    reference = images[f"{DEEPCACHE_RUNS[0][0]}-{DEEPCACHE_RUNS[0][1]}"]
+    for label, run in runs.items():
+        run["psnr_db"], run["ssim"] = psnr(reference, images[label]), ssim(reference, images[label])
+        run["gflop"] = sum(run["unet_calls"][n] * flops[n] for n in run["unet_calls"])
+    np.savez(args.work / f"deepcache-{backend}.npz", **images)
+    shutil.rmtree(cache, ignore_errors=True)  # several GB
+    return {"backend": backend, "backends": pipe.compile_report.backends, "compile_s": compile_s,
+            "steps": DEEPCACHE_STEPS, "branch": DEFAULT_BRANCH, "gflop_per_call": flops, "runs": runs,
+            "peak_mb": peak_mb()}
+
+
 STAGES = {"model": stage_model, "cold": stage_cold, "warm": stage_warm, "warm-folder": stage_warm_folder,
           "runtime": stage_runtime, "speed": stage_speed, "ov-probe": stage_ov_probe, "image": stage_image,
           "fidelity": stage_fidelity, "ort-qdq": stage_ort_qdq,
-          "controlnet": stage_controlnet, "lora": stage_lora}
+          "controlnet": stage_controlnet, "lora": stage_lora, "deepcache": stage_deepcache}
 
 
 # ---- the run -----------------------------------------------------------------------------------------
@@ -832,6 +913,8 @@ def markdown(report: dict) -> str:
         lines += _image_table(report)
     if "fidelity" in report:
         lines += _fidelity_table(report)
+    if "deepcache" in report:
+        lines += _deepcache_table(report)
     if peaks:
         lines.append(f"Peak resident memory of the run (largest stage): {max(peaks) / 1024:.1f} GiB.")
     return "\n".join(lines)
@@ -927,6 +1010,38 @@ def _fidelity_table(report: dict) -> list[str]:
             if images else ("(reference)", "(reference)")
         lines.append(f"| {precision} | " + " | ".join(f"{e:.2e}" for e in errors) + f" | {worst[0]} | {worst[1]} |")
     return [*lines, ""]
+
+
+def _deepcache_table(report: dict) -> list[str]:
+    rate = report.get("machine", {}).get("matmul_gflops") or 1.0
+    lines = []
+    for backend, r in report["deepcache"].items():
+        if r.get("failed"):
+            lines += [f"## Step caching (DeepCache) on {backend}: failed (exit {r['returncode']})", ""]
+            continue
+        flops = r["gflop_per_call"]
+        base = r["runs"][next(iter(r["runs"]))]
+        share = flops["unet_shallow"] / flops["unet"]
+        lines += [f"## Step caching (DeepCache, branch {r['branch']}) on {backend}, fp32, exact-shape "
+                  f"{SIZE}x{SIZE} engines: a {r['steps']}-step image with guidance from the same latents, median of "
+                  "the timed calls after a warm-up", "",
+                  f"One U-Net call (batch 2): plain {flops['unet']:.4g} GFLOP, full graph {flops['unet_full']:.4g} "
+                  f"GFLOP, shallow graph {flops['unet_shallow']:.4g} GFLOP (**{share:.1%} of the U-Net's FLOPs**). "
+                  "Loop: the call less its text encoder and VAE decoder time.", "",
+                  "| interval | schedule | full steps | loop s (min–max) | loop speed-up | whole image s | image "
+                  "speed-up | U-Net GFLOP | U-Net FLOP floor s | PSNR / SSIM vs interval 1 |",
+                  "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+        for run in r["runs"].values():
+            loop, whole = _median(run["loop_seconds"]), _median(run["seconds"])
+            quality = "—" if run is base else f"{run['psnr_db']:.1f} dB / {run['ssim']:.4f}"
+            spread = f"{min(run['loop_seconds']):.1f}–{max(run['loop_seconds']):.1f}"
+            lines.append(f"| {run['interval']} | {run['schedule']} | {run['full_calls']} of "
+                         f"{sum(run['unet_calls'].values())} | {loop:.1f} ({spread}) | "
+                         f"{_median(base['loop_seconds']) / loop:.2f}× | {whole:.1f} | "
+                         f"{_median(base['seconds']) / whole:.2f}× | {run['gflop']:.0f} | {run['gflop'] / rate:.1f} | "
+                         f"{quality} |")
+        lines.append("")
+    return lines
 
 
 if __name__ == "__main__":

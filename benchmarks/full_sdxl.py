@@ -1,7 +1,7 @@
 """SDXL at full size, random weights, fp32: U-Net step and VAE decode at 1024x1024.
 
     python benchmarks/full_sdxl.py [--repeats 3] [--threads 2] [--components unet,vae_decoder]
-                                   [--backends onnxruntime,openvino]
+                                   [--backends onnxruntime,openvino] [--deepcache] [--smoke]
 
 The SDXL base architecture (2.6B-parameter U-Net with added size/crop conditioning, the
 SDXL VAE) cannot sit in 24 GiB twice: torch's U-Net is 10.3 GB in fp32, and so is every
@@ -14,6 +14,13 @@ runtime's copy. So each contender runs in its own process, one after the other, 
 2. `engine` (per component and backend): kasoku compiles that ONNX file through the cache
    (optimize, engine build) with every torch module on the meta device, times the engine
    after a warm-up and compares with torch's outputs.
+
+With --deepcache, the step-cache graphs (unet_full, unet_shallow: DeepCache's full and shallow U-Net,
+branch 0) go through the same two stages (`stage_deepcache`), for one step of each and the shallow
+graph's share of the FLOPs.
+
+--smoke runs the same stages on kasoku's tiny SDXL pipeline at 64x64 (a check of this script; results
+under /tmp/kasoku-full_sdxl-smoke).
 
 The matmul rate for the FLOP floor is measured once at the start, in the parent. Each stage
 reports its peak resident memory (VmHWM); the largest is the run's peak. BENCHMARK.md's
@@ -41,6 +48,8 @@ HERE = Path(__file__).resolve().parent
 WORK = HERE / ".models" / "sdxl-work"
 RESULTS = HERE / "results"
 SIZE = 1024
+SMOKE_DIR = Path("/tmp/kasoku-full_sdxl-smoke")  # --smoke: the tiny SDXL pipeline, results kept apart
+SMOKE = False
 SEEDS = {"text_encoder": 1, "text_encoder_2": 2, "unet": 3, "vae": 4}
 
 # stabilityai/stable-diffusion-xl-base-1.0's configurations.
@@ -73,13 +82,23 @@ def _module(name: str, real: bool, build):
         return build()
 
 
+def use_smoke_model() -> None:
+    """Point every stage at the tiny SDXL pipeline (64x64) and keep its results apart."""
+    global SMOKE, WORK, RESULTS, SIZE
+    SMOKE, WORK, RESULTS, SIZE = True, SMOKE_DIR / "work", SMOKE_DIR / "results", 64
+
+
 def sdxl_pipeline(real: tuple[str, ...] = ()):
-    """The SDXL base pipeline at full size; only the modules named in `real` hold weights."""
+    """The SDXL base pipeline at full size; only the modules named in `real` hold weights (--smoke: the tiny
+    SDXL pipeline, every module with its deterministic weights)."""
     from diffusers import AutoencoderKL, StableDiffusionXLPipeline, UNet2DConditionModel
     from transformers import CLIPTextConfig, CLIPTextModel, CLIPTextModelWithProjection
 
     from kasoku.families import FAMILIES
     from kasoku.tiny import tiny_tokenizer
+
+    if SMOKE:
+        return FAMILIES["sdxl"].tiny_pipeline()
 
     tokenizer, tokenizer_2 = tiny_tokenizer(), tiny_tokenizer("!")  # real CLIP BPE; ids inside the full vocab
 
@@ -96,6 +115,11 @@ def sdxl_pipeline(real: tuple[str, ...] = ()):
         unet=_module("unet", "unet" in real, lambda: UNet2DConditionModel(**UNET)),
         scheduler=FAMILIES["sdxl"].tiny_scheduler("epsilon"), add_watermarker=False,
     )
+
+
+def _module_of(component: str) -> str:
+    """The pipeline attribute whose weights a component uses (the step-cache graphs are the U-Net's)."""
+    return "vae" if component.startswith("vae") else "unet" if component.startswith("unet") else component
 
 
 def _spec(pipe, component: str, size: int):
@@ -130,7 +154,7 @@ def stage_torch(component: str, size: int, repeats: int, work: Path, export: boo
     from kasoku.export import export_component
 
     start = time.perf_counter()
-    pipe = sdxl_pipeline(real=("vae",) if component.startswith("vae") else (component,))
+    pipe = sdxl_pipeline(real=(_module_of(component),))
     spec = _spec(pipe, component, size)
     build_s = time.perf_counter() - start
     inputs = spec.sample_inputs(ImageShape(1, size, size), seed=3)
@@ -174,6 +198,45 @@ def stage_engine(component: str, backend: str, size: int, repeats: int, threads:
             "stages": {s.stage: s.seconds for s in report.stages}, "first_call_s": first, "seconds": samples,
             "max_abs_vs_torch": worst.max_abs, "tolerance": worst.limit, "parity_passed": worst.passed,
             "peak_mb": _peak_mb()}
+
+
+DEEPCACHE_GRAPHS = ("unet_full", "unet_shallow")
+
+
+def stage_deepcache(report: dict, args, common: list[str], log) -> None:
+    """Step caching (DeepCache, branch 0): one U-Net step of the full graph and of the shallow graph, each as a
+    component of its own (torch eager with its FLOPs, export, then each backend's engine), into report["deepcache"]."""
+    entry = report.setdefault("deepcache", {})
+    for graph in DEEPCACHE_GRAPHS:
+        runs = entry[graph] = {"torch": _run_stage("torch", graph, None, common, args.work, log), "engines": {}}
+        if not runs["torch"].get("failed"):
+            for backend in args.backends.split(","):
+                runs["engines"][backend] = _run_stage("engine", graph, backend, common, args.work, log)
+        shutil.rmtree(args.work / "onnx", ignore_errors=True)
+        shutil.rmtree(args.work / "cache", ignore_errors=True)
+
+
+def _deepcache_lines(report: dict) -> list[str]:
+    entry = report["deepcache"]
+    full, shallow = (entry[g]["torch"] for g in DEEPCACHE_GRAPHS)
+    if full.get("failed") or shallow.get("failed"):
+        return ["", "Step caching: the torch stage of a graph failed; see the JSON."]
+    lines = ["", f"## Step caching (DeepCache, branch 0): one U-Net step at {report['size']}x{report['size']}, batch 2",
+             "", f"Shallow graph: {shallow['gflop']:.4g} GFLOP, **{shallow['gflop'] / full['gflop']:.1%}** of the full "
+                 f"graph's {full['gflop']:.4g} GFLOP.", "",
+             "| contender | full graph s | shallow graph s | shallow ÷ full (time) | full / shallow max abs vs torch |",
+             "| --- | --- | --- | --- | --- |"]
+    contenders = [("torch eager", full, shallow)]
+    engines = [entry[g]["engines"] for g in DEEPCACHE_GRAPHS]
+    contenders += [(f"kasoku {b}", engines[0][b], engines[1].get(b, {})) for b in engines[0]]
+    for name, a, b in contenders:
+        if a.get("failed") or b.get("failed") or not a or not b:
+            lines.append(f"| {name} | failed | | | |")
+            continue
+        ta, tb = statistics.median(a["seconds"]), statistics.median(b["seconds"])
+        check = "—" if name == "torch eager" else f"{a['max_abs_vs_torch']:.1e} / {b['max_abs_vs_torch']:.1e}"
+        lines.append(f"| {name} | {ta:.2f} | {tb:.2f} | {tb / ta:.1%} | {check} |")
+    return lines
 
 
 # ---- the run ---------------------------------------------------------------------------------------
@@ -221,6 +284,8 @@ def markdown(report: dict) -> str:
                          f" | {base / median:.2f}× | {floor:.2f} | {median / floor:.2f} | {check} | {compile_s} | "
                          f"{run['first_call_s']:.1f} | {run['peak_mb']:.0f} |")
         lines.append(f"| {component} | shapes | {torch_run['shapes']} | {torch_run['gflop']:.0f} GFLOP | | | | | | | |")
+    if "deepcache" in report:
+        lines += _deepcache_lines(report)
     lines += ["", f"Peak resident memory of the run (largest stage): {report['peak_mb'] / 1024:.1f} GiB."]
     retimed = [c for c, e in report["components"].items() if e["torch"].get("retimed")]
     if retimed:
@@ -245,12 +310,23 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--retime-torch", metavar="COMPONENTS",
                         help="time torch eager again for these components (no export) and update today's results; "
                              "for a torch stage that shared the machine with another job")
+    parser.add_argument("--deepcache", action="store_true",
+                        help="step caching: also time one step of the U-Net's full and shallow graphs (unet_full, "
+                             "unet_shallow) per backend; with --components '' only those")
+    parser.add_argument("--smoke", action="store_true",
+                        help=f"run the stages on the built-in tiny SDXL pipeline at 64x64 (a check of this script; "
+                             f"results under {SMOKE_DIR})")
     parser.add_argument("--no-export", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--stage", choices=("torch", "engine"), help=argparse.SUPPRESS)
     parser.add_argument("--component", help=argparse.SUPPRESS)
     parser.add_argument("--backend", help=argparse.SUPPRESS)
     parser.add_argument("--stage-json", type=Path, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
+    if args.smoke:
+        full_size = (WORK, SIZE)
+        use_smoke_model()
+        args.work = WORK if args.work == full_size[0] else args.work
+        args.size = SIZE if args.size == full_size[1] else args.size
 
     from kasoku.console import console, quiet_third_party_logs
 
@@ -281,8 +357,8 @@ def main(argv: list[str] | None = None) -> int:
               "threads": args.threads, "torch": torch.__version__, "repeats": args.repeats, "size": args.size,
               "matmul_gflops": matmul_gflops(), "components": {}}
     common = ["--repeats", str(args.repeats), "--threads", str(args.threads), "--work", str(args.work),
-              "--size", str(args.size)]
-    for component in args.components.split(","):
+              "--size", str(args.size), *(["--smoke"] if args.smoke else [])]
+    for component in filter(None, args.components.split(",")):
         entry = report["components"][component] = {"engines": {}}
         done = args.work / f"stage-torch-{component}.json"
         if args.resume and done.exists() and (args.work / "onnx" / component / "model.onnx").exists():
@@ -295,6 +371,8 @@ def main(argv: list[str] | None = None) -> int:
                 entry["engines"][backend] = _run_stage("engine", component, backend, common, args.work, log)
         shutil.rmtree(args.work / "onnx", ignore_errors=True)  # free the disk before the next component
         shutil.rmtree(args.work / "cache", ignore_errors=True)
+    if args.deepcache:
+        stage_deepcache(report, args, common, log)
     write_report(report, _stem(report["date"], args.size))
     return 0
 
@@ -307,9 +385,10 @@ def _stem(date: str, size: int) -> Path:
 def write_report(report: dict, stem: Path) -> None:
     from kasoku.console import console
 
-    runs = [r for e in report["components"].values() for r in [e["torch"], *e["engines"].values()]]
+    entries = [*report["components"].values(), *report.get("deepcache", {}).values()]
+    runs = [r for e in entries for r in [e["torch"], *e["engines"].values()]]
     report["peak_mb"] = max((r["peak_mb"] for r in runs if "peak_mb" in r), default=0.0)
-    RESULTS.mkdir(exist_ok=True)
+    RESULTS.mkdir(parents=True, exist_ok=True)
     stem.with_suffix(".md").write_text(markdown(report) + "\n")
     stem.with_suffix(".json").write_text(json.dumps(report, indent=2))
     console.print(markdown(report), markup=False)
@@ -321,7 +400,7 @@ def retime_torch(args, log) -> int:
     stem = _stem(datetime.date.today().isoformat(), args.size)
     report = json.loads(stem.with_suffix(".json").read_text())
     common = ["--repeats", str(args.repeats), "--threads", str(args.threads), "--work", str(args.work),
-              "--size", str(args.size), "--no-export"]
+              "--size", str(args.size), "--no-export", *(["--smoke"] if args.smoke else [])]
     args.work.mkdir(parents=True, exist_ok=True)
     for component in args.retime_torch.split(","):
         old = report["components"][component]["torch"]

@@ -48,6 +48,12 @@ BAD = {
         ["generate", "{model}", "a cat", "-o", "{out}", "--controlnet", "{controlnet}", "--control-image", "{image}",
          "--control-scale", "nan"],
         ["generate", "{model}", "a cat", "-o", "{out}", "--guess-mode"],
+        ["generate", "{model}", "a cat", "-o", "{out}", "--cache-interval", "0"],
+        ["generate", "{model}", "a cat", "-o", "{out}", "--cache-interval", "-2"],
+        ["generate", "{model}", "a cat", "-o", "{out}", "--cache-interval", "2.5"],
+        ["generate", "{model}", "a cat", "-o", "{out}", "--cache-interval", "3", "--cache-schedule", "linear"],
+        ["generate", "{model}", "a cat", "-o", "{out}", "--cache-interval", "3", "--cache-branch", "-1"],
+        ["generate", "{model}", "a cat", "-o", "{out}", "--cache-interval", "3", "--cache-branch", "4"],
         ["generate", "{missing}", "a cat", "-o", "{out}"],
         ["generate", "{model}", "a cat", "-o", "{new}/x.png"],
         ["generate", "{model}", "a cat", "-o", "{full}"],
@@ -67,6 +73,8 @@ BAD = {
         ["batch", "{model}", "{control_jobs}", "--out", "{new}"],
         ["batch", "{model}", "{jobs}", "--out", "{new}", "--controlnet", "{controlnet}"],
         ["batch", "{model}", "{lora_jobs}", "--out", "{new}"],
+        ["batch", "{model}", "{bad_cache_jobs}", "--out", "{new}"],
+        ["batch", "{model}", "{jobs}", "--out", "{new}", "--cache-branch", "-1"],
     ],
     "serve": [
         ["serve", "{model}", "--port", "70000"],
@@ -98,6 +106,8 @@ BAD = {
         ["compile", "{model}", "--components", "text_encoder_2"],
         ["compile", "{model}", "--lora-targets", ".to_q"],
         ["compile", "{model}", "--backend", "openvino", "--precision", "int8", "--lora-targets", "attention"],
+        ["compile", "{model}", "--step-cache", "--cache-branch", "4"],
+        ["compile", "{model}", "--cache-branch", "x"],
         ["compile", "{file}"],
         ["compile", "{model}", "--controlnet", "{missing}"],
     ],
@@ -110,6 +120,8 @@ BAD = {
         ["verify", "{model}", "--backend", "torch", "--precision", "fp16"],
         ["verify", "{missing}"],
         ["verify", "{model}", "--controlnet", "{model}"],
+        ["verify", "{model}", "--cache-interval", "0"],
+        ["verify", "{model}", "--cache-interval", "2", "--cache-schedule", "quadratic"],
     ],
     "bench": [
         ["bench", "{model}", "--repeats", "2"],
@@ -148,13 +160,14 @@ def places(tmp_path, tiny_dir, controlnet_folder):
     (tmp_path / "control.jsonl").write_text(json.dumps({"prompt": "a cat", "control_image": "in.png"}) + "\n")
     (tmp_path / "bad.jsonl").write_text('{"prompt": "a cat", "steps": 0}\n')
     (tmp_path / "lora.jsonl").write_text(json.dumps({"prompt": "a cat", "loras": [str(tmp_path / "none")]}) + "\n")
+    (tmp_path / "bad_cache.jsonl").write_text('{"prompt": "a cat", "cache_interval": 0}\n')
     return {"model": str(tiny_dir), "out": str(tmp_path / "out.png"), "new": str(tmp_path / "new"),
             "full": str(full), "file": str(tmp_path / "file.txt"), "image": str(tmp_path / "in.png"),
             "missing": str(tmp_path / "missing"), "jobs": str(tmp_path / "jobs.jsonl"),
-            "bad_jobs": str(tmp_path / "bad.jsonl"), "cache": str(tmp_path / "cache"),
-            "controlnet": str(controlnet_folder), "small": str(tmp_path / "small.png"),
-            "control_jobs": str(tmp_path / "control.jsonl"),
-            "lora_jobs": str(tmp_path / "lora.jsonl")}
+            "bad_jobs": str(tmp_path / "bad.jsonl"), "bad_cache_jobs": str(tmp_path / "bad_cache.jsonl"),
+            "cache": str(tmp_path / "cache"), "controlnet": str(controlnet_folder),
+            "small": str(tmp_path / "small.png"),
+            "control_jobs": str(tmp_path / "control.jsonl"), "lora_jobs": str(tmp_path / "lora.jsonl")}
 
 
 def _tree(path):
@@ -198,6 +211,12 @@ def torch_pipeline(tiny_pipe, tmp_path_factory):
     ({"num_images_per_prompt": 0}, "`num_images_per_prompt` must be a positive int"),
     ({"guidance_scale": float("nan")}, "`guidance_scale` must be a finite number"),
     ({"prompt_2": "a dog"}, "`prompt_2`: only Stable Diffusion XL pipelines take this argument"),
+    ({"cache_interval": 0}, "`cache_interval` must be a positive int (1: every step runs the whole U-Net, no "
+                            "caching) but is 0"),
+    ({"cache_interval": -2}, "`cache_interval` must be a positive int"),
+    ({"cache_interval": 2.0}, "`cache_interval` must be a positive int"),
+    ({"cache_interval": 3, "cache_schedule": "linear"}, "`cache_schedule` must be one of uniform, nonuniform but "
+                                                         "is 'linear'"),
 ])
 def test_python_api_refuses_the_same_values(torch_pipeline, kwargs, message):
     calls_before = dict(torch_pipeline.times.calls)

@@ -151,6 +151,19 @@ def count_flops(spec: ComponentSpec, inputs: dict[str, torch.Tensor]) -> float:
     return float(counter.get_total_flops())
 
 
+def count_flops_meta(module: torch.nn.Module, inputs: dict[str, torch.Tensor], names: tuple[str, ...]) -> float:
+    """FLOPs of one call of `module` (built on the meta device: no weights, nothing computed) on
+    `inputs` (moved to the meta device) in the order of `names`."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from .attention import exportable_attention
+
+    args = [inputs[name].to("meta") for name in names]
+    with FlopCounterMode(display=False) as counter, torch.no_grad(), exportable_attention():
+        module(*args)
+    return float(counter.get_total_flops())
+
+
 def _max_abs(reference: dict[str, np.ndarray], actual: dict[str, np.ndarray]) -> float:
     return max(float(np.abs(np.asarray(actual[k], np.float64) - reference[k]).max()) for k in reference)
 

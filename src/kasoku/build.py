@@ -51,6 +51,7 @@ from .fingerprint import WeightsFingerprints
 from .optimize import optimize
 from .options import FASTEST, CompileOptions
 from .parity import parity_against_torch, raise_on_failure
+from .step_cache import COMPONENTS as STEP_CACHE_COMPONENTS
 from .weights import GraphWeight, bindable_tensors, read_graph_weights, run_time_weights
 
 ONNX_FILE = "model.onnx"
@@ -105,6 +106,15 @@ class CompileReport:
     @property
     def built(self) -> int:
         return sum(s.status != "reused" for s in self.stages)
+
+    def merge(self, other: CompileReport) -> None:
+        """Add what a later compile of more components of the same pipeline did (the step-cache engines)."""
+        self.backends.update(other.backends)
+        self.precisions.update(other.precisions)
+        self.load_seconds.update(other.load_seconds)
+        self.stages += other.stages
+        self.notes += [note for note in other.notes if note not in self.notes]
+        self.seconds += other.seconds
 
 
 def _no_hook(component: str, stage: str) -> contextlib.AbstractContextManager:
@@ -573,7 +583,8 @@ def compile_components(
     pipe = load_pipeline(model, lazy=True)
     root = cache.root if isinstance(cache, Cache) else Path(cache or options.cache_dir or default_cache_dir())
     weights = WeightsFingerprints(root)
-    specs = specs or component_specs(pipe, options.profile, options.components, weights=weights)
+    specs = specs or component_specs(pipe, options.profile, requested_components(pipe, options), weights=weights,
+                                     cache_branch=options.cache_branch)
     if not isinstance(cache, Cache):  # created only once the model and its components are known to be fine
         cache = Cache(root)
     label = label or model_label(model)
@@ -582,8 +593,12 @@ def compile_components(
     if options.precision == FASTEST:
         from .fastest import choose_precisions
 
-        chosen_precisions, notes = choose_precisions(pipe, specs, options, cache, on_stage=on_stage, label=label,
+        measured = {name: spec for name, spec in specs.items() if name not in STEP_CACHE_COMPONENTS}
+        chosen_precisions, notes = choose_precisions(pipe, measured, options, cache, on_stage=on_stage, label=label,
                                                      weights=weights)
+        # the step-cache graphs are the U-Net's: they take its precision (their drift is measured as caching's)
+        chosen_precisions.update({name: chosen_precisions["unet"] for name in specs if name in STEP_CACHE_COMPONENTS
+                                  and "unet" in chosen_precisions})
         options = options.replace(precision=chosen_precisions)
     compiler = Compiler(cache, options, on_stage=on_stage, label=label, pipe=pipe, weights=weights)
     order = list(specs)
@@ -615,6 +630,18 @@ def compile_components(
     return engines, report
 
 
+def requested_components(pipe, options: CompileOptions) -> tuple[str, ...] | None:
+    """The components `options` asks for (None: every component the model has), with the step-cache
+    graphs right after the U-Net where `step_cache` is set (and the U-Net is asked for)."""
+    if not options.step_cache:
+        return options.components
+    names = list(options.components or family_of(pipe).component_names(pipe))
+    if "unet" in names:
+        at = names.index("unet") + 1
+        names[at:at] = [name for name in STEP_CACHE_COMPONENTS if name not in names]
+    return tuple(names)
+
+
 def precision_notes(specs: dict[str, ComponentSpec], options: CompileOptions) -> list[str]:
     """One line per component built in another precision than asked, saying why."""
     notes = []
@@ -640,7 +667,8 @@ def cached_profile(model, options: CompileOptions, profiles, *, cache: Cache | N
     cache = cache or Cache(root)
     weights = WeightsFingerprints(root)
     for profile in profiles:
-        specs = component_specs(pipe, profile, options.components, weights=weights)
+        specs = component_specs(pipe, profile, requested_components(pipe, options), weights=weights,
+                                cache_branch=options.cache_branch)
         compiler = Compiler(cache, options.replace(profile=profile), pipe=pipe, weights=weights)
         if all(compiler.cached(spec) for spec in specs.values()):
             return profile

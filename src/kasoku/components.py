@@ -526,14 +526,18 @@ def model_components(pipe) -> tuple[str, ...]:
 
 
 def component_specs(
-    pipe, profile: ShapeProfile | None = None, names: Iterable[str] | None = None, *, weights=None
+    pipe, profile: ShapeProfile | None = None, names: Iterable[str] | None = None, *, weights=None,
+    cache_branch: int | None = None,
 ) -> dict[str, ComponentSpec]:
     """The component specs of a diffusers pipeline (all it has, or `names`), from its family.
 
     `weights` (a :class:`kasoku.fingerprint.WeightsFingerprints`) remembers weight digests across
-    calls; by default they are computed from the live modules once per call."""
+    calls; by default they are computed from the live modules once per call. `cache_branch` is the
+    skip branch of the step-cache components (kasoku.step_cache; default: its default branch)."""
     from .families import family_of
     from .fingerprint import WeightsFingerprints
+    from .step_cache import DEFAULT_BRANCH
 
     family = family_of(pipe)
-    return family.specs(pipe, profile or default_profile(pipe), names, weights or WeightsFingerprints())
+    branch = DEFAULT_BRANCH if cache_branch is None else cache_branch
+    return family.specs(pipe, profile or default_profile(pipe), names, weights or WeightsFingerprints(), branch)

@@ -15,6 +15,7 @@ from typing import Any
 
 from .components import Precision, ShapeProfile
 from .errors import KasokuError
+from .step_cache import DEFAULT_BRANCH
 
 FASTEST = "fastest"  # a precision request: per component, the fastest precision whose measured drift fits min_psnr
 DEFAULT_MIN_PSNR = 35.0  # dB against the fp32 engines: bf16's floor in the fidelity contract
@@ -59,6 +60,10 @@ class CompileOptions:
     # modules whose weights stay engine inputs, bound once per LoRA adapter set (a switch in seconds); a preset
     # name of LORA_TARGET_PRESETS or module names; empty: every weight is a constant of its engine
     lora_targets: tuple[str, ...] = ()
+    # step caching (kasoku.step_cache): also build the U-Net's full and shallow graphs (a call with
+    # cache_interval > 1 builds them when they are missing), for this skip branch of the U-Net
+    step_cache: bool = False
+    cache_branch: int = DEFAULT_BRANCH
     extra: Mapping[str, Any] = field(default_factory=dict)  # backend-specific settings
 
     def __post_init__(self) -> None:
@@ -80,6 +85,9 @@ class CompileOptions:
             raise InvalidOptions(f"`exporter` must be one of {', '.join(EXPORTERS)} but is {self.exporter!r}.")
         if self.threads is not None and int(self.threads) < 1:
             raise InvalidOptions(f"`threads` must be at least 1 but is {self.threads}.")
+        if not isinstance(self.cache_branch, int) or isinstance(self.cache_branch, bool) or self.cache_branch < 0:
+            raise InvalidOptions(f"`cache_branch` must be a skip branch of the U-Net, an int >= 0 (0: the outermost, "
+                                 f"the default) but is {self.cache_branch!r}.")
         if self.trt_opt_level not in TRT_OPT_LEVELS:
             raise InvalidOptions(f"`trt_opt_level` must be 0..5 but is {self.trt_opt_level}.")
         if self.cuda_graph:

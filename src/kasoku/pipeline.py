@@ -30,6 +30,8 @@ from .lora import AdapterWeight, LoraError, LoraState
 from .options import CompileOptions
 from .schedulers import SCHEDULERS, most_steps
 from .standins import EngineTimes, InvalidInput
+from .step_cache import COMPONENTS as STEP_CACHE_COMPONENTS
+from .step_cache import DEFAULT_SCHEDULE, InvalidStepCache, StepCacheRun, check_interval, check_schedule
 
 __all__ = ["KasokuPipeline", "compile", "InvalidInput", "EngineTimes"]
 
@@ -106,11 +108,18 @@ class KasokuPipeline:
     ``control_image=`` (one image, or one per ControlNet) whatever the task, with diffusers'
     controlnet_conditioning_scale (a number, or one per ControlNet), guess_mode and
     control_guidance_start / control_guidance_end.
+
+    Step caching (DeepCache, see kasoku.step_cache) is kasoku's own argument: ``cache_interval=N``
+    runs the whole U-Net on one step in N (``cache_schedule="uniform"``, or the paper's
+    ``"nonuniform"`` spacing) and only its outer layers on the others. It is off by default
+    (``cache_interval=1``: every step runs the plain U-Net engine, exactly as without it); the first
+    call that asks builds the step-cache engines (or loads them from the cache), unless the pipeline
+    was compiled with ``step_cache=True``.
     """
 
     def __init__(self, diffusers_pipe, engines: dict[str, Engine], profile: ShapeProfile,
                  report: CompileReport | None = None, *, options: CompileOptions | None = None,
-                 cache_root: Path | None = None):
+                 cache_root: Path | None = None, label: str | None = None, cache=None):
         self.family = family_of(diffusers_pipe)
         self.controlnets = len(self.family.controlnet_paths(diffusers_pipe))  # how many ControlNets steer it
         self.profile = profile
@@ -122,7 +131,9 @@ class KasokuPipeline:
         self._cache_root = cache_root
         self._loras = LoraState()
         self._bindings: dict | None = None
+        self._label, self._cache = label, cache  # to build the step-cache engines later
         stand_ins = self.family.stand_ins(diffusers_pipe, engines, self.times)
+        self._unet = stand_ins["unet"]
         self._pipes = {task: self.family.task_pipeline(diffusers_pipe, task, **stand_ins) for task in TASKS}
 
     # ---- construction --------------------------------------------------------------------------
@@ -180,11 +191,14 @@ class KasokuPipeline:
             return "inpaint"
         return "img2img" if image is not None else "txt2img"
 
-    def __call__(self, prompt=None, image=None, mask_image=None, control_image=None, **kwargs):
+    def __call__(self, prompt=None, image=None, mask_image=None, control_image=None, *, cache_interval: int = 1,
+                 cache_schedule: str = DEFAULT_SCHEDULE, **kwargs):
         """diffusers' call: txt2img, or img2img with `image`, or inpaint with `image` and `mask_image`;
-        with ControlNets, `control_image` in every task."""
+        with ControlNets, `control_image` in every task; with step caching where `cache_interval` > 1 (see
+        the class docstring)."""
         task = self.task(image, mask_image)
-        self.check_inputs(task, prompt, image, mask_image, control_image=control_image, **kwargs)
+        self.check_inputs(task, prompt, image, mask_image, control_image=control_image, cache_interval=cache_interval,
+                          cache_schedule=cache_schedule, **kwargs)
         if task != "txt2img":
             kwargs["image"] = image
         if task == "inpaint":
@@ -192,7 +206,13 @@ class KasokuPipeline:
         if self.controlnets:
             kwargs.update(self.family.control_arguments(task, control_image))
             kwargs.update(self._control_scales(kwargs))
-        return self._pipes[task](prompt=prompt, **kwargs)
+        pipe = self._pipes[task]
+        run = None
+        if cache_interval > 1:
+            self.enable_step_cache()
+            run = StepCacheRun(cache_interval, cache_schedule, loop_length=lambda: pipe.num_timesteps)
+        with self._unet.step_cache(run):
+            return pipe(prompt=prompt, **kwargs)
 
     def _control_scales(self, kwargs) -> dict[str, Any]:
         """controlnet_conditioning_scale as diffusers takes it: a float for one ControlNet (not an int, nor a
@@ -206,15 +226,35 @@ class KasokuPipeline:
         return {"controlnet_conditioning_scale": [float(s) for s in scale] if isinstance(scale, (list, tuple))
                 else float(scale)}
 
+    def enable_step_cache(self, on_stage=None) -> None:
+        """Load the step-cache engines (unet_full, unet_shallow) for this pipeline's U-Net, on its
+        backend and in its precision; built first when the cache does not hold them."""
+        missing = [name for name in STEP_CACHE_COMPONENTS if name not in self.engines]
+        if not missing:
+            return
+        if self._options is None:
+            raise InvalidInput("step caching needs the unet_full and unet_shallow engines; compile with "
+                               "step_cache=True (kasoku.compile(..., step_cache=True)).")
+        unet = self.engines["unet"]
+        options = self._options.replace(components=tuple(missing), step_cache=False, backend=unet.backend,
+                                        precision=unet.precision)
+        engines, report = compile_components(self._source, options, cache=self._cache, label=self._label,
+                                             **({"on_stage": on_stage} if on_stage else {}))
+        self.engines.update(engines)
+        if self.compile_report is not None:
+            self.compile_report.merge(report)
+
     # ---- checks first --------------------------------------------------------------------------
 
-    def check_inputs(self, task: str, prompt, image, mask_image, control_image=None, **kwargs) -> None:
+    def check_inputs(self, task: str, prompt, image, mask_image, control_image=None, cache_interval: int = 1,
+                     cache_schedule: str = DEFAULT_SCHEDULE, **kwargs) -> None:
         """Everything an engine cannot serve, as one clear error before anything runs."""
         if isinstance(prompt, list) and not prompt:
             raise InvalidInput("`prompt` is an empty list; give at least one prompt.")
         if prompt is None and kwargs.get("prompt_embeds") is None:
             raise InvalidInput("give a `prompt` (str or list of str).")
         self._check_steps(task, kwargs)
+        self._check_step_cache(cache_interval, cache_schedule)
         if task == "inpaint":
             if image is None:
                 raise InvalidInput("inpainting needs `image` as well as `mask_image`.")
@@ -329,6 +369,19 @@ class KasokuPipeline:
         if task != "txt2img" and int(steps * float(strength)) < 1:
             raise InvalidInput(f"`num_inference_steps` x `strength` must be at least 1 step of denoising but is "
                                f"{steps} x {strength}; raise either.")
+
+    def _check_step_cache(self, interval, schedule) -> None:
+        try:
+            check_interval(interval)
+            check_schedule(schedule)
+        except InvalidStepCache as error:
+            raise InvalidInput(str(error)) from None
+        if interval > 1 and self.controlnets:
+            raise InvalidInput(f"`cache_interval` {interval}: step caching does not run with ControlNets (the "
+                               "step-cache U-Net graphs take no ControlNet residuals); call with cache_interval=1.")
+        if interval > 1 and self._options is None and not all(n in self.engines for n in STEP_CACHE_COMPONENTS):
+            raise InvalidInput(f"`cache_interval` {interval} needs the unet_full and unet_shallow engines, which "
+                               "this pipeline has not and cannot build; compile with step_cache=True.")
 
     def _output_size(self, task: str, image, height, width) -> tuple[int, int]:
         """The size the call generates, as diffusers derives it; checked to be positive and divisible by 8."""
@@ -483,7 +536,7 @@ def compile(
 
     `controlnet` (ControlNet folders or models, one or a list) adds ControlNets to a pipeline without them.
     `options` is a :class:`CompileOptions`; its fields may also be given as keywords (backend,
-    precision, profile, components, cache_dir, threads, ...)."""
+    precision, profile, components, cache_dir, threads, step_cache, cache_branch, ...)."""
     from .cache import Cache, default_cache_dir
 
     family_of(pipe)  # an unsupported pipeline fails here, naming the supported ones
@@ -497,4 +550,5 @@ def compile(
     kwargs: dict[str, Any] = {"on_stage": on_stage} if on_stage else {}
     engines, report = compile_components(pipe, options, cache=cache, label=label, **kwargs)
     root = cache.root if isinstance(cache, Cache) else Path(cache or options.cache_dir or default_cache_dir())
-    return KasokuPipeline(pipe, engines, options.profile, report, options=options, cache_root=root)
+    return KasokuPipeline(pipe, engines, options.profile, report, options=options, cache_root=root, label=label,
+                          cache=cache)

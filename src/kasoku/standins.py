@@ -8,9 +8,11 @@ engines read them (on a GPU engine, no tensor crosses to the CPU between steps).
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import time
 from collections import defaultdict
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from types import SimpleNamespace
 from typing import TYPE_CHECKING
@@ -19,6 +21,7 @@ import torch
 
 from .components import residual_names
 from .errors import KasokuError
+from .step_cache import FEATURE, FULL, SHALLOW, StepCacheRun
 
 if TYPE_CHECKING:
     from .backends import Engine
@@ -85,7 +88,11 @@ class EngineTextEncoder(EngineModule):
 
 class EngineUNet(EngineModule):
     """The U-Net; inputs after sample, timestep and encoder_hidden_states come from added_cond_kwargs,
-    and, for the U-Net of a ControlNet pipeline (unet_controlnet), the ControlNet's residuals."""
+    and, for the U-Net of a ControlNet pipeline (unet_controlnet), the ControlNet's residuals.
+
+    Within :meth:`step_cache` (one pipeline call with step caching, kasoku.step_cache) each call is one
+    denoising step: a full step runs the unet_full engine and keeps its deep feature, the others run
+    the unet_shallow engine on it. Outside it, every call runs the plain U-Net engine."""
 
     BASE_INPUTS = ("sample", "timestep", "encoder_hidden_states")
 
@@ -96,6 +103,7 @@ class EngineUNet(EngineModule):
         residuals = set(residual_names(len(names)))
         self._residuals = tuple(name for name in names if name in residuals)  # down blocks' in order, then the mid's
         self._added = [name for name in names if name not in self.BASE_INPUTS and name not in self._residuals]
+        self._step_cache: StepCacheRun | None = None
         if getattr(original, "add_embedding", None) is not None:
             # SDXL pipelines check the ids' width against the embedding's input size.
             self.add_embedding = SimpleNamespace(linear_1=SimpleNamespace(
@@ -116,13 +124,32 @@ class EngineUNet(EngineModule):
         residuals = self._residual_feeds(down_block_additional_residuals, mid_block_additional_residual)
         timesteps = torch.as_tensor(timestep, dtype=torch.float32).reshape(-1).expand(sample.shape[0])
         added = {name: added_cond_kwargs[name].to(torch.float32) for name in self._added}
-        out = self._run(self._component, sample=sample, timestep=timesteps.contiguous(),
-                        encoder_hidden_states=encoder_hidden_states, **added, **residuals)["out_sample"]
+        out = self._denoise(dict(sample=sample, timestep=timesteps.contiguous(),
+                                 encoder_hidden_states=encoder_hidden_states, **added, **residuals))
         if not return_dict:
             return (out,)
         from diffusers.models.unets.unet_2d_condition import UNet2DConditionOutput
 
         return UNet2DConditionOutput(sample=out)
+
+    def _denoise(self, inputs: dict[str, torch.Tensor]) -> torch.Tensor:
+        run = self._step_cache
+        if run is None:
+            return self._run(self._component, **inputs)["out_sample"]
+        if run.next_is_full():
+            outputs = self._run(FULL, **inputs)
+            run.feature = outputs[FEATURE]
+            return outputs["out_sample"]
+        return self._run(SHALLOW, **inputs, **{FEATURE: run.feature})["out_sample"]
+
+    @contextlib.contextmanager
+    def step_cache(self, run: StepCacheRun | None) -> Iterator[None]:
+        """Step caching for one pipeline call (None: none); its state goes with the call."""
+        self._step_cache = run
+        try:
+            yield
+        finally:
+            self._step_cache = None
 
     def _residual_feeds(self, down, mid) -> dict[str, torch.Tensor]:
         """A ControlNet's residuals as the engine's inputs (its U-Net must take them; a plain one must not)."""

@@ -3,7 +3,8 @@
 Each component's engine runs at the smallest, typical and largest shape of its profile on
 random inputs and is compared with the torch component (max abs / rel error, cosine, NaN and
 Inf counts); then an image from the accelerated pipeline is compared with diffusers' torch
-pipeline (PSNR, max pixel difference). Tolerances come from the one table in kasoku.parity.
+pipeline (PSNR, max pixel difference); with step caching (`cache_interval` > 1), its images are
+compared with the same engines' without it. Tolerances come from the one table in kasoku.parity.
 """
 
 from __future__ import annotations
@@ -16,7 +17,8 @@ import torch
 from .components import ImageShape, Precision, ShapeProfile, component_specs
 from .families import family_of
 from .options import CompileOptions
-from .parity import TOLERANCES, OutputParity, parity_against_torch, psnr, ssim
+from .parity import STEP_CACHE, STEP_CACHE_INTERVAL, TOLERANCES, OutputParity, parity_against_torch, psnr, ssim
+from .step_cache import DEFAULT_SCHEDULE, check_interval, check_schedule
 
 VERIFY_PROMPT = "a photo of an astronaut riding a horse on mars"
 VERIFY_SEED = 0
@@ -46,13 +48,14 @@ class VerifyReport:
     backends: dict[str, str]
     components: list[OutputParity] = field(default_factory=list)
     image: ImageParity | None = None
+    step_cache: ImageParity | None = None  # images with step caching against the same engines without it
     family: str = ""
     notes: list[str] = field(default_factory=list)
     damaged_entries: list[str] = field(default_factory=list)  # cache entries whose checksums do not match
 
     @property
     def passed(self) -> bool:
-        return (all(c.passed for c in self.components) and (self.image is None or self.image.passed)
+        return (all(c.passed for c in self.components) and all(i.passed for i in (self.image, self.step_cache) if i)
                 and not self.damaged_entries)
 
     @property
@@ -78,16 +81,24 @@ def verify(
     options: CompileOptions | None = None,
     image: bool = True,
     on_stage=None,
+    cache_interval: int = 1,
+    cache_schedule: str = DEFAULT_SCHEDULE,
     **fields,
 ) -> VerifyReport:
     """Compare every engine with torch at three shapes, and an image with diffusers; check the full
     checksums of the engines' cache entries. `controlnet` (ControlNet folders or models) verifies the
-    ControlNet pipeline. `options` (or its fields as keywords) as for compile."""
+    ControlNet pipeline. `options` (or its fields as keywords) as for compile. With `cache_interval` > 1
+    the step-cache engines are verified too, and the images of calls with that interval and
+    `cache_schedule` are compared with the same engines' without step caching."""
     from .cache import Cache
     from .loading import load_pipeline, model_label
     from .pipeline import KasokuPipeline, compile
 
+    check_interval(cache_interval)
+    check_schedule(cache_schedule)
     options = CompileOptions.of(options, backend=backend, **fields).replace(check_parity=False)
+    if cache_interval > 1:
+        options = options.replace(step_cache=True)
     reference = load_pipeline(model, controlnet=controlnet)
     label = model_label(model)
     kwargs = {"on_stage": on_stage} if on_stage else {}
@@ -95,7 +106,7 @@ def verify(
     # the fp32 engines the images are held to are built from the same exports: keep them until then
     first = options.replace(keep_intermediate=True) if compared_with_fp32 else options
     pipe: KasokuPipeline = compile(reference, options=first, label=label, **kwargs)
-    specs = component_specs(reference, pipe.profile)
+    specs = component_specs(reference, pipe.profile, list(pipe.engines), cache_branch=options.cache_branch)
     report = VerifyReport(model=label, precision=options.precision_label,
                           backends={n: e.backend for n, e in pipe.engines.items()},
                           family=family_of(reference).title, notes=pipe.compile_report.notes)
@@ -111,6 +122,8 @@ def verify(
         report.components += parity_against_torch(specs[name], engine.run, shapes, built_in, seed=11)
     if image:
         report.image = image_parity(reference, pipe, _image_precision(pipe), options, on_stage)
+    if image and cache_interval > 1:
+        report.step_cache = step_cache_parity(reference, pipe, cache_interval, cache_schedule)
     return report
 
 
@@ -139,16 +152,42 @@ def image_parity(reference, pipe, precision: Precision, options: CompileOptions 
         return p(prompt, num_inference_steps=tolerance.image_steps, height=shape.height, width=shape.width,
                  generator=torch.Generator().manual_seed(VERIFY_SEED), output_type="np", **inputs).images
 
+    return _compare_images(prompts, lambda prompt: run(expected_pipe, prompt, expected_extra),
+                           lambda prompt: run(pipe, prompt, extra),
+                           tolerance, shape, tolerance.image_reference)
+
+
+def step_cache_parity(reference, pipe, interval: int, schedule: str = DEFAULT_SCHEDULE) -> ImageParity:
+    """Step caching's contract: the images of calls with `cache_interval` against the same engines' without
+    it, on FIDELITY_PROMPTS at the contract's steps, with the same initial latents (the same seed)."""
+    tolerance = TOLERANCES[STEP_CACHE]
+    family = family_of(reference)
+    task = family.tasks(reference)[0]
+    shape = pipe.profile.opt
+    extra = _inpaint_inputs(shape) if task == "inpaint" else {}
+
+    def run(prompt, **cache):
+        return pipe(prompt, num_inference_steps=tolerance.image_steps, height=shape.height, width=shape.width,
+                    generator=torch.Generator().manual_seed(VERIFY_SEED), output_type="np", **extra, **cache).images
+
+    beyond = f"; beyond the contract's interval {STEP_CACHE_INTERVAL}" if interval > STEP_CACHE_INTERVAL else ""
+    return _compare_images(FIDELITY_PROMPTS, run, lambda prompt: run(prompt, cache_interval=interval,
+                                                                      cache_schedule=schedule),
+                           tolerance, shape, f"{tolerance.image_reference} (cache interval {interval}, {schedule} "
+                                             f"schedule{beyond})")
+
+
+def _compare_images(prompts, expected, actual, tolerance, shape: ImageShape, reference: str) -> ImageParity:
+    """PSNR and SSIM of `actual(prompt)` against `expected(prompt)` per prompt, the worst against the bounds."""
     rows = []
     for prompt in prompts:
-        expected, actual = run(expected_pipe, prompt, expected_extra), run(pipe, prompt, extra)
-        rows.append({"prompt": prompt, "psnr_db": float(psnr(expected, actual)), "ssim": ssim(expected, actual),
-                     "max_abs": float(np.abs(np.nan_to_num(actual) - expected).max()),
-                     "nan": int(np.isnan(actual).sum())})
+        want, got = expected(prompt), actual(prompt)
+        rows.append({"prompt": prompt, "psnr_db": float(psnr(want, got)), "ssim": ssim(want, got),
+                     "max_abs": float(np.abs(np.nan_to_num(got) - want).max()), "nan": int(np.isnan(got).sum())})
     worst_psnr, worst_ssim = min(r["psnr_db"] for r in rows), min(r["ssim"] for r in rows)
     nan = sum(r["nan"] for r in rows)
     return ImageParity(psnr_db=worst_psnr, max_abs=max(r["max_abs"] for r in rows), bound_db=tolerance.image_psnr_db,
-                       nan=nan, ssim=worst_ssim, bound_ssim=tolerance.image_ssim, reference=tolerance.image_reference,
+                       nan=nan, ssim=worst_ssim, bound_ssim=tolerance.image_ssim, reference=reference,
                        passed=nan == 0 and worst_psnr >= tolerance.image_psnr_db and worst_ssim >= tolerance.image_ssim,
                        shape=f"1x{shape.height}x{shape.width}, {tolerance.image_steps} steps, {len(prompts)} prompt(s)",
                        per_prompt=rows)
@@ -212,15 +251,16 @@ def markdown(report: VerifyReport) -> str:
         lines.append(f"| {'PASSED' if c.passed else 'FAILED'} | {c.component} ({report.backends[c.component]}) | "
                      f"{c.output} | {c.shape} | {c.max_abs:.2e} | {c.rel_error:.2e} | {c.cosine:.6f} | {c.nan} | "
                      f"{c.inf} | {_bound(c)} |")
-    if report.image:
-        i = report.image
-        lines += ["", f"Image vs {i.reference} ({i.shape}): PSNR {i.psnr_db:.1f} dB (bound {i.bound_db:.0f} dB), "
-                      f"SSIM {i.ssim:.4f} (bound {i.bound_ssim:.2f}), max pixel difference {i.max_abs:.2e}, "
-                      f"NaN {i.nan}: {'PASSED' if i.passed else 'FAILED'}"]
+    for title, i in (("Image", report.image), ("Step caching: image", report.step_cache)):
+        if i:
+            lines += ["", f"{title} vs {i.reference} ({i.shape}): PSNR {i.psnr_db:.1f} dB (bound {i.bound_db:.0f} "
+                          f"dB), SSIM {i.ssim:.4f} (bound {i.bound_ssim:.2f}), max pixel difference {i.max_abs:.2e}, "
+                          f"NaN {i.nan}: {'PASSED' if i.passed else 'FAILED'}"]
     lines += [""] + [f"Note: {note}" for note in report.notes] if report.notes else []
     lines += [""] + [f"Damaged cache entry: {entry}" for entry in report.damaged_entries] \
         if report.damaged_entries else []
     failed = report.failed_components + (["cache"] if report.damaged_entries else [])
-    verdict = "PASSED" if report.passed else f"FAILED: {', '.join(failed) or 'image'}"
+    failed += [name for name, i in (("image", report.image), ("step caching", report.step_cache)) if i and not i.passed]
+    verdict = "PASSED" if report.passed else f"FAILED: {', '.join(failed)}"
     lines += ["", f"**{verdict}**"]
     return "\n".join(lines)

@@ -60,6 +60,8 @@ def prepare(model, jobs: list[Job], out_dir: str | Path, *, batch_size: int = DE
     profile = batch_profile(reference, batch_size, height, width, jobs)
     check_jobs(jobs, profile, batch_size, max_steps=most_steps(reference.scheduler),
                controlnets=len(family_of(reference).controlnet_paths(reference)))
+    if any(job.cache_interval > 1 for job in jobs):  # the driver builds the step-cache engines before any worker
+        options = options.replace(step_cache=True)
     out = check_output_dir(out_dir)
     cache = (options.cache_dir or default_cache_dir()).absolute()
     recipe = PipelineRecipe(model=model, options=options.replace(cache_dir=cache, profile=profile),

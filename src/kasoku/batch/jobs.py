@@ -13,12 +13,14 @@ from typing import Any, Protocol, TypeVar
 
 from ..components import ImageShape, ShapeOutOfProfile, ShapeProfile
 from ..errors import KasokuError
+from ..step_cache import DEFAULT_SCHEDULE, SCHEDULES
 
 JOB_FIELDS = ("id", "prompt", "negative_prompt", "seed", "steps", "guidance", "height", "width", "control_image",
-              "control_scale", "loras")
-# ControlNet and LoRA fields: in a job's key only when given, so that the keys of jobs without them stay what
-# they were.
-OPTIONAL_FIELDS = ("control_image", "control_scale", "loras")
+              "control_scale", "loras", "cache_interval", "cache_schedule")
+# Fields added after the first release: part of a job's key only when set to other than their default, so the
+# results of jobs that do not use them keep their keys (a re-run skips them).
+LATER_FIELDS = {"control_image": (), "control_scale": None, "loras": (), "cache_interval": 1,
+                "cache_schedule": DEFAULT_SCHEDULE}
 DEFAULT_STEPS = 30
 DEFAULT_GUIDANCE = 7.5
 DEFAULT_BATCH_SIZE = 4
@@ -52,6 +54,8 @@ class Job:
     control_image: tuple[str, ...] = ()  # one image file per ControlNet (absolute paths)
     control_scale: float | tuple[float, ...] | None = None  # one for all ControlNets, or one each; None: diffusers'
     loras: tuple[tuple[str, float], ...] = ()  # LoRA adapters (absolute path, weight); () runs the base weights
+    cache_interval: int = 1  # step caching: the whole U-Net on one step in N (1: off)
+    cache_schedule: str = DEFAULT_SCHEDULE
     source: str = field(default="", compare=False)  # "prompts.jsonl:3", for messages
 
     @property
@@ -62,13 +66,14 @@ class Job:
     def key(self) -> str:
         """A digest of everything that changes the image: a result line only counts for this job."""
         parts = {name: getattr(self, name) for name in JOB_FIELDS
-                 if name not in OPTIONAL_FIELDS or getattr(self, name) not in ((), None)}
+                 if name not in LATER_FIELDS or getattr(self, name) != LATER_FIELDS[name]}
         return hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()[:16]
 
     @property
     def call_key(self) -> tuple:
         return call_key(self.height, self.width, self.steps, self.guidance, self.negative_prompt is not None,
-                        control_scale=self.control_scale, loras=self.loras)
+                        control_scale=self.control_scale, loras=self.loras, cache_interval=self.cache_interval,
+                        cache_schedule=self.cache_schedule)
 
 
 # ---- which jobs share an engine call, and the call they share ----------------------------------
@@ -77,17 +82,21 @@ class Job:
 
 def call_key(height: int | None, width: int | None, steps: int, guidance: float, negative: bool, *,
              task: str = "txt2img", strength: float | None = None,
-             control_scale: float | tuple[float, ...] | None = None, loras: tuple = ()) -> tuple:
+             control_scale: float | tuple[float, ...] | None = None, loras: tuple = (), cache_interval: int = 1,
+             cache_schedule: str = DEFAULT_SCHEDULE) -> tuple:
     """Jobs with equal call keys can share one pipeline call: one task, adapter set (LoRA paths and
-    weights), size, steps and guidance (and strength for img2img and inpaint, the control scale with
-    ControlNets), and negative prompts for all or for none (SDXL encodes a missing one as zeros, not as "")."""
-    return (task, loras, height, width, steps, guidance, negative, strength, control_scale)
+    weights), size, steps, guidance and step caching (and strength for img2img and inpaint, the control
+    scale with ControlNets), and negative prompts for all or for none (SDXL encodes a missing one as zeros,
+    not as "")."""
+    return (task, loras, height, width, steps, guidance, negative, strength, control_scale, cache_interval,
+            cache_schedule)
 
 
 def call_arguments(jobs: Sequence) -> dict[str, Any]:
     """The pipeline arguments of one call for jobs with one call key (anything with `prompt`,
     `negative_prompt`, `seed`, `steps` and `guidance`): their prompts, and one generator per job
-    seeded with its seed, so each image gets its own noise whatever it is batched with. The caller
+    seeded with its seed, so each image gets its own noise whatever it is batched with; their step
+    caching where they have it (batch jobs do, `cache_interval` and `cache_schedule`). The caller
     adds what its task takes (the size; the images and strength of img2img and inpaint)."""
     import torch
 
@@ -97,6 +106,8 @@ def call_arguments(jobs: Sequence) -> dict[str, Any]:
         negative_prompt=None if first.negative_prompt is None else [job.negative_prompt for job in jobs],
         generator=[torch.Generator().manual_seed(job.seed) for job in jobs],
         num_inference_steps=first.steps, guidance_scale=first.guidance,
+        cache_interval=getattr(first, "cache_interval", 1), cache_schedule=getattr(first, "cache_schedule",
+                                                                                   DEFAULT_SCHEDULE),
     )
 
 
@@ -220,6 +231,10 @@ def parse_job(line: str, number: int, source: str, folder: Path = Path(".")) -> 
         control_image=_control_images(record["control_image"], folder) if "control_image" in record else (),
         control_scale=_control_scale(record["control_scale"]) if "control_scale" in record else None,
         loras=_loras(record["loras"]) if "loras" in record else (),
+        cache_interval=_field(record, "cache_interval", lambda v: _is_int(v) and v >= 1,
+                              "an integer >= 1 (1: no step caching)", 1),
+        cache_schedule=_field(record, "cache_schedule", lambda v: v in SCHEDULES, f"one of {', '.join(SCHEDULES)}",
+                              DEFAULT_SCHEDULE),
         source=source,
     )
 

@@ -192,6 +192,34 @@ def add_engine_arguments(parser: argparse.ArgumentParser, *, profile_flags: bool
     add_cache_dir(parser)
 
 
+def add_step_cache_arguments(parser: argparse.ArgumentParser, *, per_call: bool) -> None:
+    """Step caching (DeepCache, kasoku.step_cache): a call's interval and schedule (`per_call`), or
+    `--step-cache` to build its engines ahead; and the U-Net's skip branch."""
+    from ..step_cache import DEFAULT_SCHEDULE, SCHEDULES
+
+    if per_call:
+        parser.add_argument("--cache-interval", type=positive_int, default=1, metavar="N",
+                            help="step caching (DeepCache): the whole U-Net runs on one denoising step in N, only its "
+                                 "outer layers on the others (default 1: off, every step exact). N > 1 builds the "
+                                 "step-cache engines (unet_full, unet_shallow) when the cache does not hold them")
+        parser.add_argument("--cache-schedule", choices=SCHEDULES, default=DEFAULT_SCHEDULE,
+                            help="which steps run the whole U-Net with --cache-interval: uniform (every N-th, the "
+                                 "default) or nonuniform (the paper's: as many, denser around 30%% of the loop)")
+    else:
+        parser.add_argument("--step-cache", action="store_true",
+                            help="also build the step-cache engines (unet_full, unet_shallow) that calls with "
+                                 "cache_interval > 1 run (DeepCache); without it the first such call builds them")
+    add_cache_branch(parser)
+
+
+def add_cache_branch(parser: argparse.ArgumentParser) -> None:
+    from ..step_cache import DEFAULT_BRANCH
+
+    parser.add_argument("--cache-branch", type=non_negative_int, default=DEFAULT_BRANCH, metavar="B",
+                        help=f"step caching: the U-Net skip branch whose deep feature is cached, counted from the "
+                             f"outside (default {DEFAULT_BRANCH}: the cheapest shallow steps)")
+
+
 def options_from_args(args: argparse.Namespace, profile=None, *, cuda_graph: bool | None = None):
     """The CompileOptions of the engine arguments, checked before anything is loaded or written.
     `cuda_graph` overrides --cuda-graph (a command that chooses its profile later sets it with the profile)."""
@@ -205,6 +233,8 @@ def options_from_args(args: argparse.Namespace, profile=None, *, cuda_graph: boo
         trt_opt_level=getattr(args, "trt_opt_level", CompileOptions.trt_opt_level),
         keep_intermediate=getattr(args, "keep_intermediate", False),
         lora_targets=getattr(args, "lora_targets", None) or (),
+        step_cache=getattr(args, "step_cache", False) or getattr(args, "cache_interval", 1) > 1,
+        cache_branch=getattr(args, "cache_branch", CompileOptions.cache_branch),
         cuda_graph=getattr(args, "cuda_graph", False) if cuda_graph is None else cuda_graph,
     )
     check_backend(options)

@@ -11,6 +11,7 @@ from .base import (
     add_engine_arguments,
     add_json,
     add_model,
+    add_step_cache_arguments,
     component_name,
     controlnets_from_args,
     non_negative_int,
@@ -113,6 +114,7 @@ class Compile(Command):
         add_model(p)
         add_controlnet(p)
         add_engine_arguments(p)
+        add_step_cache_arguments(p, per_call=False)
         add_json(p)
 
     def run(self, args: argparse.Namespace) -> int:

@@ -12,6 +12,7 @@ from .base import (
     add_engine_arguments,
     add_json,
     add_model,
+    add_step_cache_arguments,
     check_output_file,
     controlnets_from_args,
     options_from_args,
@@ -22,7 +23,10 @@ from .base import (
 
 
 class Verify(Command):
-    """Compare every engine with torch at three shapes and an image with diffusers; exit 1 on failure."""
+    """Compare every engine with torch at three shapes and an image with diffusers; exit 1 on failure.
+
+    With --cache-interval N, the step-cache engines are checked too, and images with step caching are held
+    to the same engines' images without it (PSNR and SSIM on three prompts, the same initial latents)."""
 
     name = "verify"
 
@@ -30,6 +34,7 @@ class Verify(Command):
         add_model(p)
         add_controlnet(p)
         add_engine_arguments(p)
+        add_step_cache_arguments(p, per_call=True)
         p.add_argument("--onnx", type=Path, default=None, metavar="DIR",
                        help="build the engines from these ONNX files (a `kasoku export` folder) instead of exporting")
         p.add_argument("--no-image", action="store_true", help="components only, skip the image comparison")
@@ -44,7 +49,8 @@ class Verify(Command):
         options = options_from_args(args, profile_from_args(args)).replace(onnx_dir=args.onnx)
         with stage("verifying"):
             report = verify(args.model, controlnet=controlnets_from_args(args), options=options,
-                            image=not args.no_image, on_stage=show_stage)
+                            image=not args.no_image, on_stage=show_stage, cache_interval=args.cache_interval,
+                            cache_schedule=args.cache_schedule)
         console.print(Markdown(markdown(report)))
         for line in (c.line() for c in report.components if not c.passed):
             console.print(line, markup=False)

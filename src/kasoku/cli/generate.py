@@ -10,12 +10,14 @@ from ..errors import KasokuError
 from .base import (
     Command,
     add_backend_arguments,
+    add_cache_branch,
     add_cache_dir,
     add_controlnet,
     add_engine_arguments,
     add_json,
     add_lora_targets,
     add_model,
+    add_step_cache_arguments,
     check_backend,
     check_output_file,
     controlnets_from_args,
@@ -76,6 +78,7 @@ class Generate(Command):
                        help="a LoRA adapter (a diffusers, kohya or PEFT .safetensors file, or its folder) at weight "
                             "SCALE (default 1); repeat to blend several")
         add_engine_arguments(p, profile_flags=False)
+        add_step_cache_arguments(p, per_call=True)
 
     def run(self, args: argparse.Namespace) -> int:
         import torch
@@ -121,7 +124,8 @@ class Generate(Command):
             pipe.set_scheduler(args.scheduler)
         kwargs = dict(negative_prompt=args.negative, num_inference_steps=args.steps, guidance_scale=args.guidance,
                       num_images_per_prompt=args.num_images, height=args.height, width=args.width,
-                      generator=torch.Generator().manual_seed(args.seed))
+                      generator=torch.Generator().manual_seed(args.seed), cache_interval=args.cache_interval,
+                      cache_schedule=args.cache_schedule)
         kwargs.update({k: v for k, v in (("prompt_2", args.prompt_2), ("negative_prompt_2", args.negative_2)) if v})
         if image is not None:
             kwargs.update(image=image, strength=args.strength)
@@ -213,13 +217,15 @@ class Batch(Command):
     """Generate one image per line of a JSONL file, in this process or on a Ray cluster (--ray).
 
     Each line is one job: {"prompt": "...", "negative_prompt": "...", "seed": 1, "steps": 30, "guidance": 7.5,
-    "height": 512, "width": 512, "id": "cat-1", "loras": ["style.safetensors:0.8"]}; only prompt is required
-    (seed and id default to the line number, the size to the model's; loras are PATH[:SCALE] strings or
-    {"path": ..., "scale": ...} objects, and jobs with the same adapters share calls). With --controlnet, each
-    job also gives "control_image" (a file, or a list with one per ControlNet, relative to the JSONL file's
-    folder) and may give "control_scale" (a number, or one per ControlNet). DIR gets <id>.png per job and
-    results.jsonl (one line per job). Every line and size is checked before any work starts; running the same
-    command again after an interruption does only the jobs that are not done.
+    "height": 512, "width": 512, "id": "cat-1", "loras": ["style.safetensors:0.8"], "cache_interval": 3}; only
+    prompt is required (seed and id default to the line number, the size to the model's; loras are
+    PATH[:SCALE] strings or {"path": ..., "scale": ...} objects, and jobs with the same adapters share calls;
+    cache_interval defaults to 1, no step caching, and a job's above 1 builds the step-cache engines too, with
+    cache_schedule "uniform" or "nonuniform"). With --controlnet, each job also gives "control_image" (a file,
+    or a list with one per ControlNet, relative to the JSONL file's folder) and may give "control_scale" (a
+    number, or one per ControlNet). DIR gets <id>.png per job and results.jsonl (one line per job). Every line
+    and size is checked before any work starts; running the same command again after an interruption does
+    only the jobs that are not done.
     """
 
     name = "batch"
@@ -228,7 +234,7 @@ class Batch(Command):
         add_model(p)
         p.add_argument("prompts", type=Path, metavar="PROMPTS.jsonl",
                        help="one job per line: prompt, negative_prompt, seed, steps, guidance, height, width, id, "
-                            "control_image, control_scale, loras")
+                            "control_image, control_scale, loras, cache_interval, cache_schedule")
         p.add_argument("--out", type=Path, required=True, metavar="DIR",
                        help="folder for <id>.png per job and results.jsonl (created if missing; jobs already "
                             "there are skipped)")
@@ -241,7 +247,7 @@ class Batch(Command):
                             "CPUs, or GPUs with --gpus-per-worker, hold)")
         p.add_argument("--batch-size", type=positive_int, default=4,
                        help="images per engine call (default 4); jobs batch together when they share size, "
-                            "steps, guidance and whether they have a negative prompt")
+                            "steps, guidance, step caching and whether they have a negative prompt")
         p.add_argument("--gpus-per-worker", type=_non_negative_float, default=0.0,
                        help="with --ray: GPUs Ray gives each worker, e.g. 1 for GPU backends (default 0)")
         p.add_argument("--threads", type=positive_int, default=None,
@@ -254,6 +260,7 @@ class Batch(Command):
         p.add_argument("--width", type=size_range, metavar="MIN:MAX",
                        help="image widths the engines serve (default: half to double the model's size)")
         add_lora_targets(p)
+        add_cache_branch(p)
         add_cache_dir(p)
         add_json(p, "the run's summary")
 
@@ -273,7 +280,8 @@ class Batch(Command):
         targets = args.lora_targets if args.lora_targets is not None else \
             ("attention" if any(job.loras for job in jobs) else ())
         options = CompileOptions(backend=args.backend, precision=args.precision, min_psnr=args.min_psnr,
-                                 cache_dir=args.cache_dir, threads=threads, lora_targets=targets)
+                                 cache_dir=args.cache_dir, threads=threads, lora_targets=targets,
+                                 cache_branch=args.cache_branch)
         check_backend(options)
         plan = prepare(args.model, jobs, args.out, batch_size=args.batch_size, controlnet=controlnets_from_args(args),
                        options=options, height=args.height, width=args.width)

@@ -33,6 +33,16 @@ from ..components import (
     vae_scale_factor,
 )
 from ..errors import KasokuError
+from ..step_cache import COMPONENTS as STEP_CACHE_COMPONENTS
+from ..step_cache import (
+    DEFAULT_BRANCH,
+    FEATURE,
+    FULL,
+    SHALLOW,
+    Branch,
+    StepCacheFullModule,
+    StepCacheShallowModule,
+)
 
 TASKS = ("txt2img", "img2img", "inpaint")
 
@@ -144,18 +154,21 @@ class Family:
         names = self.component_names(pipe)
         return tuple(n for n in names if n != "vae_encoder") if task == "txt2img" else names
 
-    def specs(self, pipe, profile: ShapeProfile, names: Iterable[str] | None, weights) -> dict[str, ComponentSpec]:
-        """The specs of `names` (default: every component the pipeline has)."""
+    def specs(self, pipe, profile: ShapeProfile, names: Iterable[str] | None, weights,
+              cache_branch: int = DEFAULT_BRANCH) -> dict[str, ComponentSpec]:
+        """The specs of `names` (default: every component the pipeline has; the step-cache components
+        only when named, built for skip branch `cache_branch`)."""
         available = self.component_names(pipe)
         names = list(available if names is None else names)
-        absent = [n for n in names if n not in available]
+        absent = [n for n in names if n not in (*available, *STEP_CACHE_COMPONENTS)]
         if absent:
             raise KasokuError(f"this {self.title} model has no {', '.join(absent)}; "
-                              f"its components are {', '.join(available)}.")
-        builders = self.spec_builders(pipe, profile, weights)
+                              f"its components are {', '.join(available + STEP_CACHE_COMPONENTS)}.")
+        builders = self.spec_builders(pipe, profile, weights, cache_branch)
         return {name: builders[name]() for name in names}
 
-    def spec_builders(self, pipe, profile: ShapeProfile, weights) -> dict[str, Callable[[], ComponentSpec]]:
+    def spec_builders(self, pipe, profile: ShapeProfile, weights,
+                      cache_branch: int = DEFAULT_BRANCH) -> dict[str, Callable[[], ComponentSpec]]:
         axes = Axes(pipe)
         builders: dict[str, Callable[[], ComponentSpec]] = {
             name: (lambda name=name: self.text_encoder_spec(pipe, name, profile, axes, weights))
@@ -169,6 +182,7 @@ class Family:
             for name, path in self.controlnet_components(pipe).items():
                 builders[name] = lambda name=name, path=path: self.controlnet_spec(pipe, name, path, profile, axes,
                                                                                    weights)
+        builders.update(self.step_cache_builders(pipe, profile, axes, weights, cache_branch))
         return builders
 
     def text_encoder_outputs(self, pipe, name: str, axes: Axes) -> tuple[TensorSpec, ...]:
@@ -231,6 +245,50 @@ class Family:
             int8="hybrid",
             takes_lora=True,
         )
+
+    # ---- step caching (kasoku.step_cache): two more graphs of the U-Net's weights ----------------
+
+    def step_cache_builders(self, pipe, profile: ShapeProfile, axes: Axes, weights,
+                            branch: int) -> dict[str, Callable[[], ComponentSpec]]:
+        return {FULL: lambda: self.unet_full_spec(pipe, profile, axes, weights, branch),
+                SHALLOW: lambda: self.unet_shallow_spec(pipe, profile, axes, weights, branch)}
+
+    def unet_full_module(self, unet: torch.nn.Module, branch: Branch) -> torch.nn.Module:
+        """The whole U-Net, also returning the deep feature (positional tensors, one per spec input)."""
+        return StepCacheFullModule(unet, branch)
+
+    def unet_shallow_module(self, unet: torch.nn.Module, branch: Branch) -> torch.nn.Module:
+        """The U-Net's outer layers on the deep feature (its last input)."""
+        return StepCacheShallowModule(unet, branch)
+
+    def deep_feature(self, axes: Axes, branch: Branch) -> TensorSpec:
+        """The input of the up layer at `branch`: its spatial size follows the latent's at the branch's depth."""
+        below = 2**branch.level
+        return TensorSpec(FEATURE, (axes.guided, branch.channels,
+                                    Axis("feature_height", "height", axes.latent_h.scale / below),
+                                    Axis("feature_width", "width", axes.latent_w.scale / below)))
+
+    def _step_cache_spec(self, pipe, profile: ShapeProfile, axes: Axes, weights, branch: int, name: str,
+                         build_module) -> tuple[ComponentSpec, Branch]:
+        """The plain U-Net's spec (the same inputs and weights) made into a step-cache graph: the branch is
+        part of its architecture; int8 quantizes its weights only (calibration records the plain U-Net)."""
+        from ..loading import real_module
+
+        plain = self.unet_spec(pipe, profile, axes, weights)
+        geometry = Branch.of(pipe.unet.config, branch)
+        spec = dataclasses.replace(plain, name=name,
+                                   load_module=lambda: build_module(real_module(pipe, "unet"), geometry),
+                                   config={**plain.config, "kasoku_step_cache": {"graph": name, "branch": branch}},
+                                   int8="weights")
+        return spec, geometry
+
+    def unet_full_spec(self, pipe, profile: ShapeProfile, axes: Axes, weights, branch: int) -> ComponentSpec:
+        spec, geometry = self._step_cache_spec(pipe, profile, axes, weights, branch, FULL, self.unet_full_module)
+        return dataclasses.replace(spec, outputs=(*spec.outputs, self.deep_feature(axes, geometry)))
+
+    def unet_shallow_spec(self, pipe, profile: ShapeProfile, axes: Axes, weights, branch: int) -> ComponentSpec:
+        spec, geometry = self._step_cache_spec(pipe, profile, axes, weights, branch, SHALLOW, self.unet_shallow_module)
+        return dataclasses.replace(spec, inputs=(*spec.inputs, self.deep_feature(axes, geometry)))
 
     def vae_fp32_for(self, pipe) -> dict[Precision, str]:
         """Precision -> why the VAE is built in fp32 when that precision is asked for (empty: never)."""

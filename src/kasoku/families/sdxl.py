@@ -14,6 +14,7 @@ import torch
 
 from ..components import Precision, TensorSpec, UNetModule
 from ..standins import EngineTextEncoder, InvalidInput
+from ..step_cache import Branch, StepCacheFullModule, StepCacheShallowModule
 from .base import Axes, Family, NotADiffusersPipeline
 
 # SDXL's size/crop conditioning: (height, width) or (top, left) pairs in pixels.
@@ -61,6 +62,22 @@ class SDXLUNetModule(UNetModule):
         return (self.unet(sample, timestep, encoder_hidden_states, added_cond_kwargs=added, return_dict=False)[0],)
 
 
+class SDXLStepCacheFullModule(StepCacheFullModule):
+    """unet_full with SDXL's added conditioning as two more inputs."""
+
+    def forward(self, sample, timestep, encoder_hidden_states, text_embeds, time_ids):
+        added = {"text_embeds": text_embeds, "time_ids": time_ids}
+        return self.layers.full(sample, timestep, encoder_hidden_states, added)
+
+
+class SDXLStepCacheShallowModule(StepCacheShallowModule):
+    """unet_shallow with SDXL's added conditioning before the deep feature."""
+
+    def forward(self, sample, timestep, encoder_hidden_states, text_embeds, time_ids, deep_feature):
+        added = {"text_embeds": text_embeds, "time_ids": time_ids}
+        return (self.layers.shallow(sample, timestep, encoder_hidden_states, added, deep_feature),)
+
+
 class StableDiffusionXL(Family):
     name = "sdxl"
     title = "Stable Diffusion XL"
@@ -102,6 +119,12 @@ class StableDiffusionXL(Family):
 
     def unet_module(self, unet: torch.nn.Module) -> torch.nn.Module:
         return SDXLUNetModule(unet)
+
+    def unet_full_module(self, unet: torch.nn.Module, branch: Branch) -> torch.nn.Module:
+        return SDXLStepCacheFullModule(unet, branch)
+
+    def unet_shallow_module(self, unet: torch.nn.Module, branch: Branch) -> torch.nn.Module:
+        return SDXLStepCacheShallowModule(unet, branch)
 
     def vae_fp32_for(self, pipe) -> dict[Precision, str]:
         # fp16's range is what overflows; bf16 and int8 (which computes in bf16 or fp32) keep fp32's range.
