@@ -57,6 +57,7 @@ BAD = {
         ["compile", "{model}", "--height", "64:48"],
         ["compile", "{model}", "--batch", "0:2"],
         ["compile", "{model}", "--backend", "torch", "--precision", "fp16"],
+        ["compile", "{model}", "--backend", "inductor", "--precision", "int8"],
         ["compile", "{model}", "--threads", "0"],
         ["compile", "{model}", "--trt-opt-level", "9"],
         ["compile", "{model}", "--components", "text_encoder_2"],

@@ -1,7 +1,8 @@
 """Compile a pipeline's components into engines, every artefact through the cache.
 
 Per component: export (ONNX, parity-checked) → optimize (backend's passes, parity re-checked)
-→ engine (backend build) → load. Each stage is a cache entry keyed by everything that changes
+→ engine (backend build) → load; a backend that builds from the torch module (AOTInductor) has the
+engine stage only, keyed on the module's weights. Each stage is a cache entry keyed by everything that changes
 it. The keys are computed, not walked: the engine's key is derived from the export's and the
 optimization's key parts without opening those entries, so a warm start opens only the final
 engine entry, checks its manifest cheaply and loads it (what the runtime's own load costs).
@@ -30,7 +31,7 @@ import onnxruntime
 import torch
 
 from .backends import Engine, UnsupportedPrecision, cpu_candidates, get_backend, gpu_candidates
-from .backends.base import Backend, cpu_name
+from .backends.base import Backend, Source, cpu_name
 from .cache import Cache, CacheEntry, default_cache_dir, digest_key, file_sha256
 from .components import ComponentSpec, Precision, component_specs
 from .errors import KasokuError
@@ -55,7 +56,7 @@ class EngineLoadError(KasokuError):
 class KeyChain:
     """The key parts of one engine and of the entries it is built from (computed, not walked)."""
 
-    export: dict[str, Any]
+    export: dict[str, Any] | None  # None: the backend builds from the torch module (Source.MODULE)
     optimized: dict[str, Any] | None  # None: the backend runs no ONNX passes
     engine: dict[str, Any]
     calibration: dict[str, Any] | None  # int8 components calibrated on recorded inputs
@@ -158,9 +159,17 @@ class Compiler:
         return {"kind": "engine", "component": spec.name, "source": source, "profile": spec.profile.to_dict(),
                 **backend.key(precision)}
 
+    def module_parts(self, spec: ComponentSpec) -> dict[str, Any]:
+        """What a backend that builds from the torch module reads: its weights and the code that runs them
+        (keyed, never stored: there is no entry of this kind)."""
+        code = {name: version for name, version in _versions().items() if name != "onnx"}
+        return {"kind": "module", "component": spec.name, "weights": spec.fingerprint, **code}
+
     def chain(self, spec: ComponentSpec, backend: Backend) -> KeyChain:
         """The key parts of every entry from the export to `backend`'s engine of `spec`."""
         precision = self.precision(spec)
+        if backend.builds_from == Source.MODULE:  # no export: the engine is built from the torch module
+            return KeyChain(None, None, self.engine_parts(spec, backend, digest_key(self.module_parts(spec))), None)
         export_parts = self.export_parts(spec)
         optimized_parts = self.optimized_parts(spec, backend, digest_key(export_parts))
         if not optimized_parts["passes"]:  # no passes: the engine is built from the export itself
@@ -180,7 +189,7 @@ class Compiler:
             if name is None:
                 return False
         backend = self.backend(name)
-        if not backend.needs_onnx:
+        if backend.builds_from == Source.NOTHING:
             return True
         return self.cache.lookup(self.chain(spec, backend).engine) is not None
 
@@ -267,7 +276,8 @@ class Compiler:
         precision = self.precision(spec)
 
         def build(tmp: Path) -> dict:
-            meta = backend.build(spec, sources[-1].file(ONNX_FILE), tmp, precision, calibration=calibration) or {}
+            onnx_path = sources[-1].file(ONNX_FILE) if sources else None  # None: built from the torch module
+            meta = backend.build(spec, onnx_path, tmp, precision, calibration=calibration) or {}
             if self.options.check_parity:
                 engine = backend.load(spec, tmp, precision)
                 meta["parity"] = [p.to_dict() for p in self.engine_parity(spec, engine, precision, sources)]
@@ -285,7 +295,7 @@ class Compiler:
         backend = self.backend(backend_name)
         precision = self.precision(spec)
         backend.check_precision(precision)
-        if not backend.needs_onnx:
+        if backend.builds_from == Source.NOTHING:
             return backend.load(spec, None, precision)
         chain = self.chain(spec, backend)
         export_parts, optimized_parts, engine_parts = chain.export, chain.optimized, chain.engine
@@ -302,7 +312,7 @@ class Compiler:
             if engine is not None:
                 self._record(spec, "engine", "reused", entry, time.perf_counter() - start)
                 return engine
-        sources = [self.exported(spec, export_parts)]
+        sources = [self.exported(spec, export_parts)] if export_parts is not None else []
         if optimized_parts is not None:
             sources.append(self.optimized(spec, optimized_parts, sources[0]))
         entry = self.built_engine(spec, backend, engine_parts, sources, calibration)

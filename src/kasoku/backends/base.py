@@ -14,6 +14,7 @@ import platform
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from enum import Enum
 from pathlib import Path
 from typing import Any, ClassVar
 
@@ -111,6 +112,7 @@ class Engine(ABC):
                 f"{self.spec.name} takes inputs {list(expected)}; missing {missing}, unexpected {unexpected}."
             )
         feeds = {}
+        seen: dict[str, tuple[str, int]] = {}  # axis -> (the first input that has it, its size there)
         for tensor in self.spec.inputs:
             value = _as_tensor(inputs[tensor.name])
             if value.ndim != len(tensor.dims):
@@ -125,6 +127,13 @@ class Engine(ABC):
                     )
             for i, axis in tensor.dynamic_axes.items():
                 self._check_axis(tensor.name, i, axis.name, int(value.shape[i]))
+                first, size = seen.setdefault(axis.name, (tensor.name, int(value.shape[i])))
+                if size != value.shape[i]:
+                    raise KasokuError(
+                        f"{self.spec.name} inputs {first!r} and {tensor.name!r} must agree on {axis.name} but "
+                        f"have {size} and {value.shape[i]} (shapes {tuple(inputs[first].shape)} and "
+                        f"{tuple(value.shape)})."
+                    )
             dtype = tensor.dtype if not tensor.dtype.is_floating_point else self.dtype
             feeds[tensor.name] = value.to(device=self.device, dtype=dtype).contiguous()
         return feeds
@@ -148,12 +157,21 @@ def _as_tensor(value: Any) -> torch.Tensor:
     return torch.from_numpy(np.ascontiguousarray(value))  # shares the array's memory
 
 
+class Source(str, Enum):
+    """What a backend builds its engines from (which entries of the cache its engine's key chains to)."""
+
+    ONNX = "onnx"  # the exported ONNX file, after the backend's passes: export → optimize → engine
+    MODULE = "module"  # the component's torch module itself, keyed on its weights: engine only (inductor)
+    NOTHING = "nothing"  # nothing is built: the engine is the torch module (the reference)
+
+
 class Backend(ABC):
-    """Builds engine files from an ONNX artefact and loads engines from them."""
+    """Builds engine files from an ONNX artefact (or the torch module, see `builds_from`) and loads
+    engines from them."""
 
     name: ClassVar[str]
     extra: ClassVar[str | None] = None  # the pip extra that installs it
-    needs_onnx: ClassVar[bool] = True
+    builds_from: ClassVar[Source] = Source.ONNX
     # ONNX passes before this backend builds (see kasoku.optimize.PASSES); precision passes are added per
     # precision. Empty: the backend's own graph optimizer does it all when it builds (ONNX Runtime, OpenVINO).
     passes: ClassVar[tuple[str, ...]] = ()
@@ -207,9 +225,10 @@ class Backend(ABC):
         return False
 
     @abstractmethod
-    def build(self, spec: ComponentSpec, onnx_path: Path, out_dir: Path, precision: Precision, *,
+    def build(self, spec: ComponentSpec, onnx_path: Path | None, out_dir: Path, precision: Precision, *,
               calibration: Callable[[], list] | None = None) -> dict[str, Any]:
         """Write the engine files for `spec` into `out_dir`; return metadata for the manifest.
+        `onnx_path` is None for a backend that builds from the torch module (`builds_from`).
         `calibration` returns the recorded input samples where :meth:`needs_calibration` says so."""
 
     @abstractmethod

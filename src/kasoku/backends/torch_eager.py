@@ -9,7 +9,7 @@ import torch
 
 from ..attention import exportable_attention
 from ..components import ComponentSpec, Precision
-from .base import Availability, Backend, Engine
+from .base import Availability, Backend, Engine, Source
 
 
 class TorchEngine(Engine):
@@ -30,7 +30,7 @@ class TorchEngine(Engine):
 
 class TorchBackend(Backend):
     name = "torch"
-    needs_onnx = False
+    builds_from = Source.NOTHING
     passes = ()
     precisions = (Precision.FP32,)
     refused = {Precision.FP16: "it is the fp32 reference"}
