@@ -5,8 +5,11 @@ STAMP := $(VENV)/.kasoku-installed
 # torch is pinned here, not in pyproject: 2.13.0 is the CPU build on this machine's disk;
 # an open range would pull a multi-GB CUDA build.
 TORCH_PIN := torch==2.13.0
+# ONNX Runtime is an extra: `cpu` (onnxruntime) or `gpu` (onnxruntime-gpu: CUDA and TensorRT providers),
+# never both. `make setup ORT=gpu` on a machine with an NVIDIA GPU.
+ORT := cpu
 
-.PHONY: setup demo test test-fast bench lint clean
+.PHONY: setup browser demo test test-fast bench lint clean
 
 setup: $(STAMP)
 
@@ -14,13 +17,19 @@ $(STAMP): pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
 	$(PY) -m pip install --quiet $(TORCH_PIN)
-	$(PY) -m pip install --quiet -e '.[dev,openvino,ray]' $(TORCH_PIN)
+	$(PY) -m pip install --quiet -e '.[$(ORT),dev,openvino,ray,serve]' $(TORCH_PIN)
 	touch $(STAMP)
+
+# The web page test drives Debian's chromium through Playwright (Playwright's own browser download
+# does not work here). Installed when missing and apt-get can (as root); otherwise that one test skips.
+browser:
+	@test -x /usr/bin/chromium || { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium; } \
+		|| echo "chromium could not be installed: the web page test of kasoku serve will be skipped"
 
 demo: setup
 	$(VENV)/bin/kasoku demo
 
-test: setup
+test: setup browser
 	$(PY) -m pytest -q
 
 # The unit tier: no export, no engine build (under two minutes); `make test` runs both tiers.
@@ -30,6 +39,7 @@ test-fast: setup
 bench: setup
 	$(PY) benchmarks/tiny_pipeline.py
 	$(PY) benchmarks/batch_tiny.py
+	$(PY) benchmarks/serve_tiny.py
 	$(PY) benchmarks/full_sd15.py
 	$(PY) benchmarks/full_sdxl.py
 

@@ -46,6 +46,19 @@ WORK = HERE / ".models" / "sd15-work"
 RESULTS = HERE / "results"
 TXT2IMG = ("text_encoder", "unet", "vae_decoder")
 SIZE = 512
+MULTIPLE = 64  # SD 1.5's height/width step: the VAE's 8x times the U-Net's three downsamplings
+SMOKE_DIR = Path("/tmp/kasoku-full_sd15-smoke")  # --smoke: every stage on the tiny pipeline, results kept apart
+
+
+def use_smoke_model() -> None:
+    """Point every stage at the tiny pipeline (64x64, steps of 16) and keep its results apart."""
+    global MODEL_DIR, WORK, RESULTS, SIZE, MULTIPLE
+    MODEL_DIR, WORK, RESULTS = SMOKE_DIR / "model", SMOKE_DIR / "work", SMOKE_DIR / "results"
+    SIZE, MULTIPLE = 64, 16
+    if not (MODEL_DIR / "model_index.json").exists():
+        from kasoku.tiny import write_tiny_pipeline
+
+        write_tiny_pipeline(MODEL_DIR)
 
 
 def build_sd15(directory: Path, seed: int = 0) -> Path:
@@ -98,29 +111,54 @@ def cache_bytes(cache: Path) -> int:
 # ---- stages (each runs in its own process) -----------------------------------------------------------
 
 
+def cache_for(args, backend: str) -> Path:
+    """Each backend compiles into a cache of its own, so its size is its own."""
+    return args.cache / backend
+
+
+def stage_model(_target: str, args) -> dict:
+    start = time.perf_counter()
+    build_sd15(MODEL_DIR)
+    return {"seconds": time.perf_counter() - start, "weights_bytes": weights_bytes(MODEL_DIR), "peak_mb": peak_mb()}
+
+
 def stage_cold(backend: str, args) -> dict:
     from kasoku.build import compile_components
 
+    shutil.rmtree(cache_for(args, backend), ignore_errors=True)  # cold means cold
     start = time.perf_counter()
-    _, report = compile_components(MODEL_DIR, backend=backend, components=TXT2IMG, cache=args.cache,
+    _, report = compile_components(MODEL_DIR, backend=backend, components=TXT2IMG, cache=cache_for(args, backend),
                                    threads=args.threads, label="sd15-random")
     seconds = time.perf_counter() - start
     per_stage: dict[str, dict[str, float]] = {}
     for record in report.stages:
         per_stage.setdefault(record.component, {})[record.stage] = round(record.seconds, 2)
     return {"seconds": seconds, "stages": per_stage, "backends": report.backends, "built": report.built,
-            "cache_bytes": cache_bytes(args.cache), "weights_bytes": weights_bytes(MODEL_DIR), "peak_mb": peak_mb()}
+            "cache_bytes": cache_bytes(cache_for(args, backend)), "weights_bytes": weights_bytes(MODEL_DIR),
+            "peak_mb": peak_mb()}
+
+
+def preheat(folder: Path) -> None:
+    """Read every file under `folder` once, untimed, so that the stages compared (kasoku's warm start,
+    the runtime's own load) all find the engine files in the page cache: a fair comparison of the loads,
+    not of the disk."""
+    for path in sorted(folder.rglob("*")):
+        if path.is_file():
+            with open(path, "rb") as handle:
+                while handle.read(1 << 24):
+                    pass
 
 
 def stage_warm(backend: str, args) -> dict:
     import kasoku
     from kasoku.loading import load_pipeline
 
+    preheat(cache_for(args, backend))
     start = time.perf_counter()
     pipe = load_pipeline(MODEL_DIR)
     load_pipe = time.perf_counter() - start
     start = time.perf_counter()
-    fast = kasoku.compile(pipe, backend, components=TXT2IMG, cache_dir=args.cache, threads=args.threads)
+    fast = kasoku.compile(pipe, backend, components=TXT2IMG, cache_dir=cache_for(args, backend), threads=args.threads)
     seconds = time.perf_counter() - start
     report = fast.compile_report
     return {"diffusers_load_s": load_pipe, "compile_s": seconds, "load_seconds": report.load_seconds,
@@ -131,9 +169,10 @@ def stage_warm(backend: str, args) -> dict:
 def stage_warm_folder(backend: str, args) -> dict:
     import kasoku
 
+    preheat(cache_for(args, backend))
     start = time.perf_counter()
-    fast = kasoku.KasokuPipeline.from_pretrained(MODEL_DIR, backend, components=TXT2IMG, cache_dir=args.cache,
-                                                 threads=args.threads)
+    fast = kasoku.KasokuPipeline.from_pretrained(MODEL_DIR, backend, components=TXT2IMG,
+                                                 cache_dir=cache_for(args, backend), threads=args.threads)
     seconds = time.perf_counter() - start
     return {"seconds": seconds, "load_seconds": fast.compile_report.load_seconds, "built": fast.compile_report.built,
             "peak_mb": peak_mb()}
@@ -143,9 +182,10 @@ def stage_runtime(backend: str, args) -> dict:
     """The runtimes' own load of the engine files the warm stage used, with kasoku's settings."""
     keys = _results(args)["warm"][backend]["engine_keys"]
     backends = _results(args)["warm"][backend]["backends"]
+    preheat(cache_for(args, backend))
     seconds = {}
     for component, key in keys.items():
-        entry = args.cache / "entries" / key
+        entry = cache_for(args, backend) / "entries" / key
         start = time.perf_counter()
         if backends[component] == "onnxruntime":
             import onnxruntime as ort
@@ -157,9 +197,10 @@ def stage_runtime(backend: str, args) -> dict:
         else:
             import openvino as ov
 
-            ov.Core().compile_model(str(entry / "model.xml"), "CPU", {
+            blob = np.memmap(entry / "model.blob", dtype=np.uint8, mode="c")
+            ov.Core().import_model(ov.Tensor(blob, shared_memory=True), "CPU", {
                 "INFERENCE_PRECISION_HINT": "f32", "PERFORMANCE_HINT": "LATENCY",
-                "INFERENCE_NUM_THREADS": args.threads, "CACHE_DIR": str(entry / "compiled")})
+                "INFERENCE_NUM_THREADS": args.threads})
         seconds[component] = time.perf_counter() - start
     return {"load_seconds": seconds, "backends": backends, "peak_mb": peak_mb()}
 
@@ -171,7 +212,7 @@ def stage_speed(contender: str, args) -> dict:
     from kasoku.loading import load_pipeline
     from kasoku.parity import compare_output
 
-    profile = ShapeProfile.from_ranges((1, 1, 1), (SIZE,) * 3, (SIZE,) * 3, 64)
+    profile = ShapeProfile.from_ranges((1, 1, 1), (SIZE,) * 3, (SIZE,) * 3, MULTIPLE)
     io_file = args.work / "speed-io.npz"
     result: dict = {"components": {}}
     if contender == "torch":
@@ -214,8 +255,260 @@ def _repeat(fn, repeats: int):
     return samples, out
 
 
-STAGES = {"cold": stage_cold, "warm": stage_warm, "warm-folder": stage_warm_folder, "runtime": stage_runtime,
-          "speed": stage_speed}
+def stage_ov_probe(_target: str, args) -> dict:
+    """OpenVINO's two warm loads of the U-Net: its compiled blob imported (what kasoku keeps), or its IR
+    compiled again (what an IR-only entry would cost); the blob comes from the openvino cold stage."""
+    import tempfile
+
+    import openvino as ov
+
+    from kasoku.cache import Cache
+    from kasoku.export import export_component
+
+    entry = next(e for e in Cache(cache_for(args, "openvino")).list() if e.kind == "engine" and e.component == "unet")
+    config = {"INFERENCE_PRECISION_HINT": "f32", "PERFORMANCE_HINT": "LATENCY", "INFERENCE_NUM_THREADS": args.threads}
+    start = time.perf_counter()
+    blob = np.memmap(cache_for(args, "openvino") / "entries" / entry.key / "model.blob", dtype=np.uint8, mode="c")
+    ov.Core().import_model(ov.Tensor(blob, shared_memory=True), "CPU", config)
+    import_s = time.perf_counter() - start
+    del blob
+    from kasoku.components import component_specs, default_profile
+    from kasoku.loading import load_pipeline
+
+    pipe = load_pipeline(MODEL_DIR)
+    spec = component_specs(pipe, default_profile(pipe), ["unet"])["unet"]
+    with tempfile.TemporaryDirectory(dir=args.work) as tmp:
+        export_component(spec, Path(tmp) / "model.onnx", check_shapes=[])
+        del pipe, spec
+        model = ov.Core().read_model(str(Path(tmp) / "model.onnx"))
+        ov.save_model(model, str(Path(tmp) / "model.xml"), compress_to_fp16=False)
+        del model
+        ir_bytes = sum(f.stat().st_size for f in Path(tmp).glob("model.*") if f.suffix in (".xml", ".bin"))
+        start = time.perf_counter()
+        ov.Core().compile_model(str(Path(tmp) / "model.xml"), "CPU", config)
+        ir_s = time.perf_counter() - start
+    return {"blob_import_s": import_s, "blob_bytes": entry.size_bytes, "ir_compile_s": ir_s, "ir_bytes": ir_bytes,
+            "peak_mb": peak_mb()}
+
+
+IMAGE_PROMPT = "a beautiful photograph of mt fuji during cherry blossom"
+IMAGE_STEPS = (4, 20)
+# kasoku's contenders: precision and shapes (static: exact-shape engines for the one image; dynamic: the
+# model's default range, what `kasoku compile MODEL` builds); backend "auto" as a user gets it.
+KASOKU_IMAGES = {f"kasoku-{p}-{shape}": (p, shape) for p in ("fp32", "bf16", "int8") for shape in ("static", "dynamic")}
+# peers: the virtual environment each runs in (created when missing; their pins conflict with kasoku's)
+PEERS = {"optimum-intel-f32-static": "optimum-intel", "optimum-intel-default-dynamic": "optimum-intel",
+         "optimum-intel-default-static": "optimum-intel", "openvino-genai": "optimum-intel",
+         "optimum-onnx": "optimum-onnx"}
+PEER_INSTALLS = {
+    "optimum-intel": [["torch==2.13.0", "optimum-intel[openvino]", "diffusers", "openvino-genai"]],
+    "optimum-onnx": [["torch==2.13.0", "optimum-onnx", "diffusers", "onnxruntime"]],
+}
+PEERS_DIR = HERE / ".peers"
+
+
+def latents_file(args) -> Path:
+    """The initial latents every contender starts from (1x4x64x64, seed 0)."""
+    path = args.work / "latents.npy"
+    if not path.exists():
+        np.save(path, torch.randn((1, 4, SIZE // 8, SIZE // 8), generator=torch.Generator().manual_seed(0)).numpy())
+    return path
+
+
+def peer_python(venv: str) -> Path:
+    """The peer's virtual environment, created with its pinned installs when missing."""
+    python = PEERS_DIR / venv / "bin" / "python"
+    if not python.exists():
+        subprocess.run([sys.executable, "-m", "venv", str(PEERS_DIR / venv)], check=True)
+        for packages in PEER_INSTALLS[venv]:
+            subprocess.run([str(python), "-m", "pip", "install", "-q", *packages], check=True)
+        # PyPI's torchvision does not match the torch 2.13 build here and breaks transformers' import
+        subprocess.run([str(python), "-m", "pip", "uninstall", "-q", "-y", "torchvision"], check=False)
+    return python
+
+
+def stage_image(contender: str, args) -> dict:
+    """One 512x512 image with guidance from the shared latents: warm-up, then `repeats` timed calls at each
+    step count; the last image of each is saved for the comparison with diffusers."""
+    out = args.work / "images" / f"{contender}.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    if contender in PEERS:
+        subprocess.run([str(peer_python(PEERS[contender])), str(HERE / "peer_run.py"), contender, "--model",
+                        str(MODEL_DIR), "--work", str(args.work / "peers"), "--latents", str(latents_file(args)),
+                        "--out", str(out), "--prompt", IMAGE_PROMPT, "--size", str(SIZE), "--steps",
+                        ",".join(map(str, IMAGE_STEPS)), "--repeats", str(args.repeats), "--threads",
+                        str(args.threads)], check=True)
+        return json.loads(out.read_text())
+    import kasoku
+    from kasoku.components import ImageShape, ShapeProfile
+    from kasoku.families import FAMILIES
+    from kasoku.loading import load_pipeline
+
+    latents = torch.from_numpy(np.load(latents_file(args)))
+    result: dict = {}
+    start = time.perf_counter()
+    if contender == "diffusers":
+        pipe = FAMILIES["sd1"].task_pipeline(load_pipeline(MODEL_DIR), "txt2img")
+        result["load_s"] = time.perf_counter() - start
+    else:
+        precision, shape = KASOKU_IMAGES[contender]
+        cache = args.work / "images" / f"{contender}-cache"
+        shutil.rmtree(cache, ignore_errors=True)  # each kasoku contender compiles cold
+        profile = ShapeProfile.exact(ImageShape(1, SIZE, SIZE), guidance=True, multiple=MULTIPLE) \
+            if shape == "static" else None
+        pipe = kasoku.KasokuPipeline.from_pretrained(MODEL_DIR, "auto", precision=precision, profile=profile,
+                                                     components=TXT2IMG, cache_dir=cache, threads=args.threads)
+        report = pipe.compile_report
+        result.update(compile_s=time.perf_counter() - start, backends=report.backends, precisions=report.precisions,
+                      cache_bytes=cache_bytes(cache))
+
+    def generate(steps):
+        return pipe(IMAGE_PROMPT, num_inference_steps=steps, guidance_scale=7.5, height=SIZE, width=SIZE,
+                    latents=latents, output_type="np").images[0]
+
+    start = time.perf_counter()
+    generate(1)
+    result["warmup_s"] = time.perf_counter() - start
+    images, result["seconds"] = {}, {}
+    for steps in IMAGE_STEPS:
+        result["seconds"][str(steps)], image = _repeat(lambda steps=steps: generate(steps), args.repeats)
+        images[f"steps{steps}"] = np.asarray(image, np.float32)
+    np.savez(out.with_suffix(".npz"), **images)
+    if contender != "diffusers":
+        shutil.rmtree(args.work / "images" / f"{contender}-cache", ignore_errors=True)  # several GB each
+    return {**result, "peak_mb": peak_mb()}
+
+
+def compare_images(args) -> dict:
+    """PSNR and SSIM of every contender's images against diffusers fp32's (same latents)."""
+    from kasoku.parity import psnr, ssim
+
+    folder = args.work / "images"
+    reference_file = folder / "diffusers.npz"
+    if not reference_file.exists():
+        return {}
+    reference = np.load(reference_file)
+    out = {}
+    for path in sorted(folder.glob("*.npz")):
+        if path.stem == "diffusers":
+            continue
+        images = np.load(path)
+        out[path.stem] = {key: {"psnr_db": psnr(reference[key], images[key]), "ssim": ssim(reference[key], images[key])}
+                          for key in images.files if key in reference.files}
+    return out
+
+
+FIDELITY_PRECISIONS = ("fp32", "bf16", "int8")
+
+
+def stage_fidelity(precision: str, args) -> dict:
+    """The fidelity contract at full size (OpenVINO, exact-shape 512x512 engines): each component's relative
+    error against torch fp32 at 512x512, and the images of verify's prompts at the contract's steps against the
+    fp32 engines' (saved by the fp32 stage), with the same seed."""
+    import kasoku
+    from kasoku.components import ImageShape, Precision, ShapeProfile, component_specs
+    from kasoku.loading import load_pipeline
+    from kasoku.parity import TOLERANCES, parity_against_torch, psnr, ssim
+    from kasoku.verification import FIDELITY_PROMPTS
+
+    folder = args.work / "fidelity"
+    folder.mkdir(parents=True, exist_ok=True)
+    profile = ShapeProfile.exact(ImageShape(1, SIZE, SIZE), guidance=True, multiple=MULTIPLE)
+    pipe = load_pipeline(MODEL_DIR)
+    fast = kasoku.compile(pipe, "openvino", precision=precision, profile=profile, components=TXT2IMG,
+                          cache_dir=folder / f"cache-{precision}", threads=args.threads)
+    specs = component_specs(pipe, profile, TXT2IMG)
+    components = {}
+    for name, engine in fast.engines.items():
+        results = parity_against_torch(specs[name], engine.run, [profile.opt], Precision(precision), seed=11)
+        components[name] = {r.output: {"rel_error": r.rel_error, "max_abs": r.max_abs, "passed": r.passed}
+                            for r in results}
+    steps = TOLERANCES[Precision.BF16].image_steps
+    images = {}
+    for index, prompt in enumerate(FIDELITY_PROMPTS):
+        images[f"prompt{index}"] = fast(prompt, num_inference_steps=steps, height=SIZE, width=SIZE, output_type="np",
+                                        generator=torch.Generator().manual_seed(0)).images
+    np.savez(folder / f"{precision}.npz", **images)
+    shutil.rmtree(folder / f"cache-{precision}", ignore_errors=True)
+    result = {"components": components, "steps": steps, "prompts": list(FIDELITY_PROMPTS), "peak_mb": peak_mb()}
+    reference_file = folder / "fp32.npz"
+    if precision != "fp32" and reference_file.exists():
+        reference = np.load(reference_file)
+        result["images"] = [{"psnr_db": psnr(reference[k], images[k]), "ssim": ssim(reference[k], images[k])}
+                            for k in images]
+    return result
+
+
+def stage_ort_qdq(_target: str, args) -> dict:
+    """ONNX Runtime's own int8 (static QDQ quantization, per channel, the pipeline's own calibration samples)
+    on the full U-Net, against kasoku's int8 (NNCF on OpenVINO) and ONNX Runtime fp32, one call each at
+    512x512 with guidance after a warm-up: the measurement behind ONNX Runtime refusing --precision int8."""
+    import tempfile
+
+    import onnxruntime as ort
+    from onnxruntime.quantization import CalibrationDataReader, QuantFormat, QuantType, quantize_static
+
+    import kasoku
+    from kasoku.calibration import CalibrationPlan, load_samples
+    from kasoku.components import ImageShape, ShapeProfile
+
+    profile = ShapeProfile.exact(ImageShape(1, SIZE, SIZE), guidance=True, multiple=MULTIPLE)
+    cache = args.work / "qdq-cache"
+    shutil.rmtree(cache, ignore_errors=True)
+    start = time.perf_counter()
+    fast = kasoku.KasokuPipeline.from_pretrained(MODEL_DIR, "openvino", precision="int8", profile=profile,
+                                                 components=("text_encoder", "unet"), cache_dir=cache,
+                                                 threads=args.threads, keep_intermediate=True)
+    openvino_compile_s = time.perf_counter() - start
+    from kasoku.cache import Cache
+
+    entries = Cache(cache).list()
+    samples = load_samples(cache / "entries" / next(e.key for e in entries if e.kind == "calibration")
+                           / "calibration.npz")
+    feeds = {k: np.asarray(v) for k, v in samples[len(samples) // 2].items()}
+    result: dict = {"calibration_samples": len(samples), "openvino_int8_compile_s": openvino_compile_s}
+    int8_unet = fast.engines["unet"]
+    result["openvino_int8_s"] = _repeat(lambda engine=int8_unet: engine.run(feeds), args.repeats + 1)[0][1:]
+    onnx_file = cache / "entries" / next(e.key for e in entries if e.kind == "onnx" and e.component == "unet") \
+        / "model.onnx"
+    del fast, int8_unet
+    options = ort.SessionOptions()
+    options.intra_op_num_threads = args.threads
+    session = ort.InferenceSession(str(onnx_file), options, providers=["CPUExecutionProvider"])
+    result["onnxruntime_fp32_s"] = _repeat(lambda s=session: s.run(None, feeds), args.repeats + 1)[0][1:]
+    reference = session.run(None, feeds)[0]
+    del session
+
+    class Reader(CalibrationDataReader):
+        def __init__(self):
+            self.items = iter(samples)
+
+        def get_next(self):
+            return next(self.items, None)
+
+    with tempfile.TemporaryDirectory(dir=args.work) as tmp:
+        target = Path(tmp) / "unet-int8.onnx"
+        start = time.perf_counter()
+        try:
+            quantize_static(str(onnx_file), str(target), Reader(), quant_format=QuantFormat.QDQ, per_channel=True,
+                            activation_type=QuantType.QUInt8, weight_type=QuantType.QInt8,
+                            use_external_data_format=True)
+        except Exception as error:  # noqa: BLE001 - a probe: report what ONNX Runtime's tool did
+            result.update(quantize_failed=f"{type(error).__name__}: {str(error).splitlines()[0][:300]}")
+            return {**result, "peak_mb": peak_mb()}
+        result["onnxruntime_quantize_s"] = time.perf_counter() - start
+        session = ort.InferenceSession(str(target), options, providers=["CPUExecutionProvider"])
+        result["onnxruntime_int8_s"] = _repeat(lambda: session.run(None, feeds), args.repeats + 1)[0][1:]
+        out = session.run(None, feeds)[0]
+        result["onnxruntime_int8_rel_error"] = float(np.linalg.norm(out - reference) / np.linalg.norm(reference))
+    result["plan"] = CalibrationPlan().to_dict()
+    shutil.rmtree(cache, ignore_errors=True)
+    return {**result, "peak_mb": peak_mb()}
+
+
+STAGES = {"model": stage_model, "cold": stage_cold, "warm": stage_warm, "warm-folder": stage_warm_folder,
+          "runtime": stage_runtime, "speed": stage_speed, "ov-probe": stage_ov_probe, "image": stage_image,
+          "fidelity": stage_fidelity, "ort-qdq": stage_ort_qdq}
 
 
 # ---- the run -----------------------------------------------------------------------------------------
@@ -236,7 +529,8 @@ def _run_stage(stage: str, target: str, args, log) -> dict:
     out.unlink(missing_ok=True)
     log(f"stage {stage}:{target}")
     command = [sys.executable, __file__, "--stage", stage, "--target", target, "--stage-json", str(out),
-               "--threads", str(args.threads), "--repeats", str(args.repeats), "--cache", str(args.cache)]
+               "--threads", str(args.threads), "--repeats", str(args.repeats), "--cache", str(args.cache),
+               *(["--smoke"] if args.smoke else [])]
     start = time.perf_counter()
     code = subprocess.run(command).returncode
     if code != 0 or not out.exists():
@@ -268,14 +562,24 @@ def main(argv: list[str] | None = None) -> int:
                         help=f"comma-separated, in order, from {', '.join(STAGES)} (default: the warm start)")
     parser.add_argument("--backends", default="onnxruntime,openvino", help="kasoku backends (cold, warm, runtime)")
     parser.add_argument("--contenders", default="torch,onnxruntime,openvino", help="for the speed stage")
+    parser.add_argument("--images", default=",".join(["diffusers", *KASOKU_IMAGES, *PEERS]),
+                        help="for the image stage: diffusers, kasoku-{fp32,bf16,int8}-{static,dynamic}, and the "
+                             f"peers {', '.join(PEERS)}")
     parser.add_argument("--threads", type=int, default=torch.get_num_threads())
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--cache", type=Path, default=WORK / "cache", help="the benchmark's kasoku cache")
     parser.add_argument("--fresh-cache", action="store_true", help="empty the cache first (cold means cold)")
+    parser.add_argument("--smoke", action="store_true",
+                        help=f"run the stages on the built-in tiny pipeline at 64x64 (a check of this script; "
+                             f"results under {SMOKE_DIR})")
     parser.add_argument("--stage", choices=list(STAGES), help=argparse.SUPPRESS)
     parser.add_argument("--target", help=argparse.SUPPRESS)
     parser.add_argument("--stage-json", type=Path, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
+    if args.smoke:
+        use_smoke_model()
+        if args.cache == WORK / "cache":
+            args.cache = SMOKE_DIR / "work" / "cache"
     args.work = WORK
     args.work.mkdir(parents=True, exist_ok=True)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -291,18 +595,26 @@ def main(argv: list[str] | None = None) -> int:
     def log(message: str) -> None:
         console.log(message, markup=False)
 
-    if not (MODEL_DIR / "model_index.json").exists():
-        log(f"building SD 1.5 with random weights into {MODEL_DIR}")
-        build_sd15(MODEL_DIR)
     if args.fresh_cache:
         shutil.rmtree(args.cache, ignore_errors=True)
     log("measuring the fp32 matmul rate")
     machine = machine_description(args.threads)
     log(f"{machine['cpu']} ({', '.join(machine['flags']) or 'no AVX-512/AMX'}), {args.threads} threads")
+    if not (MODEL_DIR / "model_index.json").exists():  # built in a process of its own: its memory goes with it
+        log(f"building SD 1.5 with random weights into {MODEL_DIR}")
+        _record("model", "sd15", _run_stage("model", "sd15", args, log), machine)
     for stage in args.stages.split(","):
-        targets = args.contenders.split(",") if stage == "speed" else args.backends.split(",")
+        targets = {"speed": args.contenders.split(","), "ov-probe": ["unet"], "ort-qdq": ["unet"],
+                   "image": args.images.split(","),
+                   "fidelity": list(FIDELITY_PRECISIONS)}.get(stage, args.backends.split(","))
         for target in targets:
             _record(stage, target, _run_stage(stage, target, args, log), machine)
+    if "image" in args.stages.split(","):
+        path = _stem().with_suffix(".json")
+        report = json.loads(path.read_text())
+        report["image_vs_diffusers"] = compare_images(args)
+        path.write_text(json.dumps(report, indent=2, default=str))
+        _stem().with_suffix(".md").write_text(markdown(report) + "\n")
     console.print(_stem().with_suffix(".md").read_text(), markup=False)
     return 0
 
@@ -322,16 +634,19 @@ def markdown(report: dict) -> str:
              "GFLOP/s · each stage in its own process", ""]
     peaks = [r["peak_mb"] for stage in STAGES for r in report.get(stage, {}).values() if "peak_mb" in r]
     if "cold" in report:
-        lines += ["## Cold compile (`kasoku compile`, text encoder + U-Net + VAE decoder, default profile)", "",
-                  "| backend | seconds | export / optimize / engine per component | cache size | weights | peak RSS |",
-                  "| --- | --- | --- | --- | --- | --- |"]
+        lines += ["## Cold compile (`kasoku compile`, text encoder + U-Net + VAE decoder, default profile), "
+                  "each backend into an empty cache of its own", "",
+                  "| backend | seconds | seconds per stage and component | cache size | weights | cache ÷ weights | "
+                  "peak RSS |", "| --- | --- | --- | --- | --- | --- | --- |"]
         for backend, r in report["cold"].items():
             if r.get("failed"):
                 lines.append(f"| {backend} | failed (exit {r['returncode']}) | | | | |")
                 continue
-            stages = "; ".join(f"{c}: " + "/".join(f"{s}" for s in v.values()) for c, v in r["stages"].items())
-            lines.append(f"| {backend} | {r['seconds']:.0f} | {stages} | {r['cache_bytes'] / 1e9:.1f} GB | "
-                         f"{r['weights_bytes'] / 1e9:.1f} GB | {r['peak_mb'] / 1024:.1f} GiB |")
+            stages = "; ".join(f"{c} " + ", ".join(f"{k} {v:.0f}" for k, v in st.items())
+                               for c, st in r["stages"].items())
+            lines.append(f"| {backend} | {r['seconds']:.0f} | {stages} | {r['cache_bytes'] / 1e9:.2f} GB | "
+                         f"{r['weights_bytes'] / 1e9:.2f} GB | {r['cache_bytes'] / r['weights_bytes']:.2f}× | "
+                         f"{r['peak_mb'] / 1024:.1f} GiB |")
         lines.append("")
     if "warm" in report:
         lines += ["## Warm start: `kasoku.compile(pipe)` on a warm cache against the runtime's own load of the "
@@ -361,6 +676,15 @@ def markdown(report: dict) -> str:
             lines.append(f"| {backend} | (diffusers' own `from_pretrained`, before kasoku) | | "
                          f"{warm['diffusers_load_s']:.2f} | |")
         lines.append("")
+    if "ov-probe" in report:
+        r = report["ov-probe"].get("unet", {})
+        if not r.get("failed"):
+            lines += ["## OpenVINO's warm load of the U-Net: what the entry keeps", "",
+                      "| entry holds | size | warm load s |", "| --- | --- | --- |",
+                      f"| the compiled blob (kasoku keeps this) | {r['blob_bytes'] / 1e9:.2f} GB | "
+                      f"{r['blob_import_s']:.2f} |",
+                      f"| the IR (compiled again at load) | {r['ir_bytes'] / 1e9:.2f} GB | {r['ir_compile_s']:.2f} |",
+                      ""]
     if "speed" in report and "torch" in report["speed"]:
         torch_run = report["speed"]["torch"]
         rate = m.get("matmul_gflops") or 1.0
@@ -381,9 +705,72 @@ def markdown(report: dict) -> str:
                              f"{min(r['seconds']):.2f}–{max(r['seconds']):.2f} | {base / median:.2f}× | {floor:.2f} | "
                              f"{median / floor:.2f} | {check} |")
         lines.append("")
+    if "ort-qdq" in report:
+        r = report["ort-qdq"].get("unet", {})
+        if not r.get("failed"):
+            lines += ["## int8 U-Net step (512x512, batch 2), median after a warm-up: NNCF on OpenVINO against ONNX "
+                      "Runtime's own static QDQ quantization (same calibration samples)", "",
+                      "| engine | s / step |", "| --- | --- |",
+                      f"| ONNX Runtime fp32 | {_median(r['onnxruntime_fp32_s']):.2f} |",
+                      f"| kasoku int8 (NNCF hybrid, OpenVINO) | {_median(r['openvino_int8_s']):.2f} |",
+                      "| ONNX Runtime int8 (quantize_static, QDQ, per channel) | "
+                      + (f"{_median(r['onnxruntime_int8_s']):.2f} (rel. error {r['onnxruntime_int8_rel_error']:.3f},"
+                         f" quantized in {r['onnxruntime_quantize_s']:.0f} s) |" if "onnxruntime_int8_s" in r
+                         else f"failed: {r.get('quantize_failed')} |"), ""]
+    if "image" in report:
+        lines += _image_table(report)
+    if "fidelity" in report:
+        lines += _fidelity_table(report)
     if peaks:
         lines.append(f"Peak resident memory of the run (largest stage): {max(peaks) / 1024:.1f} GiB.")
     return "\n".join(lines)
+
+
+def _image_table(report: dict) -> list[str]:
+    images, versus = report["image"], report.get("image_vs_diffusers", {})
+    base = {steps: _median(images["diffusers"]["seconds"][str(steps)]) for steps in IMAGE_STEPS} \
+        if "diffusers" in images and not images["diffusers"].get("failed") else {}
+    lines = [f"## One {SIZE}x{SIZE} image with guidance, the same initial latents for every contender "
+             "(genai: its own noise), median of the timed calls after a warm-up", "",
+             "| pipeline | export / cold compile s | " + " | ".join(f"{s} steps s (vs diffusers)" for s in IMAGE_STEPS)
+             + " | " + " | ".join(f"PSNR / SSIM vs diffusers, {s} steps" for s in IMAGE_STEPS) + " | peak RSS |",
+             "| --- | --- | " + " | ".join(["---"] * 2 * len(IMAGE_STEPS)) + " | --- |"]
+    for name, r in images.items():
+        if r.get("failed"):
+            lines.append(f"| {name} | failed (exit {r['returncode']}) |" + " |" * (2 * len(IMAGE_STEPS) + 1))
+            continue
+        built = r.get("compile_s", r.get("export_s"))
+        cells = []
+        for steps in IMAGE_STEPS:
+            median = _median(r["seconds"][str(steps)])
+            speedup = f" ({base[steps] / median:.2f}×)" if steps in base else ""
+            cells.append(f"{median:.1f}{speedup}")
+        for steps in IMAGE_STEPS:
+            v = versus.get(name, {}).get(f"steps{steps}")
+            cells.append("—" if name == "diffusers" else (f"{v['psnr_db']:.1f} dB / {v['ssim']:.4f}" if v else "-"))
+        detail = ""
+        if "backends" in r:
+            detail = " (" + ", ".join(f"{c}: {r['backends'][c]} {r['precisions'][c]}" for c in r["backends"]) + ")"
+        lines.append(f"| {name}{detail} | {'-' if built is None else f'{built:.0f}'} | " + " | ".join(cells)
+                     + f" | {r['peak_mb'] / 1024:.1f} GiB |")
+    return [*lines, ""]
+
+
+def _fidelity_table(report: dict) -> list[str]:
+    lines = [f"## Fidelity (OpenVINO, exact-shape {SIZE}x{SIZE} engines): each component against torch fp32, "
+             "the images of verify's three prompts at 20 steps against the fp32 engines' (same seed)", "",
+             "| precision | text encoder rel. error | U-Net rel. error | VAE decoder rel. error | image PSNR, worst | "
+             "image SSIM, worst |", "| --- | --- | --- | --- | --- | --- |"]
+    for precision, r in report["fidelity"].items():
+        if r.get("failed"):
+            lines.append(f"| {precision} | failed | | | | |")
+            continue
+        errors = [max(o["rel_error"] for o in r["components"][c].values()) for c in TXT2IMG]
+        images = r.get("images")
+        worst = (f"{min(i['psnr_db'] for i in images):.1f} dB", f"{min(i['ssim'] for i in images):.4f}") \
+            if images else ("(reference)", "(reference)")
+        lines.append(f"| {precision} | " + " | ".join(f"{e:.2e}" for e in errors) + f" | {worst[0]} | {worst[1]} |")
+    return [*lines, ""]
 
 
 if __name__ == "__main__":

@@ -32,6 +32,8 @@ BAD = {
         ["generate", "{model}", "a cat", "-o", "{out}", "--strength", "2", "--image", "{image}"],
         ["generate", "{model}", "a cat", "-o", "{out}", "--backend", "torch", "--precision", "fp16"],
         ["generate", "{model}", "a cat", "-o", "{out}", "--backend", "tensorrt"],
+        ["generate", "{model}", "a cat", "-o", "{out}", "--backend", "openvino", "--cuda-graph"],  # CPU backend
+        ["generate", "{model}", "a cat", "-o", "{out}", "--backend", "onnxruntime", "--cuda-graph"],
         ["generate", "{model}", "a cat", "-o", "{out}", "--image", "{missing}"],
         ["generate", "{model}", "a cat", "-o", "{out}", "--mask", "{image}"],
         ["generate", "{model}", "a cat", "-o", "{out}", "--threads", "0"],
@@ -48,6 +50,20 @@ BAD = {
         ["batch", "{model}", "{jobs}", "--out", "{new}", "--height", "64:0"],
         ["batch", "{model}", "{jobs}", "--out", "{file}"],
     ],
+    "serve": [
+        ["serve", "{model}", "--port", "70000"],
+        ["serve", "{model}", "--max-batch", "0"],
+        ["serve", "{model}", "--batch-window-ms", "-5"],
+        ["serve", "{model}", "--max-queue", "0"],
+        ["serve", "{model}", "--timeout", "0"],
+        ["serve", "{model}", "--size", "64by64"],
+        ["serve", "{model}", "--size", "60x64"],
+        ["serve", "{model}", "--replicas", "2"],
+        ["serve", "{model}", "--ray", "--port", "0"],
+        ["serve", "{model}", "--api-key-env", "KASOKU_TEST_VARIABLE_THAT_IS_NOT_SET"],
+        ["serve", "{model}", "--backend", "torch", "--precision", "fp16"],
+        ["serve", "{missing}"],
+    ],
     "export": [
         ["export", "{missing}", "{new}"],
         ["export", "{model}", "{file}"],
@@ -59,6 +75,8 @@ BAD = {
         ["compile", "{model}", "--backend", "torch", "--precision", "fp16"],
         ["compile", "{model}", "--backend", "inductor", "--precision", "int8"],
         ["compile", "{model}", "--threads", "0"],
+        ["compile", "{model}", "--cuda-graph"],  # the default profile is a range: no one shape to capture
+        ["compile", "{model}", "--cuda-graph", "--batch", "1:1", "--height", "64:64", "--width", "64:64"],  # guidance?
         ["compile", "{model}", "--trt-opt-level", "9"],
         ["compile", "{model}", "--components", "text_encoder_2"],
         ["compile", "{file}"],
@@ -137,7 +155,8 @@ def torch_pipeline(tiny_pipe, tmp_path_factory):
 @pytest.mark.parametrize("kwargs, message", [
     ({"num_inference_steps": 0}, "`num_inference_steps` must be a positive int but is 0"),
     ({"num_inference_steps": -3}, "`num_inference_steps` must be a positive int but is -3"),
-    ({"num_inference_steps": 2000}, "must be at most 1000"),
+    ({"num_inference_steps": 2000}, "must be at most 999 for this scheduler"),
+    ({"num_inference_steps": 1000}, "must be at most 999 for this scheduler"),  # PNDM's offset overruns at 1000
     ({"height": 0}, "`height` must be a positive int but is 0"),
     ({"width": -64}, "`width` must be a positive int but is -64"),
     ({"height": 60}, "have to be divisible by 8 but are 60 and 64"),

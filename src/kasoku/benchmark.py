@@ -169,7 +169,9 @@ def _peer_runner(peer: str, spec: ComponentSpec, onnx_path: Path | None, threads
                 out = compiled(*(torch.as_tensor(inputs[n]) for n in spec.input_names))
             return {n: o.numpy() for n, o in zip(spec.output_names, out)}
     elif peer == "onnxruntime-defaults":
-        import onnxruntime as ort
+        from .extras import import_onnxruntime
+
+        ort = import_onnxruntime()
 
         options = ort.SessionOptions()
         options.intra_op_num_threads = threads
@@ -241,7 +243,7 @@ def bench(
                                   "torch": torch.__version__},
                          threads=threads, repeats=repeats, matmul_gflops=rate, kasoku_backends=kasoku_backends,
                          family=family_of(pipe).title)
-    options = CompileOptions(threads=threads)
+    options = CompileOptions(threads=threads, keep_intermediate=bool(peers))  # the peers run the exported ONNX
     compile_seconds: dict[str, dict[str, float]] = {}
     for backend in kasoku_backends:
         log(f"compiling with {backend} (cold)")

@@ -18,6 +18,7 @@ as the backend builds exactly the same engines (what `kasoku batch` hands its wo
 from __future__ import annotations
 
 import contextlib
+import gc
 import shutil
 import statistics
 import time
@@ -27,7 +28,6 @@ from pathlib import Path
 from typing import Any
 
 import onnx
-import onnxruntime
 import torch
 
 from .backends import Engine, UnsupportedPrecision, cpu_candidates, get_backend, gpu_candidates
@@ -36,6 +36,7 @@ from .cache import Cache, CacheEntry, default_cache_dir, digest_key, file_sha256
 from .components import ComponentSpec, Precision, component_specs
 from .errors import KasokuError
 from .export import EXPORT_CODE_VERSION, check_onnx_parity, default_check_shapes, export_component, onnx_files
+from .extras import import_onnxruntime
 from .families import family_of
 from .fingerprint import WeightsFingerprints
 from .optimize import optimize
@@ -123,6 +124,7 @@ class Compiler:
         self.load_seconds: dict[str, float] = {}
         self.references: dict = {}  # torch's outputs for the parity checks, computed once per component and shape
         self.built: dict[tuple[str, str], str] = {}  # (component, backend) -> the engine entry this compile built
+        self.intermediates: set[str] = set()  # export and optimization entries the engines were built from
 
     def precision(self, spec: ComponentSpec) -> Precision:
         """What `spec` is built in: the precision asked for it, unless its family keeps it fp32."""
@@ -143,7 +145,7 @@ class Compiler:
         precision = self.precision(spec)
         return {"kind": "optimized", "component": spec.name, "source": source,
                 "passes": backend.optimization_passes(precision), "onnx": onnx.__version__,
-                "onnxruntime": onnxruntime.__version__}
+                "onnxruntime": import_onnxruntime().__version__}
 
     def calibration_parts(self, spec: ComponentSpec, source: str) -> dict[str, Any]:
         from .backends.openvino import native_bf16
@@ -266,6 +268,10 @@ class Compiler:
                 samples = record_inputs(self.pipe, engines, spec.name, spec.profile.opt, plan)
             self.records += [StageRecord(r.component, f"calibration {r.stage}", r.status, r.key, r.seconds, r.detail)
                              for r in sub.records]
+            self.intermediates |= sub.intermediates
+            if not self.options.keep_intermediate:  # the recording engines were only a means
+                for key in sub.built.values():
+                    self.cache.remove(key, wait=False)
             save_samples(samples, tmp / "calibration.npz")
             return {"samples": len(samples)}
 
@@ -312,10 +318,16 @@ class Compiler:
             if engine is not None:
                 self._record(spec, "engine", "reused", entry, time.perf_counter() - start)
                 return engine
-        sources = [self.exported(spec, export_parts)] if export_parts is not None else []
-        if optimized_parts is not None:
-            sources.append(self.optimized(spec, optimized_parts, sources[0]))
-        entry = self.built_engine(spec, backend, engine_parts, sources, calibration)
+        with contextlib.ExitStack() as held:  # no other process drops a source while we build from it
+            sources = []  # none where the backend builds from the torch module (Source.MODULE)
+            if export_parts is not None:
+                sources.append(self.exported(spec, export_parts))
+                held.enter_context(self.cache.reading(sources[0].key))
+            if optimized_parts is not None:
+                sources.append(self.optimized(spec, optimized_parts, sources[0]))
+                held.enter_context(self.cache.reading(sources[1].key))
+            entry = self.built_engine(spec, backend, engine_parts, sources, calibration)
+        self.intermediates.update(source.key for source in sources)
         if self.records[-1].status != "reused":
             self.built[(spec.name, backend_name)] = entry.key
         engine = self._load(spec, backend, entry, precision)
@@ -323,6 +335,16 @@ class Compiler:
             raise EngineLoadError(f"the {backend.name} engine of {spec.name} in {entry.path} was damaged right "
                                   "after it was built; check the disk, then `kasoku cache check --repair`.")
         return engine
+
+    def finish(self) -> None:
+        """Once every engine of this compile exists: drop the intermediates they were built from (unless
+        `keep_intermediate`; another process reading one keeps it until the next compile), then evict down
+        to KASOKU_CACHE_MAX, sparing what this compile uses."""
+        if not self.options.keep_intermediate:
+            for key in sorted(self.intermediates):
+                self.cache.remove(key, wait=False)
+        used = {record.key for record in self.records}
+        self.cache.enforce_budget(keep=used - self.intermediates)
 
     def engine_parity(self, spec: ComponentSpec, engine: Engine, precision: Precision,
                       sources: list[CacheEntry]) -> list:
@@ -344,7 +366,8 @@ class Compiler:
         """The runtime's load of an entry; None when the entry turned out damaged (it is removed)."""
         start = time.perf_counter()
         try:
-            engine = backend.load(spec, entry.path, precision)
+            with self.cache.reading(entry.key):  # eviction leaves an entry alone while it loads
+                engine = backend.load(spec, entry.path, precision)
         except KasokuError:
             raise
         except Exception as error:  # the runtimes raise their own kinds on a bad file
@@ -396,25 +419,26 @@ class Compiler:
         if entry is not None:
             self._record(spec, "choose", "reused", entry, 0.0)
             return entry.meta["choice"], None
-        engines: dict[str, Engine] = {}
-
         def build(tmp: Path) -> dict:
-            # One warm-up and one timed call of each candidate at the profile's optimum: the choice is a
-            # ratio, and at full size each call is seconds.
+            # One warm-up and one timed call of each candidate at the profile's optimum (the choice is a
+            # ratio, and at full size each call is seconds), one engine in memory at a time: a full-size
+            # U-Net engine is as large as its weights.
             timings = {}
             for name in candidates:
-                engines[name] = self.engine(spec, name)
-                timings[name] = measure(engines[name], spec, repeats=1)
+                engine = self.engine(spec, name)
+                timings[name] = measure(engine, spec, repeats=1)
+                del engine
+                gc.collect()
             choice = min(timings, key=timings.get)
             (tmp / "choice.txt").write_text(choice)
             return {"choice": choice, "seconds": timings}
 
         entry = self._stage(spec, "choose", parts, build)
         choice = entry.meta["choice"]
-        self._drop_losers(spec, {name: engine for name, engine in engines.items() if name != choice})
-        return choice, engines.get(choice)
+        self._drop_losers(spec, [name for name in candidates if name != choice])
+        return choice, None
 
-    def _drop_losers(self, spec: ComponentSpec, losers: dict[str, Engine]) -> None:
+    def _drop_losers(self, spec: ComponentSpec, losers: list[str]) -> None:
         """Engines `auto` built only to measure: once the choice is recorded, they leave the cache."""
         for name in losers:
             key = self.built.pop((spec.name, name), None)
@@ -504,6 +528,7 @@ def compile_components(
         options = options.replace(precision=chosen_precisions)
     compiler = Compiler(cache, options, on_stage=on_stage, label=label, pipe=pipe, weights=weights)
     order = list(specs)
+    weights.prefetch(pipe, [attr for name in order for attr in specs[name].modules])
 
     def release_unneeded(done: str) -> None:
         # Free torch weights kasoku loaded itself once no later component needs them.
@@ -515,6 +540,7 @@ def compile_components(
             release_module(pipe, attr)
 
     engines, chosen = compiler.compile(specs, on_done=release_unneeded)
+    compiler.finish()
     report = CompileReport(
         model=label,
         precision=asked,

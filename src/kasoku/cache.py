@@ -11,6 +11,12 @@ manifest records (a truncated or missing file is caught; the runtime's own loade
 rest). An entry that fails is rebuilt with a warning, never loaded. The full checksums are
 computed when an entry is built and checked by :meth:`Cache.check` (`kasoku cache check`), which
 reports damaged entries and can remove them, and by `kasoku verify`.
+
+Footprint: a hit marks the entry used (its manifest's modification time is its last use), and
+`KASOKU_CACHE_MAX` (or `kasoku cache prune --max-size`) evicts the least recently used entries down
+to a size budget. Readers hold a shared lock on an entry while they build from it or load it, and
+eviction only removes entries whose exclusive lock it gets without waiting: nobody is left with a
+half-deleted entry.
 """
 
 from __future__ import annotations
@@ -38,6 +44,8 @@ MANIFEST = "kasoku-entry.json"
 ENTRIES = "entries"
 TMP_PREFIX = ".tmp-"
 FORMAT_VERSION = 1
+BUDGET_VARIABLE = "KASOKU_CACHE_MAX"
+_UNITS = {"": 1, "B": 1, "K": 1024, "M": 1024**2, "G": 1024**3, "T": 1024**4}
 
 
 class CacheError(KasokuError):
@@ -56,6 +64,26 @@ def digest_key(parts: dict[str, Any]) -> str:
     """The entry name: SHA-256 of the key parts as canonical JSON."""
     canonical = json.dumps({"format": FORMAT_VERSION, **parts}, sort_keys=True, default=str)
     return hashlib.sha256(canonical.encode()).hexdigest()[:32]
+
+
+def parse_size(text: str) -> int:
+    """Bytes from "500M", "20G", "1.5T" or a plain number of bytes (binary units)."""
+    value = str(text).strip().upper().removesuffix("IB").removesuffix("B")
+    unit = value[-1] if value and value[-1] in _UNITS else ""
+    try:
+        number = float(value[: len(value) - len(unit)])
+    except ValueError:
+        raise CacheError(f"a cache size must be a number with an optional unit K, M, G or T (e.g. 20G) but is "
+                         f"{text!r}.") from None
+    if number < 0:
+        raise CacheError(f"a cache size cannot be negative but is {text!r}.")
+    return int(number * _UNITS[unit])
+
+
+def budget_from_environment() -> int | None:
+    """`KASOKU_CACHE_MAX` in bytes, or None when it is not set."""
+    value = os.environ.get(BUDGET_VARIABLE, "").strip()
+    return parse_size(value) if value else None
 
 
 def atomic_write_text(path: Path, text: str) -> None:
@@ -97,6 +125,7 @@ class EntryInfo:
     size_bytes: int
     created: float
     parts: dict[str, Any]
+    last_used: float = 0.0
 
 
 class Cache:
@@ -133,6 +162,7 @@ class Cache:
         existing = self._load_verified(final, key)
         if existing is not None:
             self.events.append((kind, key, "reused"))
+            self.touch(key)
             return existing
         with self._lock(key):
             existing = self._load_verified(final, key)  # built by another process while we waited
@@ -206,12 +236,52 @@ class Cache:
         entry = self._load_verified(self.entries / key, key)
         if entry is not None:
             self.events.append((str(parts.get("kind", "entry")), key, "reused"))
+            self.touch(key)
         return entry
 
-    def remove(self, key: str) -> None:
-        """Delete an entry (under its lock: a builder or loader of the same key waits)."""
-        with self._lock(key):
-            shutil.rmtree(self.entries / key, ignore_errors=True)
+    def touch(self, key: str) -> None:
+        """Mark an entry used now (what the least-recently-used eviction reads)."""
+        try:
+            os.utime(self.entries / key / MANIFEST)
+        except OSError:
+            pass  # a read-only cache (a shared one): last use is then its build time
+
+    def remove(self, key: str, *, wait: bool = True) -> bool:
+        """Delete an entry under its exclusive lock. Without `wait`, an entry that another process is
+        building, reading or loading is left alone (returns False)."""
+        with self._lock(key, wait=wait) as held:
+            if held:
+                shutil.rmtree(self.entries / key, ignore_errors=True)
+            return held
+
+    @contextmanager
+    def reading(self, key: str) -> Iterator[None]:
+        """Hold an entry while building from it or loading it: eviction and clearing skip it meanwhile."""
+        with self._lock(key, shared=True):
+            yield
+
+    def total_bytes(self) -> int:
+        return sum(info.size_bytes for info in self.list())
+
+    def prune(self, max_bytes: int, *, keep: set[str] = frozenset()) -> list[EntryInfo]:
+        """Evict least recently used entries until the cache holds at most `max_bytes`; entries in `keep`
+        and entries another process holds are skipped. Returns what was removed."""
+        entries = sorted(self.list(), key=lambda info: info.last_used)
+        total = sum(info.size_bytes for info in entries)
+        removed = []
+        for info in entries:
+            if total <= max_bytes:
+                break
+            if info.key in keep or not self.remove(info.key, wait=False):
+                continue
+            total -= info.size_bytes
+            removed.append(info)
+        return removed
+
+    def enforce_budget(self, keep: set[str] = frozenset()) -> list[EntryInfo]:
+        """Prune to `KASOKU_CACHE_MAX` when it is set (after a compile built entries)."""
+        budget = budget_from_environment()
+        return self.prune(budget, keep=keep) if budget is not None else []
 
     def discard_if_damaged(self, entry: CacheEntry) -> bool:
         """After a runtime failed to load `entry`: if its full checksums do not match, warn and remove
@@ -254,13 +324,21 @@ class Cache:
     # ---- locking and leftovers -----------------------------------------------------------------
 
     @contextmanager
-    def _lock(self, key: str) -> Iterator[None]:
+    def _lock(self, key: str, *, shared: bool = False, wait: bool = True) -> Iterator[bool]:
+        """The key's file lock: exclusive to build or remove, shared to read; yields whether it is held
+        (always, when waiting)."""
         lock_path = self.entries / f".{key}.lock"
         with open(lock_path, "a+") as handle:
-            fcntl.flock(handle, fcntl.LOCK_EX)  # waits while another process builds this key
+            mode = (fcntl.LOCK_SH if shared else fcntl.LOCK_EX) | (0 if wait else fcntl.LOCK_NB)
             try:
-                self._clean_leftovers(key)
-                yield
+                fcntl.flock(handle, mode)  # waits while another process builds (or reads) this key
+            except BlockingIOError:
+                yield False
+                return
+            try:
+                if not shared:
+                    self._clean_leftovers(key)
+                yield True
             finally:
                 fcntl.flock(handle, fcntl.LOCK_UN)
 
@@ -295,6 +373,7 @@ class Cache:
                     size_bytes=sum(f["size"] for f in manifest.get("files", {}).values()),
                     created=float(manifest.get("created", 0.0)),
                     parts=parts,
+                    last_used=(path / MANIFEST).stat().st_mtime,
                 )
             )
         return out
@@ -304,8 +383,7 @@ class Cache:
         removed = 0
         for info in self.list():
             if model is None or info.model == model or Path(info.model).name == model:
-                shutil.rmtree(self.entries / info.key, ignore_errors=True)
-                removed += 1
+                removed += self.remove(info.key, wait=False)
         if model is None:
             for leftover in self.entries.glob(f"{TMP_PREFIX}*"):
                 shutil.rmtree(leftover, ignore_errors=True)

@@ -150,8 +150,9 @@ def onnx_files(path: Path) -> list[Path]:
 
 
 def ort_session(path: Path, threads: int | None = None):
-    import onnxruntime as ort
+    from .extras import import_onnxruntime
 
+    ort = import_onnxruntime()
     options = ort.SessionOptions()
     options.log_severity_level = 3
     if threads:
@@ -220,9 +221,11 @@ def export_component(
 
 def versions() -> dict[str, str]:
     import diffusers
-    import onnxruntime
     import transformers
 
+    from .extras import import_onnxruntime
+
+    onnxruntime = import_onnxruntime()
     return {
         "kasoku": __version__,
         "torch": torch.__version__,

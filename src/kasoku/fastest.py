@@ -39,10 +39,15 @@ def choose_precisions(pipe, specs: dict[str, ComponentSpec], options, cache, *, 
     steps = TOLERANCES[Precision.BF16].image_steps
     measured = [n for n in family.task_components(task, pipe) if n in specs]
 
+    built: dict[str, set[tuple[Precision, str]]] = {}  # the trials' engine entries: (precision, key) per component
+
     def engines_for(precisions: dict[str, Precision]):
         compiler = Compiler(cache, options.replace(precision=precisions), on_stage=on_stage, label=label, pipe=pipe,
                             weights=weights)
-        return {name: compiler.engine(spec, compiler.choose(spec)[0]) for name, spec in specs.items()}
+        engines = {name: compiler.engine(spec, compiler.choose(spec)[0]) for name, spec in specs.items()}
+        for (name, _backend), key in compiler.built.items():
+            built.setdefault(name, set()).add((precisions[name], key))
+        return engines
 
     def images(engines) -> list:
         fast = KasokuPipeline(pipe, engines, profile)
@@ -78,4 +83,9 @@ def choose_precisions(pipe, specs: dict[str, ComponentSpec], options, cache, *, 
                 break
             tried.append(f"{precision.value} drifts to {drift:.1f} dB (< {options.min_psnr:g})")
         notes.append(f"{name}: {chosen[name].value} (" + "; ".join(tried) + ")")
+    if not options.keep_intermediate:  # the trials' engines in the precisions not chosen leave the cache
+        for name, entries in built.items():
+            for precision, key in entries:
+                if precision != chosen[name]:
+                    cache.remove(key, wait=False)
     return chosen, notes

@@ -39,13 +39,31 @@ def _tensor_digest(tensor: torch.Tensor) -> bytes:
 def module_fingerprint(module: torch.nn.Module) -> str:
     """SHA-256 of the module's state dict: names, shapes and the CRC-32 of the fp32 values."""
     items = sorted(module.state_dict().items())
+    digests: dict[str, bytes] = {}
+
+    def digest_all(names: list[str]) -> None:
+        for name in names:
+            digests[name] = _tensor_digest(state[name])
+
+    state = dict(items)
     with concurrent.futures.ThreadPoolExecutor(THREADS) as pool:
-        digests = list(pool.map(lambda item: _tensor_digest(item[1]), items))
+        list(pool.map(digest_all, _balanced(state, THREADS)))  # one task per thread: no per-tensor overhead
     total = hashlib.sha256()
-    for (name, tensor), digest in zip(items, digests):
+    for name, tensor in items:
         total.update(f"{name}:{tuple(tensor.shape)}:".encode())
-        total.update(digest)
+        total.update(digests[name])
     return total.hexdigest()
+
+
+def _balanced(state: dict[str, torch.Tensor], parts: int) -> list[list[str]]:
+    """Tensor names in `parts` groups of about equal bytes (largest first, each to the lightest group)."""
+    groups: list[list[str]] = [[] for _ in range(parts)]
+    loads = [0] * parts
+    for name in sorted(state, key=lambda n: -state[n].numel()):
+        lightest = loads.index(min(loads))
+        groups[lightest].append(name)
+        loads[lightest] += state[name].numel()
+    return groups
 
 
 def weights_files(folder: Path) -> list[Path]:
@@ -69,6 +87,23 @@ class WeightsFingerprints:
     def __init__(self, root: str | Path | None = None):
         self.root = Path(root) / FINGERPRINTS if root is not None else None
         self._computed: dict[int, str] = {}
+        self._pending: dict[int, concurrent.futures.Future] = {}
+
+    def prefetch(self, pipe, attributes) -> None:
+        """Start hashing these live modules in the background (in this order), so that loading one
+        component's engine overlaps hashing the next one's weights. Lazily loaded modules are left to
+        :meth:`of` (their digest is remembered, or their weights must be loaded first)."""
+        from .loading import lazy_source
+
+        modules = [getattr(pipe, a) for a in dict.fromkeys(attributes)]
+        todo = [m for m in modules if lazy_source(m) is None and id(m) not in self._computed
+                and id(m) not in self._pending]
+        if not todo:
+            return
+        pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="kasoku-fingerprint")
+        for module in todo:
+            self._pending[id(module)] = pool.submit(module_fingerprint, module)
+        pool.shutdown(wait=False)
 
     def of(self, pipe, attribute: str) -> str:
         """The digest of `pipe.<attribute>` (a torch module), loading it only when it must."""
@@ -77,6 +112,8 @@ class WeightsFingerprints:
         module = getattr(pipe, attribute)
         if id(module) in self._computed:
             return self._computed[id(module)]
+        if id(module) in self._pending:
+            return self._remember(digest=self._pending.pop(id(module)).result(), modules=[module])
         source = lazy_source(module)
         memo = None
         if source is not None and self.root is not None:

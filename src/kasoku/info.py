@@ -6,7 +6,8 @@ import platform
 from importlib import metadata
 
 from .backends import backend_availability
-from .backends.base import cpu_name
+from .backends.base import cpu_name, gpu_identity
+from .extras import installed_ort_distributions, ort_conflict
 
 PACKAGES = ("kasoku", "torch", "diffusers", "transformers", "onnx", "onnxscript", "onnxruntime", "onnxruntime-gpu",
             "onnx-graphsurgeon", "openvino", "tensorrt", "polygraphy", "xformers")
@@ -27,10 +28,12 @@ def system_info() -> dict:
 
     gpus = []
     if torch.cuda.is_available():
-        gpus = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
+        gpus = [str(gpu_identity(i)) for i in range(torch.cuda.device_count())]
+    conflict = ort_conflict(installed_ort_distributions())
     return {
         "python": platform.python_version(),
         "machine": {"cpu": cpu_name(), "cores": torch.get_num_threads(), "gpus": gpus},
         "versions": package_versions(),
         "backends": [vars(a) for a in backend_availability()],
+        "problems": [conflict] if conflict else [],
     }

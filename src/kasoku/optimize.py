@@ -7,13 +7,16 @@ before and after each, and re-checks parity with torch on the result.
 
 from __future__ import annotations
 
+import heapq
 import tempfile
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+import numpy as np
 import onnx
+import onnx.numpy_helper
 from onnx.external_data_helper import uses_external_data
 
 from .components import ComponentSpec, Precision
@@ -103,6 +106,9 @@ def infer_shapes(model: onnx.ModelProto, ctx: PassContext) -> onnx.ModelProto:
 def ort_transformer_fusions(model: onnx.ModelProto, ctx: PassContext) -> onnx.ModelProto:
     """After: attention, LayerNorm and GELU subgraphs are ONNX Runtime contrib ops (CPU-capable
     fusions only). The result runs only in ONNX Runtime."""
+    from .extras import import_onnxruntime
+
+    import_onnxruntime()  # a clear error naming the extras when neither is installed
     from onnxruntime.transformers.fusion_options import FusionOptions
     from onnxruntime.transformers.optimizer import optimize_model
 
@@ -120,15 +126,160 @@ def ort_transformer_fusions(model: onnx.ModelProto, ctx: PassContext) -> onnx.Mo
     return optimized.model
 
 
-def to_fp16(model: onnx.ModelProto, ctx: PassContext) -> onnx.ModelProto:
-    """After: float tensors are fp16 except graph inputs/outputs and the component's fp32
-    keep-list (ops known to overflow)."""
-    if ctx.precision != Precision.FP16:
-        return model
+def _to_half_types(model: onnx.ModelProto, ctx: PassContext) -> onnx.ModelProto:
+    """ONNX Runtime's float16 converter: float tensors fp16 except graph inputs/outputs and the keep-list."""
+    from .extras import import_onnxruntime
+
+    import_onnxruntime()  # a clear error naming the extras when neither is installed
     from onnxruntime.transformers.float16 import convert_float_to_float16
 
     keep = sorted(set(_FP16_ALWAYS_FP32) | set(ctx.fp16_keep_ops))
-    return convert_float_to_float16(model, keep_io_types=True, op_block_list=keep, disable_shape_infer=True)
+    model = convert_float_to_float16(model, keep_io_types=True, op_block_list=keep, disable_shape_infer=True)
+    toposort(model.graph)  # the converter appends its input casts last; TensorRT's parser reads nodes in order
+    return model
+
+
+def toposort(graph: onnx.GraphProto) -> None:
+    """Order `graph`'s nodes so that each comes after the nodes whose outputs it reads (Kahn's algorithm,
+    keeping the given order where it is free), in place and without touching any weight."""
+    nodes = list(graph.node)
+    producer = {name: i for i, node in enumerate(nodes) for name in node.output if name}
+    users: dict[int, list[int]] = {}
+    waiting = []
+    for i, node in enumerate(nodes):
+        needs = {producer[name] for name in node.input if name in producer and producer[name] != i}
+        for j in needs:
+            users.setdefault(j, []).append(i)
+        waiting.append(len(needs))
+    ready = [i for i, count in enumerate(waiting) if count == 0]
+    heapq.heapify(ready)
+    order = []
+    while ready:
+        i = heapq.heappop(ready)
+        order.append(i)
+        for user in users.get(i, ()):
+            waiting[user] -= 1
+            if waiting[user] == 0:
+                heapq.heappush(ready, user)
+    if len(order) != len(nodes):
+        raise OptimizationError(f"the graph {graph.name!r} has a cycle: {len(nodes) - len(order)} nodes wait on "
+                                "each other.")
+    del graph.node[:]
+    graph.node.extend(nodes[i] for i in order)
+
+
+def _load_float_weights(model: onnx.ModelProto) -> dict[str, onnx.TensorProto]:
+    """Float weights still in their file (graph-only models over 2 GB) read into memory: the converter
+    needs their values (it cannot read an absolute external location, and would retype a weight it has not
+    read). Returns each one's file reference (no data), by name: the fp32 bytes stay readable there."""
+    references = {}
+    for tensor in model.graph.initializer:
+        if tensor.data_type == onnx.TensorProto.FLOAT and uses_external_data(tensor):
+            reference = onnx.TensorProto()
+            reference.CopyFrom(tensor)
+            references[tensor.name] = reference
+            _set_raw(tensor, onnx.TensorProto.FLOAT, _read_external(tensor))
+    return references
+
+
+def _external_fp32(tensor: onnx.TensorProto) -> np.ndarray:
+    """The fp32 values of a weight in its file."""
+    return np.frombuffer(_read_external(tensor), dtype=np.float32)
+
+
+def _set_raw(tensor: onnx.TensorProto, data_type: int, payload: bytes) -> None:
+    """`tensor` holds `payload` in memory as `data_type` (no longer in a side file)."""
+    tensor.data_type = data_type
+    del tensor.external_data[:]
+    tensor.data_location = onnx.TensorProto.DEFAULT
+    del tensor.float_data[:]
+    del tensor.int32_data[:]
+    tensor.raw_data = payload
+
+
+def to_fp16(model: onnx.ModelProto, ctx: PassContext) -> onnx.ModelProto:
+    """After: float tensors are fp16 except graph inputs/outputs and the component's fp32
+    keep-list (ops known to overflow); in graph-only models over 2 GB too (their weights are then held
+    in memory, in fp16, until saved)."""
+    if ctx.precision != Precision.FP16:
+        return model
+    _load_float_weights(model)
+    return _to_half_types(model, ctx)
+
+
+def bf16_bits(values: np.ndarray) -> np.ndarray:
+    """fp32 values rounded to bfloat16 (to nearest, ties to even; NaN stays NaN), as uint16 bit patterns."""
+    bits = np.ascontiguousarray(values, dtype=np.float32).view(np.uint32)
+    rounded = ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16).astype(np.uint16)
+    return np.where(np.isnan(values), np.uint16(0x7FC0), rounded)
+
+
+def _to_bf16_tensor(tensor: onnx.TensorProto, fp32: np.ndarray | None) -> None:
+    """An fp16-typed tensor becomes bf16, from its fp32 values where known (no rounding through fp16)."""
+    if fp32 is None:
+        fp32 = onnx.numpy_helper.to_array(tensor).astype(np.float32).ravel()
+    _set_raw(tensor, onnx.TensorProto.BFLOAT16, bf16_bits(fp32).tobytes())
+
+
+def _retype_value(type_proto: onnx.TypeProto) -> None:
+    kind = type_proto.WhichOneof("value")
+    if kind == "tensor_type" and type_proto.tensor_type.elem_type == onnx.TensorProto.FLOAT16:
+        type_proto.tensor_type.elem_type = onnx.TensorProto.BFLOAT16
+    elif kind in ("sequence_type", "optional_type"):
+        _retype_value(getattr(type_proto, kind).elem_type)
+
+
+class _Fp32Weights(dict):
+    """fp32 values by name: those kept from memory, else read from their file when asked."""
+
+    def __init__(self, in_memory: dict[str, np.ndarray], in_file: dict[str, onnx.TensorProto]):
+        super().__init__(in_memory)
+        self.in_file = in_file
+
+    def get(self, name, default=None):
+        if name in self:
+            return self[name]
+        return _external_fp32(self.in_file[name]) if name in self.in_file else default
+
+
+def _retype_fp16_graph(graph: onnx.GraphProto, weights: dict[str, np.ndarray],
+                       constants: dict[str, np.ndarray]) -> None:
+    """Every fp16 type, weight, constant and cast target in `graph` (and its subgraphs) becomes bf16."""
+    for tensor in graph.initializer:
+        if tensor.data_type == onnx.TensorProto.FLOAT16:
+            _to_bf16_tensor(tensor, weights.get(tensor.name))
+    for value in (*graph.input, *graph.output, *graph.value_info):
+        _retype_value(value.type)
+    for node in graph.node:
+        for attr in node.attribute:
+            if attr.type == onnx.AttributeProto.TENSOR and attr.t.data_type == onnx.TensorProto.FLOAT16:
+                _to_bf16_tensor(attr.t, constants.get(node.output[0]) if node.op_type == "Constant" else None)
+            elif attr.type == onnx.AttributeProto.INT and attr.name in ("to", "dtype") \
+                    and attr.i == onnx.TensorProto.FLOAT16:
+                attr.i = onnx.TensorProto.BFLOAT16
+            elif attr.type == onnx.AttributeProto.GRAPH:
+                _retype_fp16_graph(attr.g, weights, constants)
+            elif attr.type == onnx.AttributeProto.GRAPHS:
+                for sub in attr.graphs:
+                    _retype_fp16_graph(sub, weights, constants)
+
+
+def to_bf16(model: onnx.ModelProto, ctx: PassContext) -> onnx.ModelProto:
+    """After: the fp16 pass's graph in bfloat16: float tensors are bf16 except graph inputs/outputs and
+    the same fp32 keep-list; weights and constants are rounded from their fp32 values (not through fp16,
+    whose range clamps). For TensorRT's strongly typed networks (ONNX Runtime's CPU kernels have no bf16)."""
+    if ctx.precision != Precision.BF16:
+        return model
+    in_memory = {t.name: onnx.numpy_helper.to_array(t).astype(np.float32).ravel() for t in model.graph.initializer
+                 if t.data_type == onnx.TensorProto.FLOAT and not uses_external_data(t)}
+    in_file = _load_float_weights(model)
+    weights = _Fp32Weights(in_memory, in_file)
+    constants = {node.output[0]: onnx.numpy_helper.to_array(attr.t).astype(np.float32).ravel()
+                 for node in model.graph.node if node.op_type == "Constant"
+                 for attr in node.attribute if attr.name == "value" and attr.t.data_type == onnx.TensorProto.FLOAT}
+    model = _to_half_types(model, ctx)
+    _retype_fp16_graph(model.graph, weights, constants)
+    return model
 
 
 PASSES: dict[str, Callable[[onnx.ModelProto, PassContext], onnx.ModelProto]] = {
@@ -137,6 +288,7 @@ PASSES: dict[str, Callable[[onnx.ModelProto, PassContext], onnx.ModelProto]] = {
     "infer_shapes": infer_shapes,
     "ort_fusions": ort_transformer_fusions,
     "fp16": to_fp16,
+    "bf16": to_bf16,
 }
 
 

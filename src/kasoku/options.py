@@ -48,10 +48,11 @@ class CompileOptions:
     exporter: str = DEFAULT_EXPORTER
     opset: int = DEFAULT_OPSET
     trt_opt_level: int = 3  # TensorRT builder optimization level
-    cuda_graph: bool = False  # TensorRT: replay CUDA graphs (static shapes only)
+    cuda_graph: bool = False  # TensorRT, ONNX Runtime CUDA: replay CUDA graphs (static profiles only)
     check_parity: bool = True  # prove every built artefact against torch
     onnx_dir: Path | None = None  # build from these ONNX files (a `kasoku export` folder) instead of exporting
     calibration_samples: int = 32  # int8: U-Net calls recorded from the pipeline's own runs to calibrate on
+    keep_intermediate: bool = False  # keep the ONNX export and optimized graphs once the engines exist
     extra: Mapping[str, Any] = field(default_factory=dict)  # backend-specific settings
 
     def __post_init__(self) -> None:
@@ -74,6 +75,8 @@ class CompileOptions:
             raise InvalidOptions(f"`threads` must be at least 1 but is {self.threads}.")
         if self.trt_opt_level not in TRT_OPT_LEVELS:
             raise InvalidOptions(f"`trt_opt_level` must be 0..5 but is {self.trt_opt_level}.")
+        if self.cuda_graph:
+            check_cuda_graph_profile(self.profile)
 
     def replace(self, **changes: Any) -> CompileOptions:
         return dataclasses.replace(self, **changes)
@@ -119,6 +122,24 @@ class CompileOptions:
 
 
 PRECISION_CHOICES = (*(p.value for p in Precision), FASTEST)
+
+
+def check_cuda_graph_profile(profile: ShapeProfile | None) -> None:
+    """A CUDA graph replays the kernels it captured at one set of shapes, so `cuda_graph` needs a static
+    profile: one image count, height, width and guidance (ShapeProfile.is_static)."""
+    if profile is not None and profile.is_static:
+        return
+    if profile is None:
+        given = "none was given (the model's default profile serves a range of shapes)"
+    else:
+        guidance = {True: "with guidance", False: "without guidance", None: "guidance either way"}[profile.guidance]
+        given = (f"the profile serves images {profile.range_text('batch')}, height {profile.range_text('height')}, "
+                 f"width {profile.range_text('width')}, {guidance}")
+    raise InvalidOptions(
+        f"`cuda_graph` (--cuda-graph) needs a static shape profile (one image count, height, width and guidance, "
+        f"e.g. `ShapeProfile.exact(ImageShape(1, 512, 512), guidance=True, multiple=8)`), but {given}. Pass such a "
+        "profile, use `kasoku generate --cuda-graph` (it builds exact-shape engines for its call), or drop cuda_graph."
+    )
 
 
 def _precision(value: Any) -> Precision:

@@ -20,7 +20,7 @@ from .build import CompileReport, compile_components
 from .components import ImageShape, ShapeProfile, default_profile, native_size
 from .families import TASKS, family_of, family_only_arguments
 from .options import CompileOptions
-from .schedulers import SCHEDULERS
+from .schedulers import SCHEDULERS, most_steps
 from .standins import EngineTimes, InvalidInput
 
 __all__ = ["KasokuPipeline", "compile", "InvalidInput", "EngineTimes"]
@@ -181,10 +181,11 @@ class KasokuPipeline:
         steps = kwargs.get("num_inference_steps", 50)
         if not _is_count(steps) or steps < 1:
             raise InvalidInput(f"`num_inference_steps` must be a positive int but is {steps!r}.")
-        trained = self.scheduler.config.num_train_timesteps
-        if steps > trained:
-            raise InvalidInput(f"`num_inference_steps` must be at most {trained} (the scheduler's training "
-                               f"steps) but is {steps}.")
+        limit = most_steps(self.scheduler)
+        if steps > limit:
+            trained = self.scheduler.config.num_train_timesteps
+            raise InvalidInput(f"`num_inference_steps` must be at most {limit} for this scheduler "
+                               f"({type(self.scheduler).__name__}, {trained} training steps) but is {steps}.")
         guidance = kwargs.get("guidance_scale")
         if guidance is not None and not (isinstance(guidance, numbers.Real) and math.isfinite(guidance)):
             raise InvalidInput(f"`guidance_scale` must be a finite number but is {guidance!r}.")

@@ -89,7 +89,10 @@ def verify(
     reference = load_pipeline(model)
     label = model_label(model)
     kwargs = {"on_stage": on_stage} if on_stage else {}
-    pipe: KasokuPipeline = compile(reference, options=options, label=label, **kwargs)
+    compared_with_fp32 = image and options.precision != Precision.FP32
+    # the fp32 engines the images are held to are built from the same exports: keep them until then
+    first = options.replace(keep_intermediate=True) if compared_with_fp32 else options
+    pipe: KasokuPipeline = compile(reference, options=first, label=label, **kwargs)
     specs = component_specs(reference, pipe.profile)
     report = VerifyReport(model=label, precision=options.precision_label,
                           backends={n: e.backend for n, e in pipe.engines.items()},

@@ -36,13 +36,16 @@ def backend_availability() -> list[Availability]:
 
 def gpu_candidates() -> list[str]:
     """GPU backends in order of preference that can run here."""
-    import onnxruntime as ort
+    from ..extras import MissingOnnxRuntime, import_onnxruntime
 
     names = []
     if TensorRTBackend.availability().available:
         names.append("tensorrt")
-    if "CUDAExecutionProvider" in ort.get_available_providers():
-        names.append("onnxruntime-cuda")
+    try:
+        if "CUDAExecutionProvider" in import_onnxruntime().get_available_providers():
+            names.append("onnxruntime-cuda")
+    except MissingOnnxRuntime:
+        pass
     if target_device().type == "cuda" and InductorBackend.availability().available:
         names.append("inductor")
     return names

@@ -10,7 +10,10 @@ copies a tensor back to the CPU between steps.
 
 from __future__ import annotations
 
+import functools
 import platform
+import shutil
+import subprocess
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -23,7 +26,7 @@ import torch
 
 from ..components import ComponentSpec, Precision, ShapeOutOfProfile
 from ..errors import KasokuError
-from ..options import CompileOptions
+from ..options import CompileOptions, InvalidOptions, check_cuda_graph_profile
 
 
 class BackendUnavailable(KasokuError):
@@ -67,6 +70,70 @@ def cpu_flags() -> list[str]:
     except OSError:
         pass
     return []
+
+
+@dataclass(frozen=True)
+class GpuIdentity:
+    """What about a GPU changes an engine built on it: its model, compute capability and driver."""
+
+    name: str
+    capability: tuple[int, int]
+    driver: str
+
+    def __str__(self) -> str:
+        major, minor = self.capability
+        return f"{self.name} (sm_{major}{minor}, driver {self.driver})"
+
+
+@functools.lru_cache(maxsize=None)
+def gpu_identity(index: int = 0) -> GpuIdentity | None:
+    """GPU `index` as torch's CUDA sees it, with the NVIDIA driver's version; None without one."""
+    if not torch.cuda.is_available() or index >= torch.cuda.device_count():
+        return None
+    capability = tuple(torch.cuda.get_device_capability(index))
+    return GpuIdentity(torch.cuda.get_device_name(index), capability, nvidia_driver_version())
+
+
+def nvidia_driver_version() -> str:
+    """The NVIDIA kernel driver's version (e.g. 580.159.03), read where it can be: NVML, the driver's
+    /proc file, nvidia-smi; else the CUDA driver API version torch reports."""
+    try:
+        import pynvml  # nvidia-ml-py
+
+        pynvml.nvmlInit()
+        try:
+            version = pynvml.nvmlSystemGetDriverVersion()
+        finally:
+            pynvml.nvmlShutdown()
+        return version.decode() if isinstance(version, bytes) else str(version)
+    except Exception:  # not installed, or no NVML on this machine (containers, gVisor)
+        pass
+    try:
+        version = driver_from_proc(Path("/proc/driver/nvidia/version").read_text())
+        if version:
+            return version
+    except OSError:
+        pass
+    smi = shutil.which("nvidia-smi")
+    if smi:
+        try:
+            out = subprocess.run([smi, "--query-gpu=driver_version", "--format=csv,noheader"], capture_output=True,
+                                 text=True, timeout=30, check=True).stdout.split()
+            if out:
+                return out[0]
+        except (OSError, subprocess.SubprocessError):
+            pass
+    api = getattr(torch._C, "_cuda_getDriverVersion", lambda: "unknown")()
+    return f"cuda-driver-api-{api}"
+
+
+def driver_from_proc(text: str) -> str | None:
+    """The version in /proc/driver/nvidia/version's first line ("NVRM version: NVIDIA UNIX x86_64 Kernel
+    Module  580.159.03  ...")."""
+    for word in text.splitlines()[0].split() if text else ():
+        if "." in word and word.replace(".", "").isdigit():
+            return word
+    return None
 
 
 class Engine(ABC):
@@ -178,6 +245,8 @@ class Backend(ABC):
     precisions: ClassVar[tuple[Precision, ...]] = (Precision.FP32, Precision.FP16)
     # why a precision the backend does not build is refused, by precision (a one-line reason)
     refused: ClassVar[Mapping[Precision, str]] = {}
+    # bumped when what build() writes changes: part of the engine key, so old entries are never misread
+    entry_format: ClassVar[int] = 1
 
     def __init__(self, options: CompileOptions | None = None, shared_dir: Path | None = None):
         self.options = options or CompileOptions()
@@ -189,11 +258,42 @@ class Backend(ABC):
         """Whether the backend can run here, with its version and devices or the reason it cannot."""
 
     def require(self) -> Availability:
+        """Raise :class:`BackendUnavailable` unless the backend can run here, and
+        :class:`~kasoku.options.InvalidOptions` for options it cannot honour (both before any work)."""
         info = self.availability()
         if not info.available:
-            hint = f" Install it with `pip install kasoku[{self.extra}]`." if self.extra else ""
-            raise BackendUnavailable(f"the {self.name} backend is unavailable: {info.reason}.{hint}")
+            raise BackendUnavailable(f"the {self.name} backend is unavailable: {info.reason}.{self.install_hint()}")
+        self.check_cuda_graph()
         return info
+
+    def check_cuda_graph(self, asked: bool | None = None) -> None:
+        """Raise :class:`~kasoku.options.InvalidOptions` when CUDA graphs are asked (default: by the options)
+        of a backend whose engines do not replay them."""
+        asked = self.options.cuda_graph if asked is None else asked
+        if asked and not self.runs_cuda_graphs:
+            raise InvalidOptions(
+                f"`cuda_graph` (--cuda-graph) replays CUDA graphs on an NVIDIA GPU, which the {self.label} backend "
+                "does not do. Use --backend tensorrt or onnxruntime-cuda, or drop --cuda-graph."
+            )
+
+    def check_engine_profile(self, spec: ComponentSpec) -> None:
+        """Before building or loading `spec`'s engine: CUDA graphs need its profile static (the options may
+        leave the profile to the model's default, which is not)."""
+        if self.options.cuda_graph:
+            check_cuda_graph_profile(spec.profile)
+
+    def install_hint(self) -> str:
+        return f" Install it with `pip install kasoku[{self.extra}]`." if self.extra else ""
+
+    @property
+    def label(self) -> str:
+        """How messages name this backend (a provider alias for ONNX Runtime's GPU providers)."""
+        return self.name
+
+    @property
+    def runs_cuda_graphs(self) -> bool:
+        """Whether engines of this backend replay CUDA graphs when `options.cuda_graph` asks."""
+        return False
 
     def check_precision(self, precision: Precision | str) -> None:
         """Raise :class:`UnsupportedPrecision` with a one-line reason for a precision this backend does not build."""
@@ -207,8 +307,12 @@ class Backend(ABC):
         """What about this backend changes a built engine: name, version, device, precision, and the
         options this backend reads (see :meth:`option_key`); nothing another backend reads."""
         info = self.availability()
-        return {"backend": self.name, "version": info.version, "device": info.devices,
-                "precision": Precision(precision).value, **self.option_key()}
+        return {"backend": self.name, "version": info.version, "device": self.device_key(info),
+                "precision": Precision(precision).value, "entry_format": self.entry_format, **self.option_key()}
+
+    def device_key(self, info: Availability) -> str | None:
+        """The device an engine is built for, as its key records it (a GPU backend: `GpuIdentity`)."""
+        return info.devices
 
     def option_key(self) -> dict[str, Any]:
         """The options that change this backend's engines (threads only change how fast they run)."""

@@ -32,7 +32,7 @@ from typing import Any
 import torch
 
 from ..components import ComponentSpec, Precision
-from .base import Availability, Backend, Engine, Source, UnsupportedPrecision, cpu_flags, cpu_name
+from .base import Availability, Backend, Engine, Source, UnsupportedPrecision, cpu_flags, cpu_name, gpu_identity
 
 PACKAGE_FILE = "model.pt2"
 MODEL_NAME = "model"  # the model's name inside the package (aoti_compile_and_package's default)
@@ -54,11 +54,10 @@ def native_bf16() -> bool:
 
 
 def device_description(device: torch.device) -> str:
-    """What a package is tied to, for the engine's key: the GPU and its compute capability, or the CPU
+    """What a package is tied to, for the engine's key: the GPU, its compute capability and driver, or the CPU
     and its ISA flags (a package holds code for the ISA it was built on; model names alone can hide it)."""
     if device.type == "cuda":
-        major, minor = torch.cuda.get_device_capability(device)
-        return f"cuda: {torch.cuda.get_device_name(device)} (sm_{major}{minor})"
+        return f"cuda: {gpu_identity(device.index or 0)}"
     return f"cpu: {cpu_name()} ({' '.join(cpu_flags()) or 'no AVX-512/AMX'})"
 
 

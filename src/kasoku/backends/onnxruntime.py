@@ -3,11 +3,21 @@
 Engines run through IO binding on torch tensors: inputs are read where they lie and outputs are
 written into torch tensors on the engine's device (CPU or CUDA), with no copy through numpy. The
 same code path runs on the CPU here, so it is tested on every machine.
+
+ONNX Runtime falls back silently from a provider it cannot initialise to the next one in the list:
+every GPU session is checked (:func:`check_provider`) when it is created, so an engine that did not
+get the provider it was built for is an error at build time and is never cached under that name.
 """
 
 from __future__ import annotations
 
+import contextlib
+import os
 import shutil
+import sys
+import tempfile
+import warnings
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -16,8 +26,10 @@ import torch
 
 from ..components import ComponentSpec, Precision
 from ..export import onnx_files
+from ..extras import ORT_CHOICE, MissingOnnxRuntime, import_onnxruntime, installed_ort_distributions, ort_conflict
 from ..optimize import PROTO_LIMIT
-from .base import Availability, Backend, BackendUnavailable, Engine, cpu_name
+from .base import Availability, Backend, BackendUnavailable, Engine, cpu_name, gpu_identity
+from .tensorrt import installed_trt_version, trt_precision_plan
 
 PROVIDERS = {
     "cpu": "CPUExecutionProvider",
@@ -26,6 +38,57 @@ PROVIDERS = {
 }
 MODEL_FILE = "model.onnx"
 NUMPY_TYPES = {torch.float32: np.float32, torch.float16: np.float16, torch.int64: np.int64, torch.int32: np.int32}
+# The TensorRT major ONNX Runtime's TensorRT provider is assumed to load when no tensorrt package says
+# which (onnxruntime-gpu's wheels are built against TensorRT 10).
+DEFAULT_ORT_TRT_VERSION = "10"
+
+
+class ProviderFallback(BackendUnavailable):
+    """An ONNX Runtime session that did not get the execution provider it was asked for."""
+
+
+def check_provider(asked: str, got: Sequence[str], log: str = "") -> None:
+    """Raise :class:`ProviderFallback` when a session created for the provider `asked` does not have it.
+
+    `got` is the session's ``get_providers()``: ONNX Runtime does not fail when it cannot initialise a
+    provider, it creates the session on the next one in the list. `log` is what ONNX Runtime printed while
+    creating the session (its reason, when it gave one)."""
+    if asked in got:
+        return
+    reasons = [line.strip() for line in log.splitlines()
+               if line.strip() and any(word in line for word in (asked, "Failed", "failed", "Error", "error"))]
+    conflict = ort_conflict(installed_ort_distributions())
+    if conflict:
+        reasons.insert(0, conflict)
+    reason = "; ".join(reasons[:4]) or (
+        "ONNX Runtime could not initialise it and gave no reason; usually its CUDA, cuDNN or TensorRT libraries "
+        "are missing or of other versions than this onnxruntime-gpu was built for")
+    raise ProviderFallback(
+        f"ONNX Runtime created the session without the {asked} it was asked for (it runs on "
+        f"{', '.join(got) or 'no provider'}): {reason}. The engine is not used or cached; install the CUDA, cuDNN "
+        f"and TensorRT versions this onnxruntime-gpu needs (ONNX Runtime's execution-provider docs list them), or "
+        f"choose another --backend."
+    )
+
+
+@contextlib.contextmanager
+def native_stderr() -> Iterator[list[str]]:
+    """Capture what native code (ONNX Runtime's C++ logger) and Python warnings write to stderr inside the
+    block; yields a list that holds the text afterwards."""
+    captured: list[str] = []
+    sys.stderr.flush()
+    saved = os.dup(2)
+    with tempfile.TemporaryFile(mode="w+b") as sink, warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        os.dup2(sink.fileno(), 2)
+        try:
+            yield captured
+        finally:
+            os.dup2(saved, 2)
+            os.close(saved)
+            sink.seek(0)
+            captured.append(sink.read().decode(errors="replace"))
+            captured.extend(str(w.message) for w in caught)
 
 
 def _shape_list(shapes: dict[str, tuple[int, ...]]) -> str:
@@ -33,25 +96,37 @@ def _shape_list(shapes: dict[str, tuple[int, ...]]) -> str:
     return ",".join(f"{name}:{'x'.join(str(d) for d in shape)}" for name, shape in shapes.items())
 
 
-def provider_options(spec: ComponentSpec, device: str, precision: Precision, cache_dir: Path | None) -> list:
-    """The providers list for InferenceSession: the asked-for one first, CPU as fallback.
+def has_external_data(path: Path) -> bool:
+    """Whether the ONNX file keeps weights in side files (what models over 2 GB must do)."""
+    return len(onnx_files(path)) > 1
 
-    The TensorRT EP gets the component's min/opt/max profile, fp16 when asked, and engine and
-    timing caches inside `cache_dir` (the kasoku cache entry), so it builds once.
-    """
+
+def provider_options(spec: ComponentSpec, device: str, precision: Precision, cache_dir: Path | None, *,
+                     external_data: bool = False, cuda_graph: bool = False, trt_version: str | None = None) -> list:
+    """The providers list for InferenceSession: the asked-for one first, then ONNX Runtime's own fallbacks
+    (which :func:`check_provider` keeps from standing in for it).
+
+    The TensorRT EP gets the component's min/opt/max profile, fp16 where the TensorRT it loads
+    (`trt_version`) still has the FP16 flag (on TensorRT 11 the fp16 graph alone says it), engine and timing
+    caches inside `cache_dir` (the kasoku cache entry), so it builds once, and, for a model with
+    `external_data` (over 2 GB), its weights handed to TensorRT from memory (`trt_load_user_initializer`).
+    The CUDA EP captures a CUDA graph with `cuda_graph`."""
     if device not in PROVIDERS:
         raise ValueError(f"onnxruntime device must be one of {list(PROVIDERS)} but is {device!r}.")
     if device == "cpu":
         return ["CPUExecutionProvider"]
     if device == "cuda":
-        return [("CUDAExecutionProvider", {}), "CPUExecutionProvider"]
+        return [("CUDAExecutionProvider", {"enable_cuda_graph": True} if cuda_graph else {}), "CPUExecutionProvider"]
+    plan = trt_precision_plan(precision, trt_version or DEFAULT_ORT_TRT_VERSION, None)
     profile = spec.profile_shapes()
     options: dict[str, Any] = {
-        "trt_fp16_enable": Precision(precision) == Precision.FP16,
+        "trt_fp16_enable": plan.builder_flag == "FP16",
         "trt_profile_min_shapes": _shape_list({n: s[0] for n, s in profile.items()}),
         "trt_profile_opt_shapes": _shape_list({n: s[1] for n, s in profile.items()}),
         "trt_profile_max_shapes": _shape_list({n: s[2] for n, s in profile.items()}),
     }
+    if external_data:
+        options["trt_load_user_initializer"] = True
     if cache_dir is not None:
         options.update(
             trt_engine_cache_enable=True,
@@ -67,15 +142,25 @@ def _onnx_bytes(path: Path) -> int:
 
 
 class OnnxRuntimeEngine(Engine):
+    """An ONNX Runtime session run through IO binding on torch tensors. With `cuda_graph` (CUDA provider,
+    static profile) ONNX Runtime captures the session's GPU work once and replays it: its IO binding must
+    then point at the same buffers every call, so inputs are copied into static buffers bound once and
+    outputs are copied out of theirs."""
+
     backend = "onnxruntime"
 
-    def __init__(self, spec: ComponentSpec, precision: Precision, session, device: torch.device):
+    def __init__(self, spec: ComponentSpec, precision: Precision, session, device: torch.device,
+                 cuda_graph: bool = False):
         super().__init__(spec, precision, device)
         self.session = session
         self._device_type = "cuda" if self.device.type == "cuda" else "cpu"
         self._device_id = self.device.index or 0
+        self.cuda_graph = cuda_graph
+        self._static: dict[str, torch.Tensor] = {}  # the buffers the captured graph reads and writes
+        self._static_binding = None
 
-    def _run(self, feeds: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    def _bind(self, feeds: dict[str, torch.Tensor]):
+        """An IO binding of `feeds` where they lie and of new output tensors; returns (binding, outputs)."""
         binding = self.session.io_binding()
         for name, tensor in feeds.items():
             binding.bind_input(name, self._device_type, self._device_id, NUMPY_TYPES[tensor.dtype],
@@ -84,10 +169,30 @@ class OnnxRuntimeEngine(Engine):
         for name, tensor in outputs.items():
             binding.bind_output(name, self._device_type, self._device_id, NUMPY_TYPES[tensor.dtype],
                                 tuple(tensor.shape), tensor.data_ptr())
+        return binding, outputs
+
+    def _run(self, feeds: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        if self.cuda_graph:
+            return self._replay(feeds)
+        binding, outputs = self._bind(feeds)
+        self._launch(binding)
+        return outputs
+
+    def _launch(self, binding) -> None:
         if self._device_type == "cuda":  # ORT's CUDA stream must see what the caller's stream wrote
             torch.cuda.current_stream(self.device).synchronize()
         self.session.run_with_iobinding(binding)
-        return outputs
+
+    def _replay(self, feeds: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        if self._static_binding is None:
+            inputs = {name: tensor.clone() for name, tensor in feeds.items()}
+            self._static_binding, outputs = self._bind(inputs)
+            self._static = {**inputs, **outputs}
+        else:
+            for name, tensor in feeds.items():
+                self._static[name].copy_(tensor)
+        self._launch(self._static_binding)
+        return {name: self._static[name].clone() for name in self.spec.output_names}
 
     def describe(self) -> dict[str, str]:
         return {**super().describe(), "providers": ",".join(self.session.get_providers())}
@@ -99,7 +204,7 @@ NO_BF16 = ("ONNX Runtime's CPU execution provider has no bfloat16 kernels (bf16 
 
 class OnnxRuntimeBackend(Backend):
     name = "onnxruntime"
-    extra = None  # a core dependency; `kasoku[gpu]` brings onnxruntime-gpu
+    extra = "cpu"  # or `gpu` (onnxruntime-gpu) for the CUDA and TensorRT providers; never both
     precisions = (Precision.FP32, Precision.FP16)
     refused = {Precision.BF16: NO_BF16,
                Precision.INT8: "kasoku's int8 is NNCF's, on OpenVINO (ONNX Runtime's own static QDQ quantization "
@@ -114,29 +219,71 @@ class OnnxRuntimeBackend(Backend):
     @classmethod
     def availability(cls) -> Availability:
         try:
-            import onnxruntime as ort
-        except ImportError as error:
-            return Availability(cls.name, False, reason=f"onnxruntime cannot be imported ({error})")
+            ort = import_onnxruntime()
+        except MissingOnnxRuntime:
+            return Availability(cls.name, False, reason="onnxruntime is not installed")
         providers = [p for p in ort.get_available_providers() if p in PROVIDERS.values()]
         return Availability(cls.name, True, ort.__version__, f"{cpu_name()}; providers: {', '.join(providers)}")
 
+    def require(self) -> Availability:
+        """Also, for a GPU provider: onnxruntime-gpu with that provider, and a GPU (before any work)."""
+        info = super().require()
+        if self.provider != "cpu":
+            self._require_provider(import_onnxruntime())
+            if gpu_identity(0) is None:
+                raise BackendUnavailable(f"the {self.label} backend needs an NVIDIA GPU, and torch sees none.")
+        return info
+
+    def _require_provider(self, ort) -> None:
+        provider = PROVIDERS[self.provider]
+        if provider not in ort.get_available_providers():
+            conflict = ort_conflict(installed_ort_distributions())
+            raise BackendUnavailable(
+                f"onnxruntime has no {provider} here (available: {ort.get_available_providers()}). "
+                + (f"{conflict}." if conflict else
+                   "Install `kasoku[gpu]` (onnxruntime-gpu) on a machine with a CUDA GPU, or use the CPU provider.")
+            )
+
+    def install_hint(self) -> str:
+        if self.provider == "cpu":
+            return f" Install one of its extras: {ORT_CHOICE}."
+        return " Install `pip install 'kasoku[gpu]'` (onnxruntime-gpu) on a machine with an NVIDIA GPU."
+
+    @property
+    def label(self) -> str:
+        return self.name if self.provider == "cpu" else f"{self.name}-{self.provider}"
+
+    @property
+    def runs_cuda_graphs(self) -> bool:
+        return self.provider == "cuda"
+
+    def device_key(self, info: Availability) -> str | None:
+        if self.provider == "cpu":
+            return info.devices
+        identity = gpu_identity(0)
+        if identity is None:
+            raise BackendUnavailable(f"the {self.label} backend needs an NVIDIA GPU, and torch sees none.")
+        return str(identity)  # the GPU, not the CPU: the GPU's engines are what the entry holds
+
     def option_key(self) -> dict[str, Any]:
-        return {"provider": self.provider}
+        key: dict[str, Any] = {"provider": self.provider}
+        if self.provider == "tensorrt":  # its engine caches are TensorRT plans
+            key["tensorrt"] = installed_trt_version()
+        return key
 
     @property
     def device(self) -> torch.device:
         return torch.device("cpu") if self.provider == "cpu" else torch.device("cuda", 0)
 
+    def _providers(self, path: Path, spec: ComponentSpec, precision: Precision, cache_dir: Path | None) -> list:
+        return provider_options(spec, self.provider, precision, cache_dir, external_data=has_external_data(path),
+                                cuda_graph=self.options.cuda_graph, trt_version=installed_trt_version())
+
     def _session(self, path: Path, spec: ComponentSpec, precision: Precision, cache_dir: Path | None,
                  *, save_optimized: Path | None = None):
-        import onnxruntime as ort
-
+        ort = import_onnxruntime()
         provider = PROVIDERS[self.provider]
-        if provider not in ort.get_available_providers():
-            raise BackendUnavailable(
-                f"onnxruntime has no {provider} here (available: {ort.get_available_providers()}). "
-                "Install `kasoku[gpu]` on a machine with a CUDA GPU, or use the CPU provider."
-            )
+        self._require_provider(ort)
         options = ort.SessionOptions()
         options.log_severity_level = 3
         if self.options.threads:
@@ -152,12 +299,19 @@ class OnnxRuntimeBackend(Backend):
                 options.add_session_config_entry(
                     "session.optimized_model_external_initializers_min_size_in_bytes", "1024"
                 )
-        providers = provider_options(spec, self.provider, precision, cache_dir)
-        return ort.InferenceSession(str(path), options, providers=providers)
+        providers = self._providers(path, spec, precision, cache_dir)
+        if self.provider == "cpu":
+            return ort.InferenceSession(str(path), options, providers=providers)
+        with native_stderr() as log:
+            session = ort.InferenceSession(str(path), options, providers=providers)
+        check_provider(provider, session.get_providers(), "".join(log))
+        sys.stderr.write(log[0])  # what ONNX Runtime printed, as it would have without the capture
+        return session
 
     def build(self, spec: ComponentSpec, onnx_path: Path, out_dir: Path, precision: Precision, *,
               calibration=None) -> dict[str, Any]:
         self.require()
+        self.check_engine_profile(spec)
         target = out_dir / MODEL_FILE
         if self.provider == "cpu":
             self._session(onnx_path, spec, precision, None, save_optimized=target)
@@ -165,10 +319,13 @@ class OnnxRuntimeBackend(Backend):
             for file in onnx_files(onnx_path):
                 shutil.copy2(file, out_dir / file.name.replace(onnx_path.name, MODEL_FILE))
             self._session(target, spec, precision, out_dir)  # builds the TensorRT EP engine caches
-        return {"providers": provider_options(spec, self.provider, precision, None)[0]}
+        return {"providers": self._providers(target, spec, precision, None)[0]}
 
     def load(self, spec: ComponentSpec, entry_dir: Path, precision: Precision) -> Engine:
         self.require()
+        self.check_engine_profile(spec)
         cache_dir = entry_dir if self.provider == "tensorrt" else None
         session = self._session(entry_dir / MODEL_FILE, spec, precision, cache_dir)
-        return OnnxRuntimeEngine(spec, precision, session, self.device)
+        return OnnxRuntimeEngine(spec, precision, session, self.device,
+                                 cuda_graph=self.options.cuda_graph and self.provider == "cuda")
+

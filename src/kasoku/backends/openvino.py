@@ -2,9 +2,9 @@
 
 The model is reshaped to the component's profile (static dimensions where the profile holds one
 value: an exact-shape engine; bounded dynamic ones elsewhere), int8-quantized through NNCF when
-asked (kasoku.quantize), saved as IR in the cache entry and compiled once at build time with
-OpenVINO's model cache pointed inside the entry, so a warm load reads the compiled blob instead
-of compiling again. The inference precision is always explicit (OpenVINO otherwise picks bf16 on
+asked (kasoku.quantize), compiled once at build time and exported as OpenVINO's compiled blob:
+the cache entry is that blob alone (one copy of the weights), and a warm load imports it instead
+of reading an IR and compiling again. The inference precision is always explicit (OpenVINO otherwise picks bf16 on
 CPUs that have it) and read back after compiling: a precision the CPU did not apply is an error,
 never a silent fp32 run. Engines read their inputs from the torch tensors' memory and write their
 outputs into torch tensors (no copies).
@@ -17,13 +17,13 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 
 from ..components import ComponentSpec, Precision
 from .base import Availability, Backend, BackendUnavailable, Engine, UnsupportedPrecision
 
-MODEL_FILE = "model.xml"
-BLOB_DIR = "compiled"
+BLOB_FILE = "model.blob"
 _HINTS = {Precision.FP32: "f32", Precision.FP16: "f16", Precision.BF16: "bf16"}
 NO_BF16 = ("this CPU has no native bf16 (neither AVX512-BF16 nor AMX, OpenVINO's BF16 capability): OpenVINO "
            "would emulate it slowly or run fp32")
@@ -46,17 +46,15 @@ def inference_hint(precision: Precision) -> str:
     return _HINTS[precision]
 
 
-def openvino_config(precision: Precision, threads: int | None, blob_dir: Path | None) -> dict[str, Any]:
-    """compile_model properties: explicit inference precision, latency mode, optional thread count,
-    the entry's blob cache (OpenVINO's cache key leaves the precision out: one blob serves all)."""
+def openvino_config(precision: Precision, threads: int | None) -> dict[str, Any]:
+    """compile_model / import_model properties: explicit inference precision (an imported blob takes
+    the importer's, so it is given again at load), latency mode, optional thread count."""
     config: dict[str, Any] = {
         "INFERENCE_PRECISION_HINT": inference_hint(precision),
         "PERFORMANCE_HINT": "LATENCY",
     }
     if threads:
         config["INFERENCE_NUM_THREADS"] = int(threads)
-    if blob_dir is not None:
-        config["CACHE_DIR"] = str(blob_dir)
     return config
 
 
@@ -76,10 +74,11 @@ def _applied_precision(compiled) -> str:
 class OpenVinoEngine(Engine):
     backend = "openvino"
 
-    def __init__(self, spec: ComponentSpec, precision: Precision, compiled):
+    def __init__(self, spec: ComponentSpec, precision: Precision, compiled, blob=None):
         super().__init__(spec, precision)
         self.compiled = compiled
         self.request = compiled.create_infer_request()
+        self._blob = blob  # the mapped blob an imported model may read its weights from: it lives as long
 
     def _run(self, feeds: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         import openvino as ov
@@ -95,6 +94,7 @@ class OpenVinoBackend(Backend):
     name = "openvino"
     extra = "openvino"
     precisions = (Precision.FP32, Precision.FP16, Precision.BF16, Precision.INT8)
+    entry_format = 2  # 1: IR plus OpenVINO's blob cache; 2: the exported compiled blob alone
 
     @classmethod
     def availability(cls) -> Availability:
@@ -137,11 +137,11 @@ class OpenVinoBackend(Backend):
             samples = calibration() if spec.int8 == "hybrid" and calibration is not None else None
             model = quantize(model, spec.int8, samples)
             meta["int8"] = {"recipe": spec.int8, "calibration_samples": len(samples or [])}
-        ov.save_model(model, str(out_dir / MODEL_FILE), compress_to_fp16=False)
-        config = openvino_config(precision, self.options.threads, out_dir / BLOB_DIR)
-        compiled = core.compile_model(str(out_dir / MODEL_FILE), "CPU", config)
+        config = openvino_config(precision, self.options.threads)
+        compiled = core.compile_model(model, "CPU", config)
         self._check_applied(compiled, precision)
-        return {**meta, "config": openvino_config(precision, self.options.threads, None)}
+        (out_dir / BLOB_FILE).write_bytes(compiled.export_model().getbuffer())
+        return {**meta, "config": config}
 
     def _check_applied(self, compiled, precision: Precision) -> None:
         wanted = inference_hint(precision)
@@ -154,7 +154,9 @@ class OpenVinoBackend(Backend):
         self.require()
         import openvino as ov
 
-        config = openvino_config(precision, self.options.threads, entry_dir / BLOB_DIR)
-        compiled = ov.Core().compile_model(str(entry_dir / MODEL_FILE), "CPU", config)
+        # Mapped copy-on-write (OpenVINO wants a writable array; nothing writes it): read, not copied, here.
+        blob = np.memmap(entry_dir / BLOB_FILE, dtype=np.uint8, mode="c")
+        compiled = ov.Core().import_model(ov.Tensor(blob, shared_memory=True), "CPU",
+                                          openvino_config(precision, self.options.threads))
         self._check_applied(compiled, precision)
-        return OpenVinoEngine(spec, precision, compiled)
+        return OpenVinoEngine(spec, precision, compiled, blob)

@@ -1,35 +1,109 @@
 """Native TensorRT, the seed's path: ONNX → network → engine plan through Polygraphy.
 
-Build: `network_from_onnx_path` → `CreateConfig` (fp16 when asked, one optimization profile
-from the component's min/opt/max shapes, timing cache, builder optimization level) →
-`engine_bytes_from_network`; the plan and the timing cache are files of the cache entry.
+Build: `network_from_onnx_path` → `CreateConfig` (one optimization profile from the component's
+min/opt/max shapes, timing cache, builder optimization level, and the precision as the installed
+TensorRT wants it: see :func:`trt_precision_plan`) → `engine_bytes_from_network`; the plan is a
+file of the cache entry, the timing cache is shared per TensorRT version and GPU.
 Run: TensorRT's runtime with named I/O tensors bound to torch CUDA buffers on a CUDA stream,
-optionally replayed as a CUDA graph while the shapes stay the same.
+optionally replayed as a CUDA graph (static profiles only).
 
-The parts that need no GPU (profile, builder options, availability) are plain functions so
-that they are tested on any machine.
+The parts that need no GPU (the precision plan, profile, builder options, availability) are plain
+functions so that they are tested on any machine.
 """
 
 from __future__ import annotations
 
 import importlib.util
 import re
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
+from importlib import metadata
 from pathlib import Path
 from typing import Any
 
 from ..components import ComponentSpec, Precision
-from .base import Availability, Backend, Engine
+from .base import Availability, Backend, BackendUnavailable, Engine, UnsupportedPrecision, gpu_identity
 
 PLAN_FILE = "engine.plan"
 TIMING_CACHE_FILE = "timing.cache"
+# TensorRT 11 removed the precision builder flags (BuilderFlag.FP16, .BF16; deprecated since 10.12):
+# reduced precision comes from the types of a strongly typed network's graph.
+FIRST_MAJOR_WITHOUT_PRECISION_FLAGS = 11
+BF16_MIN_CAPABILITY = (8, 0)  # Ampere: the first GPUs with bf16 tensor cores
+# The TensorRT Python packages, by name: the meta package, then the CUDA-specific ones it installs.
+TRT_DISTRIBUTIONS = ("tensorrt", "tensorrt-cu13", "tensorrt-cu12", "tensorrt-cu13-libs", "tensorrt-cu12-libs")
+
+
+@dataclass(frozen=True)
+class TrtPrecisionPlan:
+    """How one precision is asked of one TensorRT version.
+
+    `builder_flag` ("FP16", "BF16"): a weakly typed network from the fp32 graph, where TensorRT may pick
+    kernels of that type per layer (TensorRT 10). `strongly_typed`: the network runs in the types of its
+    graph, which `graph_pass` (kasoku.optimize's "fp16" / "bf16", fp32 inputs and outputs kept) writes
+    before the build (TensorRT 11, where the flags are gone)."""
+
+    builder_flag: str | None
+    strongly_typed: bool
+    graph_pass: str | None
+
+
+def trt_major(version: str) -> int:
+    """The major version of a TensorRT version string ("10.13.3.9" -> 10)."""
+    match = re.match(r"\s*(\d+)", version or "")
+    if not match:
+        raise ValueError(f"not a TensorRT version: {version!r}")
+    return int(match.group(1))
+
+
+def trt_precision_plan(precision: Precision | str, trt_version: str,
+                       capability: tuple[int, int] | None) -> TrtPrecisionPlan:
+    """What building `precision` takes on TensorRT `trt_version` and a GPU of compute `capability`.
+
+    fp32: the fp32 graph as it is (TF32 stays off). fp16 and bf16: the builder flag where the version has
+    it, else a strongly typed network built from the graph converted to that type. bf16 needs compute
+    capability 8.0 or newer. Raises :class:`UnsupportedPrecision` for anything else."""
+    precision = Precision(precision)
+    if precision == Precision.FP32:
+        return TrtPrecisionPlan(None, False, None)
+    if precision not in (Precision.FP16, Precision.BF16):
+        raise UnsupportedPrecision(f"the tensorrt backend cannot build {precision.value}: it builds fp32, fp16 and "
+                                   "bf16. Choose another --precision or --backend.")
+    if precision == Precision.BF16:
+        check_bf16_capability(capability)
+    if trt_major(trt_version) < FIRST_MAJOR_WITHOUT_PRECISION_FLAGS:
+        return TrtPrecisionPlan(precision.value.upper(), False, None)
+    return TrtPrecisionPlan(None, True, precision.value)
+
+
+def check_bf16_capability(capability: tuple[int, int] | None) -> None:
+    """Raise :class:`UnsupportedPrecision` unless a GPU of this compute capability has bf16 tensor cores."""
+    if capability is not None and tuple(capability) >= BF16_MIN_CAPABILITY:
+        return
+    seen = "no GPU is visible" if capability is None else f"this GPU is sm_{capability[0]}{capability[1]}"
+    raise UnsupportedPrecision(
+        f"the tensorrt backend cannot build bf16 here: bf16 needs an NVIDIA GPU of compute capability "
+        f"{BF16_MIN_CAPABILITY[0]}.{BF16_MIN_CAPABILITY[1]} (Ampere) or newer, and {seen}. "
+        "Choose --precision fp16 or fp32."
+    )
+
+
+def installed_trt_version() -> str | None:
+    """The installed TensorRT's version from package metadata (imports nothing), or None."""
+    for name in TRT_DISTRIBUTIONS:
+        try:
+            return metadata.version(name)
+        except metadata.PackageNotFoundError:
+            continue
+    return None
 
 
 @dataclass(frozen=True)
 class TrtBuildOptions:
-    """What the builder is asked for; one place maps it onto Polygraphy's CreateConfig."""
+    """What the builder is asked for; one place maps it onto Polygraphy's loaders."""
 
-    fp16: bool
+    fp16: bool  # the FP16 builder flag (TensorRT 10)
+    bf16: bool  # the BF16 builder flag (TensorRT 10)
+    strongly_typed: bool  # the network runs in its graph's types (TensorRT 11; reduced precision on 10.x too)
     tf32: bool
     profile: dict[str, tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...]]]
     builder_optimization_level: int
@@ -42,12 +116,14 @@ def trt_profile(spec: ComponentSpec) -> dict[str, tuple[tuple[int, ...], tuple[i
 
 
 def trt_build_options(
-    spec: ComponentSpec, precision: Precision, optimization_level: int, timing_cache: Path | None
+    spec: ComponentSpec, plan: TrtPrecisionPlan, optimization_level: int, timing_cache: Path | None
 ) -> TrtBuildOptions:
     if not 0 <= optimization_level <= 5:
         raise ValueError(f"builder_optimization_level must be 0..5 but is {optimization_level}.")
     return TrtBuildOptions(
-        fp16=Precision(precision) == Precision.FP16,
+        fp16=plan.builder_flag == "FP16",
+        bf16=plan.builder_flag == "BF16",
+        strongly_typed=plan.strongly_typed,
         tf32=False,  # TF32 matmuls would break fp32 parity with torch
         profile=trt_profile(spec),
         builder_optimization_level=optimization_level,
@@ -56,31 +132,42 @@ def trt_build_options(
 
 
 def polygraphy_config(options: TrtBuildOptions):
-    """Polygraphy's CreateConfig for the options (needs the tensorrt extra)."""
+    """Polygraphy's CreateConfig for the options (needs the tensorrt extra). The precision flags are
+    passed only when set, so a TensorRT without them (11) is never asked for one."""
     from polygraphy.backend.trt import CreateConfig, Profile
 
     profile = Profile()
     for name, (low, opt, high) in options.profile.items():
         profile.add(name, min=low, opt=opt, max=high)
+    flags = {name: True for name in ("fp16", "bf16") if getattr(options, name)}
     return CreateConfig(
-        fp16=options.fp16,
         tf32=options.tf32,
         profiles=[profile],
         load_timing_cache=options.timing_cache,
         builder_optimization_level=options.builder_optimization_level,
+        **flags,
     )
 
 
+def polygraphy_network(onnx_path: Path, options: TrtBuildOptions):
+    """Polygraphy's ONNX parser loader; strongly typed where the options say so. TensorRT 11 makes every
+    network strongly typed (its creation flag, if present, changes nothing there)."""
+    import tensorrt as trt
+    from polygraphy.backend.trt import network_from_onnx_path
+
+    flag_exists = hasattr(trt.NetworkDefinitionCreationFlag, "STRONGLY_TYPED")
+    return network_from_onnx_path(str(onnx_path), strongly_typed=options.strongly_typed and flag_exists)
+
+
 def _gpu_description() -> tuple[str | None, str | None]:
-    """(name and compute capability of GPU 0, reason when there is none)."""
+    """(GPU 0's identity: name, compute capability, driver; the reason when there is none)."""
     try:
         import torch
     except ImportError:
         return None, "torch is not installed"
     if not torch.cuda.is_available():
         return None, "no CUDA GPU is visible to torch"
-    major, minor = torch.cuda.get_device_capability(0)
-    return f"{torch.cuda.get_device_name(0)} (sm_{major}{minor})", None
+    return str(gpu_identity(0)), None
 
 
 class TensorRTEngine(Engine):
@@ -168,7 +255,8 @@ class TensorRTEngine(Engine):
 class TensorRTBackend(Backend):
     name = "tensorrt"
     extra = "tensorrt"
-    precisions = (Precision.FP32, Precision.FP16)
+    precisions = (Precision.FP32, Precision.FP16, Precision.BF16)
+    refused = {Precision.INT8: "kasoku's int8 is NNCF's, on OpenVINO; use --backend openvino"}
     # the seed's flow: onnx-graphsurgeon cleans and folds the graph before TensorRT's parser sees it
     passes = ("cleanup", "fold_constants", "infer_shapes")
 
@@ -185,14 +273,38 @@ class TensorRTBackend(Backend):
             return Availability(cls.name, False, trt.__version__, reason=reason)
         return Availability(cls.name, True, trt.__version__, gpu)
 
+    @property
+    def runs_cuda_graphs(self) -> bool:
+        return True
+
     def option_key(self) -> dict[str, Any]:
         return {"builder_optimization_level": self.options.trt_opt_level}
 
+    def check_precision(self, precision: Precision | str) -> None:
+        super().check_precision(precision)
+        if Precision(precision) == Precision.BF16:
+            identity = gpu_identity(0)
+            if identity is not None:  # without a GPU, require() says so
+                check_bf16_capability(identity.capability)
+
+    def precision_plan(self, precision: Precision) -> TrtPrecisionPlan:
+        """The plan for `precision` on the installed TensorRT and GPU 0."""
+        version = installed_trt_version() or self.availability().version
+        if version is None and Precision(precision) != Precision.FP32:
+            raise BackendUnavailable(f"the tensorrt backend is unavailable: the tensorrt package is not "
+                                     f"installed.{self.install_hint()}")
+        identity = gpu_identity(0)
+        return trt_precision_plan(precision, version or "", identity.capability if identity else None)
+
     def optimization_passes(self, precision: Precision) -> list[str]:
-        return list(self.passes)  # TensorRT picks fp16 kernels itself from the fp32 graph
+        # TensorRT 10 picks reduced-precision kernels itself from the fp32 graph (builder flag); a strongly
+        # typed network (TensorRT 11) runs in the types of its graph, so the graph is converted first.
+        plan = self.precision_plan(precision)
+        return list(self.passes) + ([plan.graph_pass] if plan.graph_pass else [])
 
     def timing_cache(self, out_dir: Path) -> Path:
-        """One timing cache per TensorRT version and GPU, shared by every build on them."""
+        """One timing cache per TensorRT version and GPU (name, compute capability, driver), shared by
+        every build on them."""
         if self.shared_dir is None:
             return out_dir / TIMING_CACHE_FILE
         info = self.availability()
@@ -201,24 +313,28 @@ class TensorRTBackend(Backend):
         folder.mkdir(parents=True, exist_ok=True)
         return folder / TIMING_CACHE_FILE
 
+
     def build(self, spec: ComponentSpec, onnx_path: Path, out_dir: Path, precision: Precision, *,
               calibration=None) -> dict[str, Any]:
         self.require()
-        from polygraphy.backend.trt import engine_bytes_from_network, network_from_onnx_path
+        self.check_engine_profile(spec)
+        from polygraphy.backend.trt import engine_bytes_from_network
 
+        plan = self.precision_plan(precision)
         timing_cache = self.timing_cache(out_dir)
-        options = trt_build_options(spec, precision, self.options.trt_opt_level,
+        options = trt_build_options(spec, plan, self.options.trt_opt_level,
                                     timing_cache if timing_cache.exists() else None)
-        plan = engine_bytes_from_network(
-            network_from_onnx_path(str(onnx_path)),
+        engine = engine_bytes_from_network(
+            polygraphy_network(onnx_path, options),
             config=polygraphy_config(options),
             save_timing_cache=str(timing_cache),
         )
-        (out_dir / PLAN_FILE).write_bytes(plan)
-        return {"fp16": options.fp16, "builder_optimization_level": options.builder_optimization_level,
+        (out_dir / PLAN_FILE).write_bytes(engine)
+        return {"precision_plan": asdict(plan), "builder_optimization_level": options.builder_optimization_level,
                 "profile": {k: [list(s) for s in v] for k, v in options.profile.items()}}
 
     def load(self, spec: ComponentSpec, entry_dir: Path, precision: Precision) -> Engine:
         self.require()
+        self.check_engine_profile(spec)
         plan = (entry_dir / PLAN_FILE).read_bytes()
         return TensorRTEngine(spec, precision, plan, cuda_graph=self.options.cuda_graph)

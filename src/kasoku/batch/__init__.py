@@ -21,6 +21,8 @@ from .jobs import (
     JOB_FIELDS,
     InvalidJobs,
     Job,
+    call_arguments,
+    call_key,
     check_jobs,
     parse_job,
     plan_batches,
@@ -46,7 +48,8 @@ __all__ = [
     "BatchFailed", "BatchPlan", "BatchResult", "BatchWorker", "DEFAULT_BATCH_SIZE", "DEFAULT_GUIDANCE",
     "DEFAULT_STEPS", "InvalidJobs", "JOB_FIELDS", "Job", "JobResult", "LOCAL_RAY", "LocalRunner", "OutputDir",
     "OutputNotWritable", "PipelineRecipe", "RAY_EXTRA", "RESULTS_FILE", "RayNotInstalled", "RayRunner",
-    "RayWorkerPool", "STATE_DIR", "WorkerInfo", "batch_profile", "check_fits", "check_jobs", "check_output_dir",
+    "RayWorkerPool", "STATE_DIR", "WorkerInfo", "batch_profile", "call_arguments", "call_key", "check_fits",
+    "check_jobs", "check_output_dir",
     "default_workers", "describe_backends", "drive", "import_ray", "parse_job", "plan_batches", "prepare",
     "ray_session", "read_jobs", "run_local", "run_ray", "txt2img_components", "with_native_size",
 ]

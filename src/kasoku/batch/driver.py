@@ -47,6 +47,7 @@ def prepare(model, jobs: list[Job], out_dir: str | Path, *, batch_size: int = DE
     from ..cache import default_cache_dir
     from ..components import native_size
     from ..loading import load_pipeline
+    from ..schedulers import most_steps
 
     options = CompileOptions.of(options, **fields)
     model = _portable_model(model)
@@ -54,7 +55,7 @@ def prepare(model, jobs: list[Job], out_dir: str | Path, *, batch_size: int = DE
     native = native_size(reference)
     jobs = with_native_size(jobs, native, native)
     profile = batch_profile(reference, batch_size, height, width, jobs)
-    check_jobs(jobs, profile, batch_size, max_steps=reference.scheduler.config.num_train_timesteps)
+    check_jobs(jobs, profile, batch_size, max_steps=most_steps(reference.scheduler))
     out = check_output_dir(out_dir)
     cache = (options.cache_dir or default_cache_dir()).absolute()
     recipe = PipelineRecipe(model=model, options=options.replace(cache_dir=cache, profile=profile))

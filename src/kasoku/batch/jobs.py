@@ -6,10 +6,10 @@ import hashlib
 import json
 import math
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol, TypeVar
 
 from ..components import ImageShape, ShapeOutOfProfile, ShapeProfile
 from ..errors import KasokuError
@@ -59,9 +59,35 @@ class Job:
 
     @property
     def call_key(self) -> tuple:
-        """Jobs with equal call keys can share one pipeline call: one size, steps and guidance, and
-        negative prompts for all or for none (SDXL encodes a missing one as zeros, not as "")."""
-        return (self.height, self.width, self.steps, self.guidance, self.negative_prompt is not None)
+        return call_key(self.height, self.width, self.steps, self.guidance, self.negative_prompt is not None)
+
+
+# ---- which jobs share an engine call, and the call they share ----------------------------------
+# `kasoku batch` and `kasoku serve` (its dynamic batcher) both group and call through these two and plan_batches.
+
+
+def call_key(height: int | None, width: int | None, steps: int, guidance: float, negative: bool, *,
+             task: str = "txt2img", strength: float | None = None) -> tuple:
+    """Jobs with equal call keys can share one pipeline call: one task, size, steps and guidance (and
+    strength for img2img and inpaint), and negative prompts for all or for none (SDXL encodes a
+    missing one as zeros, not as "")."""
+    return (task, height, width, steps, guidance, negative, strength)
+
+
+def call_arguments(jobs: Sequence) -> dict[str, Any]:
+    """The pipeline arguments of one call for jobs with one call key (anything with `prompt`,
+    `negative_prompt`, `seed`, `steps` and `guidance`): their prompts, and one generator per job
+    seeded with its seed, so each image gets its own noise whatever it is batched with. The caller
+    adds what its task takes (the size; the images and strength of img2img and inpaint)."""
+    import torch
+
+    first = jobs[0]
+    return dict(
+        prompt=[job.prompt for job in jobs],
+        negative_prompt=None if first.negative_prompt is None else [job.negative_prompt for job in jobs],
+        generator=[torch.Generator().manual_seed(job.seed) for job in jobs],
+        num_inference_steps=first.steps, guidance_scale=first.guidance,
+    )
 
 
 class _LineError(ValueError):
@@ -185,17 +211,25 @@ def check_jobs(jobs: list[Job], profile: ShapeProfile, batch_size: int, max_step
         except ShapeOutOfProfile as error:
             errors.append(f"{job.source}: {error}")
         if max_steps is not None and job.steps > max_steps:
-            errors.append(f"{job.source}: `steps` must be at most {max_steps} (the scheduler's training steps) "
+            errors.append(f"{job.source}: `steps` must be at most {max_steps} (what the model's scheduler runs) "
                           f"but is {job.steps}.")
     if errors:
         hint = " (`kasoku batch` takes the same --height/--width MIN:MAX flags)"
         raise InvalidJobs(_listing(errors, "jobs do not fit the compiled engines") + hint)
 
 
-def plan_batches(jobs: list[Job], batch_size: int) -> list[list[Job]]:
-    """Jobs that can share a call, in calls of up to `batch_size`, in file order (so two runs of the
-    same jobs make the same calls)."""
-    groups: dict[tuple, list[Job]] = {}
+class Batchable(Protocol):
+    @property
+    def call_key(self) -> tuple: ...
+
+
+B = TypeVar("B", bound=Batchable)
+
+
+def plan_batches(jobs: Sequence[B], batch_size: int) -> list[list[B]]:
+    """Jobs that can share a call, in calls of up to `batch_size`, in the order given (so two runs of
+    the same jobs make the same calls; the first call holds the first job)."""
+    groups: dict[tuple, list[B]] = {}
     for job in jobs:
         groups.setdefault(job.call_key, []).append(job)
     return [group[i:i + batch_size] for group in groups.values() for i in range(0, len(group), batch_size)]

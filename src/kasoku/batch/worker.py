@@ -14,7 +14,7 @@ from pathlib import Path
 
 from ..components import ShapeProfile
 from ..options import CompileOptions
-from .jobs import Job
+from .jobs import Job, call_arguments
 from .output import STATE_DIR, JobResult, write_atomically
 
 StageHook = Callable[[str, str], contextlib.AbstractContextManager]
@@ -152,16 +152,9 @@ class BatchWorker:
                 for job in batch]
 
     def _generate(self, batch: list[Job]):
-        import torch
-
         first = batch[0]
         start = time.perf_counter()
-        images = self.pipeline(
-            [job.prompt for job in batch],
-            negative_prompt=None if first.negative_prompt is None else [job.negative_prompt for job in batch],
-            generator=[torch.Generator().manual_seed(job.seed) for job in batch],  # one per job: its own noise
-            num_inference_steps=first.steps, guidance_scale=first.guidance, height=first.height, width=first.width,
-        ).images
+        images = self.pipeline(**call_arguments(batch), height=first.height, width=first.width).images
         return images, time.perf_counter() - start
 
     def _write_status(self, batch: list[Job]) -> None:

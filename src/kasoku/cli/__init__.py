@@ -16,8 +16,9 @@ from .base import Command
 from .build import Compile, Export, Tiny
 from .check import Bench, Demo, Verify
 from .generate import Batch, Generate
+from .serve import Serve
 
-COMMANDS: dict[str, Command] = {c.name: c for c in (Demo(), Generate(), Batch(), Tiny(), Export(), Compile(),
+COMMANDS: dict[str, Command] = {c.name: c for c in (Demo(), Generate(), Batch(), Serve(), Tiny(), Export(), Compile(),
                                                      CacheCommand(), Verify(), Bench(), Info())}
 
 

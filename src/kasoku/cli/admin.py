@@ -8,21 +8,25 @@ from .base import Command, add_cache_dir, add_json
 
 
 class CacheCommand(Command):
-    """List (`ls`), check (`check [--repair]`) or remove (`clear [MODEL]`) the cache entries."""
+    """List (`ls`), check (`check [--repair]`), prune (`prune --max-size SIZE`) or remove (`clear [MODEL]`)
+    the cache entries. KASOKU_CACHE_MAX=SIZE prunes after every compile that builds."""
 
     name = "cache"
 
     def add_arguments(self, p: argparse.ArgumentParser) -> None:
-        p.add_argument("action", choices=("ls", "check", "clear"),
-                       help="ls: list the entries; check: verify every file's checksum; clear: remove entries")
+        p.add_argument("action", choices=("ls", "check", "prune", "clear"),
+                       help="ls: list the entries with their size and last use; check: verify every file's "
+                            "checksum; prune: evict the least recently used entries down to --max-size; clear: "
+                            "remove entries")
         p.add_argument("model", nargs="?", help="with clear: only the entries of this model (folder or name)")
         p.add_argument("--repair", action="store_true", help="with check: remove the damaged entries (the next "
                                                              "compile rebuilds them)")
+        p.add_argument("--max-size", metavar="SIZE", help="with prune: the budget, e.g. 20G or 500M")
         add_cache_dir(p)
-        add_json(p, "the list (ls) or the damaged entries (check)")
+        add_json(p, "the list (ls), the damaged entries (check) or the evicted ones (prune)")
 
     def run(self, args: argparse.Namespace) -> int:
-        from ..cache import Cache
+        from ..cache import Cache, parse_size
         from ..console import console
         from ..errors import KasokuError
 
@@ -30,6 +34,9 @@ class CacheCommand(Command):
             raise KasokuError(f"`kasoku cache {args.action}` takes no MODEL (only `clear` does).")
         if args.repair and args.action != "check":
             raise KasokuError("--repair goes with `kasoku cache check`.")
+        if (args.max_size is not None) != (args.action == "prune"):
+            raise KasokuError("`kasoku cache prune` needs --max-size SIZE (e.g. 20G), and only prune takes it.")
+        budget = parse_size(args.max_size) if args.max_size is not None else None
         cache = Cache(args.cache_dir)
         if args.action == "clear":
             removed = cache.clear(args.model)
@@ -37,20 +44,36 @@ class CacheCommand(Command):
             return 0
         if args.action == "check":
             return self.check(cache, args)
+        if args.action == "prune":
+            return self.prune(cache, budget, args)
         return self.list(cache, args)
 
     def list(self, cache, args) -> int:
-        import datetime
-
         from ..console import console, table, write_json
 
-        entries = cache.list()
-        rows = [[e.key[:12], e.kind, e.model, e.component, f"{e.size_bytes / 1e6:.1f} MB",
-                 datetime.datetime.fromtimestamp(e.created).strftime("%Y-%m-%d %H:%M")] for e in entries]
-        console.print(table(f"cache {cache.root}", ["entry", "kind", "model", "component", "size", "created"], rows))
-        console.print(f"{len(entries)} entries, {sum(e.size_bytes for e in entries) / 1e6:.1f} MB")
+        entries = sorted(cache.list(), key=lambda e: e.last_used, reverse=True)
+        rows = [[e.key[:12], e.kind, e.model, e.component, _size(e.size_bytes), _when(e.last_used)] for e in entries]
+        console.print(table(f"cache {cache.root}", ["entry", "kind", "model", "component", "size", "last used"],
+                            rows))
+        console.print(f"{len(entries)} entries, {_size(sum(e.size_bytes for e in entries))} in all")
         if args.json:
             write_json(args.json, [vars(e) for e in entries])
+        return 0
+
+    def prune(self, cache, budget: int, args) -> int:
+        from ..console import console, write_json
+
+        before = cache.total_bytes()
+        removed = cache.prune(budget)
+        after = cache.total_bytes()
+        for info in removed:
+            console.print(f"evicted | {info.key[:12]} | {info.kind} {info.component} of {info.model} | "
+                          f"{_size(info.size_bytes)} | last used {_when(info.last_used)}", markup=False)
+        console.print(f"freed {_size(before - after)} ({len(removed)} entries); the cache holds {_size(after)} "
+                      f"(budget {_size(budget)})" + ("; entries in use by another process were kept"
+                                                      if after > budget else ""))
+        if args.json:
+            write_json(args.json, [vars(e) for e in removed])
         return 0
 
     def check(self, cache, args) -> int:
@@ -67,6 +90,19 @@ class CacheCommand(Command):
         if args.json:
             write_json(args.json, [{"key": i.key, "problem": p} for i, p in damaged])
         return 1 if damaged and not args.repair else 0
+
+
+def _size(nbytes: int) -> str:
+    for unit, scale in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
+        if nbytes >= scale:
+            return f"{nbytes / scale:.1f} {unit}"
+    return f"{nbytes} B"
+
+
+def _when(timestamp: float) -> str:
+    import datetime
+
+    return datetime.datetime.fromtimestamp(timestamp).strftime("%Y-%m-%d %H:%M")
 
 
 class Info(Command):
@@ -89,6 +125,8 @@ class Info(Command):
         rows = [[b["name"], "yes" if b["available"] else "no", b["version"] or "-", b["devices"] or b["reason"]]
                 for b in info["backends"]]
         console.print(table("backends", ["backend", "available", "version", "devices / why not"], rows))
+        for problem in info["problems"]:
+            console.print(f"problem: {problem}", markup=False)
         if args.json:
             write_json(args.json, info)
         return 0

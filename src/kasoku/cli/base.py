@@ -126,11 +126,18 @@ def add_engine_arguments(parser: argparse.ArgumentParser, *, profile_flags: bool
                         help="CPU threads per engine (default: the runtime's)")
     parser.add_argument("--trt-opt-level", type=int, choices=list(TRT_OPT_LEVELS), default=3,
                         help="TensorRT builder optimization level 0-5 (default 3)")
+    parser.add_argument("--keep-intermediate", action="store_true",
+                        help="keep the ONNX exports in the cache once the engines exist (default: drop them; a "
+                             "compile for another backend or precision then exports again)")
+    parser.add_argument("--cuda-graph", action="store_true",
+                        help="tensorrt and onnxruntime-cuda: capture each engine's GPU work once and replay it as a "
+                             "CUDA graph; needs exact-shape engines (`kasoku generate` builds them for its call)")
     add_cache_dir(parser)
 
 
-def options_from_args(args: argparse.Namespace, profile=None):
-    """The CompileOptions of the engine arguments, checked before anything is loaded or written."""
+def options_from_args(args: argparse.Namespace, profile=None, *, cuda_graph: bool | None = None):
+    """The CompileOptions of the engine arguments, checked before anything is loaded or written.
+    `cuda_graph` overrides --cuda-graph (a command that chooses its profile later sets it with the profile)."""
     from ..options import CompileOptions
 
     options = CompileOptions(
@@ -139,13 +146,16 @@ def options_from_args(args: argparse.Namespace, profile=None):
         exporter=getattr(args, "exporter", None) or CompileOptions.exporter,
         opset=getattr(args, "opset", None) or CompileOptions.opset,
         trt_opt_level=getattr(args, "trt_opt_level", CompileOptions.trt_opt_level),
+        keep_intermediate=getattr(args, "keep_intermediate", False),
+        cuda_graph=getattr(args, "cuda_graph", False) if cuda_graph is None else cuda_graph,
     )
     check_backend(options)
     return options
 
 
-def check_backend(options) -> None:
-    """An explicit backend must be installed and build the asked precision: say so before any work."""
+def check_backend(options, *, cuda_graph: bool = False) -> None:
+    """An explicit backend must be installed and build the asked precision (and, with `cuda_graph`,
+    replay CUDA graphs): say so before any work."""
     from ..backends import get_backend
     from ..options import FASTEST
 
@@ -154,6 +164,8 @@ def check_backend(options) -> None:
     for name in names - {"auto"}:
         backend = get_backend(name, options)
         backend.require()
+        if cuda_graph:
+            backend.check_cuda_graph(asked=True)
         for precision in precisions - {FASTEST}:
             backend.check_precision(precision)
 

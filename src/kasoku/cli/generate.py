@@ -73,13 +73,16 @@ class Generate(Command):
         mask = open_image(args.mask, "--mask").convert("L") if args.mask else None
         if mask is not None and image is None:
             raise KasokuError("--mask needs --image (the picture to inpaint).")
-        options = options_from_args(args)
+        # the profile (and with it --cuda-graph, which needs an exact one) is chosen below, for this call
+        options = options_from_args(args, cuda_graph=False)
+        if args.cuda_graph:
+            check_backend(options, cuda_graph=True)
 
         start = time.perf_counter()
         reference = load_pipeline(args.model, lazy=True)  # configs only: weights load only for what must be built
         native = native_size(reference)
         check_size(args.height or native, args.width or native)  # before a compile that could take minutes
-        options = options.replace(profile=_profile_for(args, image, reference, options))
+        options = options.replace(profile=_profile_for(args, image, reference, options), cuda_graph=args.cuda_graph)
         pipe = compile(reference, options=options, on_stage=show_stage, label=str(args.model))
         load_seconds = time.perf_counter() - start
         if args.scheduler:
@@ -134,6 +137,8 @@ def _profile_for(args: argparse.Namespace, image, pipe, options):
                           f"times the U-Net's downsampling) but are {height} and {width}.")
     shape = ImageShape(args.num_images, height, width)
     exact = ShapeProfile.exact(shape, guidance=args.guidance > 1, multiple=base.multiple)
+    if args.cuda_graph:  # a CUDA graph replays one shape: exact-shape engines only
+        return exact
     served = [p for p in (exact, base) if p.serves(shape, args.guidance > 1)]
     return cached_profile(args.model, options, served) or exact
 

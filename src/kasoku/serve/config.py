@@ -1,0 +1,168 @@
+"""What a server serves, decided and checked once before anything is bound or built: the model, the
+image sizes, the engines' profile, the batching and queue limits, and the API key."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import re
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+
+from ..batch.jobs import DEFAULT_BATCH_SIZE
+from ..components import ImageShape, ShapeProfile
+from ..errors import KasokuError
+from ..options import CompileOptions
+from ..schedulers import most_steps
+
+SERVE_EXTRA = "pip install 'kasoku[serve]'"
+# what each is called on PyPI -> the names it may be imported by (python-multipart renamed its module)
+SERVE_MODULES = {"FastAPI": ("fastapi",), "uvicorn": ("uvicorn",), "prometheus-client": ("prometheus_client",),
+                 "python-multipart": ("python_multipart", "multipart")}
+
+DEFAULT_WINDOW_MS = 20.0  # how long the oldest waiting image waits for companions (under load, calls run back to back)
+DEFAULT_MAX_QUEUE = 64  # images waiting for an engine call
+DEFAULT_TIMEOUT = 600.0  # seconds from a request's arrival to its answer (a full-size image on a CPU takes a minute)
+SIZE_PATTERN = re.compile(r"(\d+)x(\d+)")
+
+
+class ServeNotInstalled(KasokuError, ImportError):
+    """kasoku serve without the serve extra."""
+
+
+def require_serve(what: str = "kasoku serve") -> None:
+    """The server's stack is importable, or an error naming the extra that installs it."""
+    missing = [name for name, modules in SERVE_MODULES.items()
+               if all(importlib.util.find_spec(module) is None for module in modules)]
+    if missing:
+        raise ServeNotInstalled(f"{what} needs {', '.join(missing)}, which {'is' if len(missing) == 1 else 'are'} "
+                                f"not installed here: {SERVE_EXTRA}")
+
+
+@dataclass(frozen=True)
+class Size:
+    """An image size as the OpenAI API writes it: "WxH" (width first)."""
+
+    width: int
+    height: int
+
+    @classmethod
+    def parse(cls, text: str) -> Size:
+        match = SIZE_PATTERN.fullmatch(text.strip())
+        if not match or min(int(match[1]), int(match[2])) < 1:
+            raise ValueError(f"a size is WIDTHxHEIGHT in pixels, e.g. 512x512, not {text!r}")
+        return cls(int(match[1]), int(match[2]))
+
+    def __str__(self) -> str:
+        return f"{self.width}x{self.height}"
+
+
+@dataclass(frozen=True)
+class ServeConfig:
+    """Everything a server process (or each Ray Serve replica) needs; small and picklable."""
+
+    model: str  # a folder as an absolute path (replicas do not share our working directory), or a hub id
+    model_name: str  # what clients send as `model`
+    options: CompileOptions  # with the profile, every component, and an absolute cache folder
+    sizes: tuple[Size, ...]  # the sizes requests may ask for; the first is the default
+    max_batch: int = DEFAULT_BATCH_SIZE
+    batch_window_ms: float = DEFAULT_WINDOW_MS
+    max_queue: int = DEFAULT_MAX_QUEUE
+    timeout: float = DEFAULT_TIMEOUT
+    api_key: str | None = field(default=None, repr=False)
+    max_steps: int = 1000  # the scheduler's training steps
+
+    def replace(self, **changes) -> ServeConfig:
+        return replace(self, **changes)
+
+    @property
+    def default_size(self) -> Size:
+        return self.sizes[0]
+
+    @property
+    def sizes_text(self) -> str:
+        return ", ".join(map(str, self.sizes))
+
+
+def serving_profile(base: ShapeProfile, sizes: tuple[Size, ...], max_batch: int) -> ShapeProfile:
+    """The engines a server needs: exactly its sizes (static height and width when it serves one size,
+    the fastest engines on CPU backends), 1 to `max_batch` images per call (a call runs only the
+    images it has), with and without classifier-free guidance (a request's `guidance` decides)."""
+    heights = sorted({s.height for s in sizes})
+    widths = sorted({s.width for s in sizes})
+    first = sizes[0]
+    return ShapeProfile.from_ranges((1, max_batch, max_batch), (heights[0], first.height, heights[-1]),
+                                    (widths[0], first.width, widths[-1]), base.multiple, guidance=None)
+
+
+def serves_every_request(profile: ShapeProfile, sizes: tuple[Size, ...], max_batch: int) -> bool:
+    return all(profile.serves(ImageShape(batch, s.height, s.width), guided)
+               for s in sizes for batch in (1, max_batch) for guided in (False, True))
+
+
+def _portable_model(model) -> str:
+    if isinstance(model, (str, Path)) and Path(model).expanduser().exists():
+        return str(Path(model).expanduser().absolute())
+    if not isinstance(model, (str, Path)):
+        raise KasokuError(f"kasoku serve takes a model folder or hub id, not a {type(model).__name__}.")
+    return str(model)
+
+
+def api_key_from_env(variable: str | None) -> str | None:
+    """The key of `--api-key-env VAR`: the variable must be set and not empty."""
+    if variable is None:
+        return None
+    key = os.environ.get(variable, "")
+    if not key.strip():
+        raise KasokuError(f"--api-key-env {variable}: the environment variable {variable} is "
+                          f"{'empty' if variable in os.environ else 'not set'}; set it to the key clients must send "
+                          "(Authorization: Bearer KEY).")
+    return key.strip()
+
+
+def prepare_serving(model, options: CompileOptions | None = None, *, sizes: tuple[Size, ...] = (),
+                    max_batch: int = DEFAULT_BATCH_SIZE, batch_window_ms: float = DEFAULT_WINDOW_MS,
+                    max_queue: int = DEFAULT_MAX_QUEUE, timeout: float = DEFAULT_TIMEOUT,
+                    api_key: str | None = None, model_name: str | None = None):
+    """Every check before anything is bound or built; returns (ServeConfig, the lazily loaded model).
+
+    Reads the model's configs, not its weights nor the engines. The profile is that of engines
+    already in the cache that serve every size (built for this server, or for the model's default
+    range), else the serving profile (built when the server starts)."""
+    from ..build import cached_profile
+    from ..cache import default_cache_dir
+    from ..components import default_profile, model_components, native_size
+    from ..loading import load_pipeline
+
+    for name, value, least in (("--max-batch", max_batch, 1), ("--max-queue", max_queue, 1)):
+        if value < least:
+            raise KasokuError(f"{name} must be at least {least} but is {value}.")
+    if not timeout > 0:
+        raise KasokuError(f"--timeout must be more than 0 seconds but is {timeout}.")
+    if not batch_window_ms >= 0:
+        raise KasokuError(f"--batch-window-ms must be 0 or more but is {batch_window_ms}.")
+    options = options or CompileOptions()
+    model = _portable_model(model)
+    reference = load_pipeline(model, lazy=True)
+    base = default_profile(reference)
+    native = native_size(reference)
+    sizes = tuple(dict.fromkeys(sizes)) or (Size(native, native),)
+    bad = [str(s) for s in sizes if s.width % base.multiple or s.height % base.multiple]
+    if bad:
+        raise KasokuError(f"--size: width and height must be multiples of {base.multiple} for this model (the VAE's "
+                          f"8x times the U-Net's downsampling) but {', '.join(bad)} "
+                          f"{'is' if len(bad) == 1 else 'are'} not.")
+    cache = (options.cache_dir or default_cache_dir()).absolute()
+    options = options.replace(cache_dir=cache, components=options.components or model_components(reference))
+    wanted = serving_profile(base, sizes, max_batch)
+    candidates = [p for p in (wanted, base) if serves_every_request(p, sizes, max_batch)]
+    profile = cached_profile(model, options, candidates) or wanted
+    config = ServeConfig(model=model, model_name=model_name or Path(model).name,
+                         options=options.replace(profile=profile), sizes=sizes, max_batch=max_batch,
+                         batch_window_ms=batch_window_ms, max_queue=max_queue, timeout=timeout, api_key=api_key,
+                         max_steps=most_steps(reference.scheduler))
+    return config, reference
+
+
+__all__ = ["DEFAULT_MAX_QUEUE", "DEFAULT_TIMEOUT", "DEFAULT_WINDOW_MS", "SERVE_EXTRA", "ServeConfig",
+           "ServeNotInstalled", "Size", "api_key_from_env", "prepare_serving", "require_serve", "serving_profile"]

@@ -1,0 +1,273 @@
+"""The request fields: the OpenAI Images API's and kasoku's own, each checked with a message that
+names it, states the rule and shows the value; a request becomes one job per image.
+
+JSON bodies (generations) carry typed values; multipart forms (edits) carry text, so numbers there
+are read from their text. Nothing here needs the engines: what only the compiled pipeline can say
+(the profile, the components it has) is checked by `ImageService.check`, also before queueing."""
+
+from __future__ import annotations
+
+import io
+import json
+import math
+import secrets
+from dataclasses import dataclass, field
+from typing import Any
+
+from ..batch.jobs import DEFAULT_GUIDANCE, DEFAULT_STEPS, MAX_SEED, call_key
+from .config import ServeConfig, Size
+from .errors import InvalidRequest
+
+MAX_IMAGES_PER_REQUEST = 10  # OpenAI's own limit on `n`
+MAX_PROMPT_CHARS = 32_000  # OpenAI's own limit on `prompt`
+MAX_INPUT_PIXELS = 4096 * 4096  # an uploaded image larger than this is refused before it is decoded
+DEFAULT_STRENGTH = 0.8  # as `kasoku generate --strength`
+RANDOM_SEEDS = 2**32  # a request without `seed` gets one drawn below this (and told which)
+
+GENERATION_FIELDS = ("prompt", "n", "size", "response_format", "model", "user",
+                     "negative_prompt", "steps", "guidance", "seed")
+EDIT_FIELDS = ("image", "mask", "strength") + GENERATION_FIELDS
+# Fields other kasoku issues add; until they land a request that sets them is refused, not ignored.
+NOT_YET = {"cache_interval": "U-Net feature caching", "loras": "LoRA adapters"}
+
+
+@dataclass(frozen=True, eq=False)
+class ServeJob:
+    """One image of one request: what `plan_batches` groups (by `call_key`) and one engine call runs."""
+
+    prompt: str
+    negative_prompt: str | None
+    seed: int
+    steps: int
+    guidance: float
+    height: int
+    width: int
+    task: str = "txt2img"  # txt2img | img2img | inpaint
+    strength: float | None = None
+    image: Any = field(default=None, repr=False)  # PIL images at the output size (img2img, inpaint)
+    mask: Any = field(default=None, repr=False)
+
+    @property
+    def call_key(self) -> tuple:
+        return call_key(self.height, self.width, self.steps, self.guidance, self.negative_prompt is not None,
+                        task=self.task, strength=self.strength)
+
+
+@dataclass(frozen=True, eq=False)
+class ImageRequest:
+    """One checked request: `n` images, image i seeded with `seed + i`."""
+
+    prompt: str
+    n: int
+    size: Size
+    seed: int
+    steps: int
+    guidance: float
+    negative_prompt: str | None = None
+    task: str = "txt2img"
+    strength: float | None = None
+    image: Any = field(default=None, repr=False)
+    mask: Any = field(default=None, repr=False)
+
+    @property
+    def seeds(self) -> list[int]:
+        return [self.seed + i for i in range(self.n)]
+
+    def jobs(self) -> list[ServeJob]:
+        return [ServeJob(self.prompt, self.negative_prompt, seed, self.steps, self.guidance, self.size.height,
+                         self.size.width, self.task, self.strength, self.image, self.mask) for seed in self.seeds]
+
+    def call_arguments(self, images: int) -> dict[str, Any]:
+        """The arguments of a call of `images` of these images, for the pipeline's own checks."""
+        kwargs: dict[str, Any] = dict(prompt=[self.prompt] * images, num_inference_steps=self.steps,
+                                      guidance_scale=self.guidance)
+        if self.negative_prompt is not None:
+            kwargs["negative_prompt"] = [self.negative_prompt] * images
+        return kwargs | task_arguments(self.jobs()[:images])
+
+
+def task_arguments(jobs: list[ServeJob]) -> dict[str, Any]:
+    """What a call of these jobs takes beside `call_arguments`: the size (img2img keeps its image's),
+    the images and masks, and the strength."""
+    first = jobs[0]
+    if first.task == "txt2img":
+        return dict(height=first.height, width=first.width)
+    kwargs: dict[str, Any] = dict(image=[job.image for job in jobs], strength=first.strength)
+    if first.task == "inpaint":
+        kwargs.update(mask_image=[job.mask for job in jobs], height=first.height, width=first.width)
+    return kwargs
+
+
+# ---- values ------------------------------------------------------------------------------------
+
+
+def _show(value: Any) -> str:
+    try:
+        text = json.dumps(value)
+    except (TypeError, ValueError):
+        text = repr(value)
+    return text if len(text) <= 80 else text[:77] + "..."
+
+
+def _bad(name: str, rule: str, value: Any) -> InvalidRequest:
+    return InvalidRequest(f"`{name}` must be {rule} but is {_show(value)}.", param=name)
+
+
+def _integer(name: str, value: Any, low: int, high: int, form: bool) -> int:
+    rule = f"an integer in {low}..{high}"
+    if form and isinstance(value, str):
+        try:
+            value = int(value.strip())
+        except ValueError:
+            raise _bad(name, rule, value) from None
+    if not isinstance(value, int) or isinstance(value, bool) or not low <= value <= high:
+        raise _bad(name, rule, value)
+    return value
+
+
+def _number(name: str, value: Any, rule: str, ok, form: bool) -> float:
+    if form and isinstance(value, str):
+        try:
+            value = float(value.strip())
+        except ValueError:
+            raise _bad(name, rule, value) from None
+    if not isinstance(value, (int, float)) or isinstance(value, bool) or not math.isfinite(value) or not ok(value):
+        raise _bad(name, rule, value)
+    return float(value)
+
+
+def _text(name: str, value: Any, *, required: bool = False) -> str | None:
+    if value is None and not required:
+        return None
+    if not isinstance(value, str) or (required and not value.strip()):
+        raise _bad(name, "a non-empty string" if required else "a string", value)
+    if len(value) > MAX_PROMPT_CHARS:
+        raise InvalidRequest(f"`{name}` must be at most {MAX_PROMPT_CHARS} characters but has {len(value)}.",
+                             param=name)
+    return value
+
+
+def _size(value: Any, config: ServeConfig) -> Size:
+    if value is None or value == "auto":
+        return config.default_size
+    try:
+        size = Size.parse(value) if isinstance(value, str) else None
+    except ValueError:
+        size = None
+    if size not in config.sizes:
+        raise InvalidRequest(f"`size` must be one of the sizes this server's engines serve ({config.sizes_text}, "
+                             f"written WIDTHxHEIGHT; or \"auto\") but is {_show(value)}. Start `kasoku serve` with "
+                             f"--size {value if size else 'WxH'} to serve another.", param="size")
+    return size
+
+
+def _check_fields(body: dict, allowed: tuple[str, ...], endpoint: str) -> None:
+    for name in body:
+        if name in NOT_YET:
+            raise InvalidRequest(f"`{name}` ({NOT_YET[name]}) is not available yet in this kasoku; leave it out.",
+                                 param=name)
+    unknown = sorted(set(body) - set(allowed))
+    if unknown:
+        names = ", ".join(f"`{name}`" for name in unknown)
+        raise InvalidRequest(f"unknown field{'s' if len(unknown) > 1 else ''} {names} for {endpoint}; its fields are "
+                             f"{', '.join(allowed)}.", param=unknown[0])
+
+
+def _common(body: dict, config: ServeConfig, form: bool) -> dict[str, Any]:
+    """The fields generations and edits share."""
+    model = body.get("model")
+    if model is not None and model != config.model_name:
+        raise InvalidRequest(f"`model` must be {config.model_name!r} (the model this server serves) or left out, but "
+                             f"is {_show(model)}.", param="model")
+    response_format = body.get("response_format")
+    if response_format not in (None, "b64_json"):
+        raise InvalidRequest(f"`response_format` must be \"b64_json\" (kasoku serve keeps no files to link to) but is "
+                             f"{_show(response_format)}.", param="response_format")
+    _text("user", body.get("user"))
+    most = min(MAX_IMAGES_PER_REQUEST, config.max_queue)
+    n = _integer("n", body.get("n", 1), 1, most, form)
+    seed = body.get("seed")
+    seed = secrets.randbelow(RANDOM_SEEDS) if seed is None else _integer("seed", seed, 0, MAX_SEED - (n - 1), form)
+    return dict(
+        prompt=_text("prompt", body.get("prompt"), required=True),
+        negative_prompt=_text("negative_prompt", body.get("negative_prompt")),
+        n=n, size=_size(body.get("size"), config), seed=seed,
+        steps=_integer("steps", body.get("steps", DEFAULT_STEPS), 1, config.max_steps, form),
+        guidance=_number("guidance", body.get("guidance", DEFAULT_GUIDANCE), "a finite number", lambda v: True, form),
+    )
+
+
+def parse_generation(body: Any, config: ServeConfig) -> ImageRequest:
+    """A JSON body of POST /v1/images/generations → an ImageRequest (text to image)."""
+    if not isinstance(body, dict):
+        raise InvalidRequest(f"the body must be a JSON object but is {type(body).__name__}.")
+    if "strength" in body or "image" in body:
+        name = "strength" if "strength" in body else "image"
+        raise InvalidRequest(f"`{name}` belongs to /v1/images/edits (img2img and inpaint), not to generations.",
+                             param=name)
+    _check_fields(body, GENERATION_FIELDS, "/v1/images/generations")
+    return ImageRequest(**_common(body, config, form=False))
+
+
+def parse_edit(form: dict[str, Any], image: bytes | None, mask: bytes | None, config: ServeConfig) -> ImageRequest:
+    """The text fields and uploaded files of POST /v1/images/edits → an ImageRequest: inpaint with a
+    mask, img2img without. `image` is resized to the output size (`size`), and so is `mask`."""
+    _check_fields({**form, **({"image": 1} if image is not None else {})}, EDIT_FIELDS, "/v1/images/edits")
+    if image is None:
+        raise InvalidRequest("`image` is missing: upload the picture to edit as a file field.", param="image")
+    fields = _common(form, config, form=True)
+    strength = _number("strength", form.get("strength", DEFAULT_STRENGTH), "a number in [0, 1]",
+                       lambda v: 0.0 <= v <= 1.0, form=True)
+    size: Size = fields["size"]
+    picture = decode_image(image, "image").convert("RGB")
+    if mask is not None:
+        painted = mask_from(decode_image(mask, "mask"))
+        if painted.size != picture.size:
+            raise InvalidRequest(f"`mask` must be the size of `image` ({picture.size[0]}x{picture.size[1]}) but is "
+                                 f"{painted.size[0]}x{painted.size[1]}.", param="mask")
+        painted = resized(painted, size, nearest=True)
+    else:
+        painted = None
+    return ImageRequest(**fields, task="inpaint" if mask is not None else "img2img", strength=strength,
+                        image=resized(picture, size), mask=painted)
+
+
+def decode_image(data: bytes, name: str):
+    """An uploaded file as a PIL image; refused before decoding when it is not an image or too large."""
+    from PIL import Image, UnidentifiedImageError
+
+    try:
+        image = Image.open(io.BytesIO(data))
+    except (UnidentifiedImageError, OSError, ValueError):
+        raise InvalidRequest(f"`{name}` is not an image kasoku can read (PNG, JPEG, WebP, ...); got {len(data)} bytes "
+                             "that are not.", param=name) from None
+    width, height = image.size
+    if width * height > MAX_INPUT_PIXELS:
+        raise InvalidRequest(f"`{name}` must have at most {MAX_INPUT_PIXELS} pixels but is {width}x{height}.",
+                             param=name)
+    try:
+        image.load()
+    except (OSError, ValueError, SyntaxError):
+        raise InvalidRequest(f"`{name}` is a damaged or truncated image.", param=name) from None
+    return image
+
+
+def mask_from(image):
+    """White where to paint. A mask with transparency follows OpenAI's rule (paint where it is fully
+    transparent); one without follows diffusers' (paint where it is white)."""
+    if image.mode in ("RGBA", "LA", "PA") or (image.mode == "P" and "transparency" in image.info):
+        alpha = image.convert("RGBA").getchannel("A")
+        return alpha.point(lambda a: 255 if a == 0 else 0)
+    return image.convert("L")
+
+
+def resized(image, size: Size, nearest: bool = False):
+    from PIL import Image
+
+    if image.size == (size.width, size.height):
+        return image
+    return image.resize((size.width, size.height), Image.Resampling.NEAREST if nearest else Image.Resampling.LANCZOS)
+
+
+__all__ = ["DEFAULT_STRENGTH", "EDIT_FIELDS", "GENERATION_FIELDS", "ImageRequest", "MAX_IMAGES_PER_REQUEST", "NOT_YET",
+           "ServeJob", "decode_image", "mask_from", "parse_edit", "parse_generation", "task_arguments"]
