@@ -318,7 +318,7 @@ def stage_ov_probe(_target: str, args) -> dict:
 
 
 IMAGE_PROMPT = "a beautiful photograph of mt fuji during cherry blossom"
-IMAGE_STEPS = (4, 20)
+DEFAULT_IMAGE_STEPS = (4, 20)
 # kasoku's contenders: backend, precision and shapes (static: exact-shape engines for the one image; dynamic: the
 # model's default range, what `kasoku compile MODEL` builds); backend "auto" as a user gets it, and inductor
 # (not in the default --images: its cold compiles are long).
@@ -366,7 +366,7 @@ def stage_image(contender: str, args) -> dict:
         subprocess.run([str(peer_python(PEERS[contender])), str(HERE / "peer_run.py"), contender, "--model",
                         str(MODEL_DIR), "--work", str(args.work / "peers"), "--latents", str(latents_file(args)),
                         "--out", str(out), "--prompt", IMAGE_PROMPT, "--size", str(SIZE), "--steps",
-                        ",".join(map(str, IMAGE_STEPS)), "--repeats", str(args.repeats), "--threads",
+                        ",".join(map(str, args.steps)), "--repeats", str(args.repeats), "--threads",
                         str(args.threads)], check=True)
         return json.loads(out.read_text())
     import kasoku
@@ -400,7 +400,7 @@ def stage_image(contender: str, args) -> dict:
     generate(1)
     result["warmup_s"] = time.perf_counter() - start
     images, result["seconds"] = {}, {}
-    for steps in IMAGE_STEPS:
+    for steps in args.steps:
         result["seconds"][str(steps)], image = _repeat(lambda steps=steps: generate(steps), args.repeats)
         images[f"steps{steps}"] = np.asarray(image, np.float32)
     np.savez(out.with_suffix(".npz"), **images)
@@ -560,6 +560,7 @@ def _run_stage(stage: str, target: str, args, log) -> dict:
     log(f"stage {stage}:{target}")
     command = [sys.executable, __file__, "--stage", stage, "--target", target, "--stage-json", str(out),
                "--threads", str(args.threads), "--repeats", str(args.repeats), "--cache", str(args.cache),
+               "--steps", ",".join(map(str, args.steps)),
                *(["--smoke"] if args.smoke else [])]
     start = time.perf_counter()
     code = subprocess.run(command).returncode
@@ -595,6 +596,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--images", default=",".join(["diffusers", *KASOKU_IMAGES, *PEERS]),
                         help="for the image stage: diffusers, kasoku-{fp32,bf16,int8}-{static,dynamic} (auto), "
                              f"kasoku-inductor-{{fp32,bf16}}-{{static,dynamic}}, and the peers {', '.join(PEERS)}")
+    parser.add_argument("--steps", default=",".join(map(str, DEFAULT_IMAGE_STEPS)),
+                        type=lambda text: tuple(int(s) for s in text.split(",")),
+                        help="for the image stage: the step counts timed (default %(default)s)")
     parser.add_argument("--threads", type=int, default=torch.get_num_threads())
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--cache", type=Path, default=WORK / "cache", help="the benchmark's kasoku cache")
@@ -773,24 +777,30 @@ def _inductor_lines(speed: dict) -> list[str]:
 
 def _image_table(report: dict) -> list[str]:
     images, versus = report["image"], report.get("image_vs_diffusers", {})
-    base = {steps: _median(images["diffusers"]["seconds"][str(steps)]) for steps in IMAGE_STEPS} \
+    measured = sorted({int(s) for r in images.values() for s in r.get("seconds", {})})
+    step_counts = measured or list(DEFAULT_IMAGE_STEPS)
+    base = {steps: _median(images["diffusers"]["seconds"][str(steps)]) for steps in step_counts
+            if str(steps) in images["diffusers"].get("seconds", {})} \
         if "diffusers" in images and not images["diffusers"].get("failed") else {}
     lines = [f"## One {SIZE}x{SIZE} image with guidance, the same initial latents for every contender "
              "(genai: its own noise), median of the timed calls after a warm-up", "",
-             "| pipeline | export / cold compile s | " + " | ".join(f"{s} steps s (vs diffusers)" for s in IMAGE_STEPS)
-             + " | " + " | ".join(f"PSNR / SSIM vs diffusers, {s} steps" for s in IMAGE_STEPS) + " | peak RSS |",
-             "| --- | --- | " + " | ".join(["---"] * 2 * len(IMAGE_STEPS)) + " | --- |"]
+             "| pipeline | export / cold compile s | " + " | ".join(f"{s} steps s (vs diffusers)" for s in step_counts)
+             + " | " + " | ".join(f"PSNR / SSIM vs diffusers, {s} steps" for s in step_counts) + " | peak RSS |",
+             "| --- | --- | " + " | ".join(["---"] * 2 * len(step_counts)) + " | --- |"]
     for name, r in images.items():
         if r.get("failed"):
-            lines.append(f"| {name} | failed (exit {r['returncode']}) |" + " |" * (2 * len(IMAGE_STEPS) + 1))
+            lines.append(f"| {name} | failed (exit {r['returncode']}) |" + " |" * (2 * len(step_counts) + 1))
             continue
         built = r.get("compile_s", r.get("export_s"))
         cells = []
-        for steps in IMAGE_STEPS:
+        for steps in step_counts:
+            if str(steps) not in r["seconds"]:
+                cells.append("-")
+                continue
             median = _median(r["seconds"][str(steps)])
             speedup = f" ({base[steps] / median:.2f}×)" if steps in base else ""
             cells.append(f"{median:.1f}{speedup}")
-        for steps in IMAGE_STEPS:
+        for steps in step_counts:
             v = versus.get(name, {}).get(f"steps{steps}")
             cells.append("—" if name == "diffusers" else (f"{v['psnr_db']:.1f} dB / {v['ssim']:.4f}" if v else "-"))
         detail = ""
