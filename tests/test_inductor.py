@@ -48,6 +48,7 @@ def inductor_pipe(tiny_dir, inductor_cache):
 
 
 @pytest.mark.integration
+@pytest.mark.slow  # AOTInductor compiles: minutes of C++ on two cores for the first test
 @pytest.mark.parametrize("guidance", [1.0, 7.5], ids=["no-cfg", "cfg"])
 def test_images_match_diffusers_in_fp32(tiny_pipe, inductor_pipe, guidance):
     expected = generate(reference(tiny_pipe, "txt2img"), "txt2img", "ddim", guidance)
@@ -57,6 +58,7 @@ def test_images_match_diffusers_in_fp32(tiny_pipe, inductor_pipe, guidance):
 
 
 @pytest.mark.integration
+@pytest.mark.slow  # AOTInductor compiles: minutes of C++ on two cores for the first test
 def test_engines_are_built_from_the_module_and_match_torch(inductor_pipe, tiny_specs):
     report = inductor_pipe.compile_report
     assert report.backends == {name: "inductor" for name in TXT2IMG}
@@ -77,6 +79,7 @@ def test_engines_are_built_from_the_module_and_match_torch(inductor_pipe, tiny_s
 
 
 @pytest.mark.integration
+@pytest.mark.slow  # AOTInductor compiles: minutes of C++ on two cores for the first test
 def test_a_second_compile_in_a_new_process_loads_without_compiling(tiny_dir, inductor_pipe, inductor_cache,
                                                                   tmp_path):
     report_file = tmp_path / "report.json"
@@ -94,6 +97,7 @@ def test_a_second_compile_in_a_new_process_loads_without_compiling(tiny_dir, ind
 
 
 @pytest.mark.integration
+@pytest.mark.slow  # AOTInductor compiles: minutes of C++ on two cores for the first test
 def test_inputs_outside_the_profile_fail_with_kasokus_error(inductor_pipe, tiny_specs):
     engine, spec = inductor_pipe.engines["unet"], tiny_specs["unet"]
     with pytest.raises(ShapeOutOfProfile, match=r"latent_height\) is 32, outside the engine's profile: 4\.\.16"):
@@ -107,6 +111,7 @@ def test_inputs_outside_the_profile_fail_with_kasokus_error(inductor_pipe, tiny_
 
 
 @pytest.mark.integration
+@pytest.mark.slow  # AOTInductor compiles: minutes of C++ on two cores for the first test
 def test_the_public_loader_opens_the_same_package(inductor_pipe, inductor_cache, tiny_specs):
     """The fallback for a torch whose loader class differs runs the package as the direct load does."""
     key = next(s.key for s in inductor_pipe.compile_report.stages if s.component == "unet")
@@ -117,6 +122,7 @@ def test_the_public_loader_opens_the_same_package(inductor_pipe, inductor_cache,
 
 
 @pytest.mark.integration
+@pytest.mark.slow  # AOTInductor compiles: minutes of C++ on two cores for the first test
 @needs_bf16
 def test_bf16_keeps_its_contract(tiny_dir, tiny_pipe, tiny_specs, inductor_pipe, inductor_cache):
     """The U-Net in bf16 (where the drift is made: it runs every step), the text encoder and VAE decoder
