@@ -3,6 +3,13 @@
     python benchmarks/full_sd15.py [--stages cold,warm,runtime,speed] [--backends onnxruntime,openvino]
                                    [--threads 2] [--repeats 3] [--fresh-cache]
 
+A backend (in --backends and --contenders) may name its precision: `inductor:bf16`, `openvino:bf16`
+(default fp32). The inductor comparison, cold compile and warm load beside OpenVINO in one run:
+
+    python benchmarks/full_sd15.py --stages cold,warm,runtime,speed \
+        --backends onnxruntime,openvino,openvino:bf16,inductor,inductor:bf16 \
+        --contenders torch,onnxruntime,openvino,openvino:bf16,inductor,inductor:bf16
+
 Builds the SD 1.5 architecture (CLIP ViT-L text encoder, the 860M-parameter U-Net, the VAE) with
 random weights once into benchmarks/.models/ (no weights can be downloaded here), then runs stages,
 each in its own process so that no two copies of the weights share the memory (the run's peak is
@@ -14,7 +21,8 @@ the largest stage's VmHWM):
                      `kasoku.compile(pipe)` on the warm cache, with each engine's load time; and, in
                      another process, `KasokuPipeline.from_pretrained(folder)` (reads no weights).
 - runtime:<backend>  the runtime's own load of the same engine files, with the same settings
-                     (ONNX Runtime InferenceSession; OpenVINO compile_model with the entry's blob cache).
+                     (ONNX Runtime InferenceSession; OpenVINO compile_model with the entry's blob cache;
+                     AOTInductor: torch._inductor.aoti_load_package of the package).
 - speed:<contender>  one call per component after warm-up, median of repeats, against torch eager
                      (torch, onnxruntime, openvino), with the FLOP floor; the components' inputs and
                      torch's outputs are saved by the torch stage, so every contender is checked.
@@ -134,9 +142,15 @@ def cache_bytes(cache: Path) -> int:
 # ---- stages (each runs in its own process) -----------------------------------------------------------
 
 
-def cache_for(args, backend: str) -> Path:
-    """Each backend compiles into a cache of its own, so its size is its own."""
-    return args.cache / backend
+def backend_precision(target: str) -> tuple[str, str]:
+    """A --backends/--contenders entry: `backend` or `backend:precision` (fp32 when not named)."""
+    backend, _, precision = target.partition(":")
+    return backend, precision or "fp32"
+
+
+def cache_for(args, target: str) -> Path:
+    """Each backend (and precision) compiles into a cache of its own, so its size is its own."""
+    return args.cache / target.replace(":", "-")
 
 
 def stage_model(target: str, args) -> dict:
@@ -146,19 +160,21 @@ def stage_model(target: str, args) -> dict:
     return {"seconds": time.perf_counter() - start, "weights_bytes": weights_bytes(folder), "peak_mb": peak_mb()}
 
 
-def stage_cold(backend: str, args) -> dict:
+def stage_cold(target: str, args) -> dict:
     from kasoku.build import compile_components
 
-    shutil.rmtree(cache_for(args, backend), ignore_errors=True)  # cold means cold
+    backend, precision = backend_precision(target)
+    shutil.rmtree(cache_for(args, target), ignore_errors=True)  # cold means cold
     start = time.perf_counter()
-    _, report = compile_components(MODEL_DIR, backend=backend, components=TXT2IMG, cache=cache_for(args, backend),
-                                   threads=args.threads, label="sd15-random")
+    _, report = compile_components(MODEL_DIR, backend=backend, precision=precision, components=TXT2IMG,
+                                   cache=cache_for(args, target), threads=args.threads, label="sd15-random")
     seconds = time.perf_counter() - start
     per_stage: dict[str, dict[str, float]] = {}
     for record in report.stages:
         per_stage.setdefault(record.component, {})[record.stage] = round(record.seconds, 2)
     return {"seconds": seconds, "stages": per_stage, "backends": report.backends, "built": report.built,
-            "cache_bytes": cache_bytes(cache_for(args, backend)), "weights_bytes": weights_bytes(MODEL_DIR),
+            "precisions": report.precisions, "cache_bytes": cache_bytes(cache_for(args, target)),
+            "weights_bytes": weights_bytes(MODEL_DIR),
             "peak_mb": peak_mb()}
 
 
@@ -173,16 +189,18 @@ def preheat(folder: Path) -> None:
                     pass
 
 
-def stage_warm(backend: str, args) -> dict:
+def stage_warm(target: str, args) -> dict:
     import kasoku
     from kasoku.loading import load_pipeline
 
-    preheat(cache_for(args, backend))
+    backend, precision = backend_precision(target)
+    preheat(cache_for(args, target))
     start = time.perf_counter()
     pipe = load_pipeline(MODEL_DIR)
     load_pipe = time.perf_counter() - start
     start = time.perf_counter()
-    fast = kasoku.compile(pipe, backend, components=TXT2IMG, cache_dir=cache_for(args, backend), threads=args.threads)
+    fast = kasoku.compile(pipe, backend, precision=precision, components=TXT2IMG, cache_dir=cache_for(args, target),
+                          threads=args.threads)
     seconds = time.perf_counter() - start
     report = fast.compile_report
     return {"diffusers_load_s": load_pipe, "compile_s": seconds, "load_seconds": report.load_seconds,
@@ -190,28 +208,33 @@ def stage_warm(backend: str, args) -> dict:
             "engine_keys": {s.component: s.key for s in report.stages if s.stage == "engine"}, "peak_mb": peak_mb()}
 
 
-def stage_warm_folder(backend: str, args) -> dict:
+def stage_warm_folder(target: str, args) -> dict:
     import kasoku
 
-    preheat(cache_for(args, backend))
+    backend, precision = backend_precision(target)
+    preheat(cache_for(args, target))
     start = time.perf_counter()
-    fast = kasoku.KasokuPipeline.from_pretrained(MODEL_DIR, backend, components=TXT2IMG,
-                                                 cache_dir=cache_for(args, backend), threads=args.threads)
+    fast = kasoku.KasokuPipeline.from_pretrained(MODEL_DIR, backend, precision=precision, components=TXT2IMG,
+                                                 cache_dir=cache_for(args, target), threads=args.threads)
     seconds = time.perf_counter() - start
     return {"seconds": seconds, "load_seconds": fast.compile_report.load_seconds, "built": fast.compile_report.built,
             "peak_mb": peak_mb()}
 
 
-def stage_runtime(backend: str, args) -> dict:
+def stage_runtime(target: str, args) -> dict:
     """The runtimes' own load of the engine files the warm stage used, with kasoku's settings."""
-    keys = _results(args)["warm"][backend]["engine_keys"]
-    backends = _results(args)["warm"][backend]["backends"]
-    preheat(cache_for(args, backend))
+    keys = _results(args)["warm"][target]["engine_keys"]
+    backends = _results(args)["warm"][target]["backends"]
+    preheat(cache_for(args, target))
     seconds = {}
     for component, key in keys.items():
-        entry = cache_for(args, backend) / "entries" / key
+        entry = cache_for(args, target) / "entries" / key
         start = time.perf_counter()
-        if backends[component] == "onnxruntime":
+        if backends[component] == "inductor":  # torch's public load (it probes the CPU's ISA with g++ first)
+            from torch._inductor import aoti_load_package
+
+            aoti_load_package(str(entry / "model.pt2"))
+        elif backends[component] == "onnxruntime":
             import onnxruntime as ort
 
             options = ort.SessionOptions()
@@ -256,14 +279,17 @@ def stage_speed(contender: str, args) -> dict:
         from kasoku.build import compile_components
 
         io = np.load(io_file)
-        engines, _ = compile_components(MODEL_DIR, backend=contender, components=TXT2IMG, profile=profile,
-                                        cache=args.cache, threads=args.threads, label="sd15-random")
+        backend, precision = backend_precision(contender)
+        engines, report = compile_components(MODEL_DIR, backend=backend, precision=precision, components=TXT2IMG,
+                                             profile=profile, cache=args.cache, threads=args.threads,
+                                             label="sd15-random")
         for name, engine in engines.items():
             inputs = {k.split(".", 2)[2]: io[k] for k in io.files if k.startswith(f"{name}.in.")}
             reference = {k.split(".", 2)[2]: io[k] for k in io.files if k.startswith(f"{name}.out.")}
             engine.run(inputs)
             samples, outputs = _repeat(lambda engine=engine, inputs=inputs: engine.run(inputs), args.repeats)
-            worst = max((compare_output(name, out, "1x512x512", reference[out], outputs[out]) for out in reference),
+            worst = max((compare_output(name, out, "1x512x512", reference[out], outputs[out],
+                                        report.precisions[name]) for out in reference),
                         key=lambda p: p.max_abs / p.limit)
             result["components"][name] = {"seconds": samples, "max_abs_vs_torch": worst.max_abs,
                                           "tolerance": worst.limit, "passed": worst.passed}
@@ -382,9 +408,13 @@ def stage_ov_probe(_target: str, args) -> dict:
 
 IMAGE_PROMPT = "a beautiful photograph of mt fuji during cherry blossom"
 DEFAULT_IMAGE_STEPS = (4, 20)
-# kasoku's contenders: precision and shapes (static: exact-shape engines for the one image; dynamic: the
-# model's default range, what `kasoku compile MODEL` builds); backend "auto" as a user gets it.
-KASOKU_IMAGES = {f"kasoku-{p}-{shape}": (p, shape) for p in ("fp32", "bf16", "int8") for shape in ("static", "dynamic")}
+# kasoku's contenders: backend, precision and shapes (static: exact-shape engines for the one image; dynamic: the
+# model's default range, what `kasoku compile MODEL` builds); backend "auto" as a user gets it, and inductor
+# (not in the default --images: its cold compiles are long).
+KASOKU_IMAGES = {f"kasoku-{p}-{shape}": ("auto", p, shape) for p in ("fp32", "bf16", "int8")
+                 for shape in ("static", "dynamic")}
+INDUCTOR_IMAGES = {f"kasoku-inductor-{p}-{shape}": ("inductor", p, shape) for p in ("fp32", "bf16")
+                   for shape in ("static", "dynamic")}
 # peers: the virtual environment each runs in (created when missing; their pins conflict with kasoku's)
 PEERS = {"optimum-intel-f32-static": "optimum-intel", "optimum-intel-default-dynamic": "optimum-intel",
          "optimum-intel-default-static": "optimum-intel", "openvino-genai": "optimum-intel",
@@ -440,12 +470,12 @@ def stage_image(contender: str, args) -> dict:
         pipe = FAMILIES["sd1"].task_pipeline(load_pipeline(MODEL_DIR), "txt2img")
         result["load_s"] = time.perf_counter() - start
     else:
-        precision, shape = KASOKU_IMAGES[contender]
+        backend, precision, shape = {**KASOKU_IMAGES, **INDUCTOR_IMAGES}[contender]
         cache = args.work / "images" / f"{contender}-cache"
         shutil.rmtree(cache, ignore_errors=True)  # each kasoku contender compiles cold
         profile = ShapeProfile.exact(ImageShape(1, SIZE, SIZE), guidance=True, multiple=MULTIPLE) \
             if shape == "static" else None
-        pipe = kasoku.KasokuPipeline.from_pretrained(MODEL_DIR, "auto", precision=precision, profile=profile,
+        pipe = kasoku.KasokuPipeline.from_pretrained(MODEL_DIR, backend, precision=precision, profile=profile,
                                                      components=TXT2IMG, cache_dir=cache, threads=args.threads)
         report = pipe.compile_report
         result.update(compile_s=time.perf_counter() - start, backends=report.backends, precisions=report.precisions,
@@ -742,8 +772,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--contenders", default="torch,onnxruntime,openvino",
                         help="for the speed and controlnet stages (torch first: the others are checked against it)")
     parser.add_argument("--images", default=",".join(["diffusers", *KASOKU_IMAGES, *PEERS]),
-                        help="for the image stage: diffusers, kasoku-{fp32,bf16,int8}-{static,dynamic}, and the "
-                             f"peers {', '.join(PEERS)}")
+                        help="for the image stage: diffusers, kasoku-{fp32,bf16,int8}-{static,dynamic} (auto), "
+                             f"kasoku-inductor-{{fp32,bf16}}-{{static,dynamic}}, and the peers {', '.join(PEERS)}")
     parser.add_argument("--steps", default=",".join(map(str, DEFAULT_IMAGE_STEPS)),
                         type=lambda text: tuple(int(s) for s in text.split(",")),
                         help="for the image stage: the step counts timed (default %(default)s)")
@@ -890,7 +920,7 @@ def markdown(report: dict) -> str:
                 lines.append(f"| {component} ({t['gflop']:.0f} GFLOP) | {name} | {median:.2f} | "
                              f"{min(r['seconds']):.2f}–{max(r['seconds']):.2f} | {base / median:.2f}× | {floor:.2f} | "
                              f"{median / floor:.2f} | {check} |")
-        lines.append("")
+        lines += [*_inductor_lines(report["speed"]), ""]
     lines += _controlnet_table(report)
     if "ort-qdq" in report:
         r = report["ort-qdq"].get("unet", {})
@@ -957,6 +987,21 @@ def _step_median(run: dict, row: str) -> float:
     """The median seconds of a component, or of the step: the sum of its components' medians."""
     names = CONTROLNET_STEP if row == "step" else (row,)
     return sum(_median(run["components"][c]["seconds"]) for c in names)
+
+
+def _inductor_lines(speed: dict) -> list[str]:
+    """Where inductor stands against OpenVINO per component, at fp32 and at bf16 (each where both ran)."""
+    lines = []
+    for precision in ("fp32", "bf16"):
+        ours, theirs = (speed.get(name if precision == "bf16" else name.split(":")[0], {}).get("components", {})
+                        for name in (f"inductor:{precision}", f"openvino:{precision}"))
+        common = [c for c in TXT2IMG if c in ours and c in theirs]
+        if common:
+            ratios = ", ".join(f"{c} {_median(theirs[c]['seconds']) / _median(ours[c]['seconds']):.2f}×"
+                               for c in common)
+            lines.append(f"inductor {precision} against OpenVINO {precision} (OpenVINO's time ÷ inductor's: above 1× "
+                         f"inductor is faster): {ratios}.")
+    return lines
 
 
 def _image_table(report: dict) -> list[str]:

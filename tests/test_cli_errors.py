@@ -34,6 +34,7 @@ BAD = {
         ["generate", "{model}", "a cat", "-o", "{out}", "--backend", "tensorrt"],
         ["generate", "{model}", "a cat", "-o", "{out}", "--backend", "openvino", "--cuda-graph"],  # CPU backend
         ["generate", "{model}", "a cat", "-o", "{out}", "--backend", "onnxruntime", "--cuda-graph"],
+        ["generate", "{model}", "a cat", "-o", "{out}", "--backend", "inductor", "--cuda-graph"],  # no graph replay
         ["generate", "{model}", "a cat", "-o", "{out}", "--image", "{missing}"],
         ["generate", "{model}", "a cat", "-o", "{out}", "--mask", "{image}"],
         ["generate", "{model}", "a cat", "-o", "{out}", "--threads", "0"],
@@ -99,6 +100,8 @@ BAD = {
         ["compile", "{model}", "--height", "64:48"],
         ["compile", "{model}", "--batch", "0:2"],
         ["compile", "{model}", "--backend", "torch", "--precision", "fp16"],
+        ["compile", "{model}", "--backend", "inductor", "--precision", "fp16"],  # a GPU precision for inductor
+        ["compile", "{model}", "--backend", "inductor", "--precision", "int8"],
         ["compile", "{model}", "--threads", "0"],
         ["compile", "{model}", "--cuda-graph"],  # the default profile is a range: no one shape to capture
         ["compile", "{model}", "--cuda-graph", "--batch", "1:1", "--height", "64:64", "--width", "64:64"],  # guidance?

@@ -57,3 +57,16 @@ def test_unavailable_backends_are_skipped_with_their_reason(gpu_check):
     if not torch.cuda.is_available():
         for name in ("sd15:tensorrt:fp16", "sd15:onnxruntime-cuda:fp16", "sd15:onnxruntime-tensorrt:fp16"):
             assert reasons[name], name  # a sentence naming what is missing
+
+
+def test_inductor_runs_right_after_each_reference_and_has_its_own_target(gpu_check):
+    names = [s.name for s in gpu_check.plan(["sd15", "sdxl"])]
+    for model in ("sd15", "sdxl"):
+        assert names[names.index(f"{model}:reference") + 1] == f"{model}:inductor:fp16"
+    done = {"status": "done", "psnr_db": 35.0}
+    report = {"stages": {"sd15:reference": {"status": "done", "diffusers eager fp16": {"seconds": [3.0, 3.2, 2.8]}},
+                         "sd15:inductor:fp16": {**done, "seconds": [1.5, 1.4, 1.6]},
+                         "sd15:tensorrt:fp16": {"status": "skipped", "reason": "no TensorRT"}}}
+    lines = gpu_check._target_lines(report)
+    assert any("inductor fp16 ≥ 1.8× diffusers eager fp16): 2.00×, met" in line for line in lines), lines
+    assert any("tensorrt fp16 ≥ 2.5×" in line and "not measured in this run (skipped)" in line for line in lines)

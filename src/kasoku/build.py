@@ -1,8 +1,9 @@
 """Compile a pipeline's components into engines, every artefact through the cache.
 
 Per component: export (the architecture graph, weights as named inputs) → optimize (backend's
-passes) → engine (backend build, the checkpoint's weights bound) → load. Each stage is a cache entry
-keyed by everything that changes it. The graph and its optimization are keyed by the architecture
+passes) → engine (backend build, the checkpoint's weights bound) → load; a backend that builds from the
+torch module (AOTInductor) has the engine stage only, keyed on the module's weights. Each stage is a cache
+entry keyed by everything that changes it. The graph and its optimization are keyed by the architecture
 alone (config, exporter, opset, profile, passes, precision), so every checkpoint of an architecture
 shares them; only the engine is keyed by the weights too. The keys are computed, not walked: the
 engine's key is derived from the export's and the optimization's key parts without opening those
@@ -33,7 +34,7 @@ import onnx
 import torch
 
 from .backends import Engine, UnsupportedPrecision, cpu_candidates, get_backend, gpu_candidates
-from .backends.base import Backend, cpu_name
+from .backends.base import Backend, Source, cpu_name
 from .cache import Cache, CacheEntry, default_cache_dir, digest_key, file_sha256
 from .components import ComponentSpec, Precision, component_specs
 from .errors import KasokuError
@@ -68,7 +69,7 @@ class EngineLoadError(KasokuError):
 class KeyChain:
     """The key parts of one engine and of the entries it is built from (computed, not walked)."""
 
-    export: dict[str, Any]
+    export: dict[str, Any] | None  # None: the backend builds from the torch module (Source.MODULE)
     optimized: dict[str, Any] | None  # None: the backend runs no ONNX passes
     engine: dict[str, Any]
     calibration: dict[str, Any] | None  # int8 components calibrated on recorded inputs
@@ -200,9 +201,17 @@ class Compiler:
             parts["lora_targets"] = list(self.lora_targets(spec))
         return parts
 
+    def module_parts(self, spec: ComponentSpec) -> dict[str, Any]:
+        """What a backend that builds from the torch module reads: its weights and the code that runs them
+        (keyed, never stored: there is no entry of this kind)."""
+        code = {name: version for name, version in _versions().items() if name != "onnx"}
+        return {"kind": "module", "component": spec.name, "weights": spec.fingerprint, **code}
+
     def chain(self, spec: ComponentSpec, backend: Backend) -> KeyChain:
         """The key parts of every entry from the export to `backend`'s engine of `spec`."""
         precision = self.precision(spec)
+        if backend.builds_from == Source.MODULE:  # no export: the engine is built from the torch module
+            return KeyChain(None, None, self.engine_parts(spec, backend, digest_key(self.module_parts(spec))), None)
         export_parts = self.export_parts(spec)
         optimized_parts = self.optimized_parts(spec, backend, digest_key(export_parts))
         if not optimized_parts["passes"]:  # no passes: the engine is built from the export itself
@@ -222,7 +231,7 @@ class Compiler:
             if name is None:
                 return False
         backend = self.backend(name)
-        if not backend.needs_onnx:
+        if backend.builds_from == Source.NOTHING:
             return True
         return self.cache.lookup(self.chain(spec, backend).engine) is not None
 
@@ -310,15 +319,15 @@ class Compiler:
     def built_engine(self, spec: ComponentSpec, backend: Backend, parts: dict, sources: list[CacheEntry],
                      calibration: Callable[[], list] | None = None) -> CacheEntry:
         precision = self.precision(spec)
-        graph = sources[-1].file(ONNX_FILE)
         # A graph this compile exported is proven at two shapes of the profile; one from the cache was proven
         # when it was built, so only the weights are new: one shape, the profile's smallest, proves them.
         exported_now = any(r.component == spec.name and r.stage == "export" and r.status != "reused"
                            for r in self.records)
 
         def build(tmp: Path) -> dict:
+            graph = sources[-1].file(ONNX_FILE) if sources else None  # None: built from the torch module
             weights = run_time = None
-            if self.binds_weights():
+            if self.binds_weights() and graph is not None:
                 weights = module_weights(spec, onnx.load(str(graph)))
                 run_time = run_time_weights(weights, self.lora_targets(spec))
             meta = backend.build(spec, graph, tmp, precision, calibration=calibration, weights=weights,
@@ -343,8 +352,11 @@ class Compiler:
         precision = self.precision(spec)
         backend.check_precision(precision)
         if self.lora_targets(spec):
+            if backend.builds_from == Source.MODULE:
+                raise KasokuError(f"the {backend.name} backend compiles the weights into its packages: it keeps no "
+                                  "run-time weights (lora_targets); choose onnxruntime or openvino for LoRA targets.")
             backend.check_run_time_weights(precision)
-        if not backend.needs_onnx:
+        if backend.builds_from == Source.NOTHING:
             return backend.load(spec, None, precision)
         chain = self.chain(spec, backend)
         engine_parts = chain.engine
@@ -378,6 +390,8 @@ class Compiler:
                 held: contextlib.ExitStack) -> list[CacheEntry]:
         """The export and, where the backend runs passes, the optimized graph of `spec`: from the cache, built
         when missing, each held for reading until `held` closes."""
+        if chain.export is None:  # built from the torch module: no graph
+            return []
         sources = [self.exported(spec, chain.export)]
         held.enter_context(self.cache.reading(sources[0].key))
         if chain.optimized is not None:
@@ -394,7 +408,11 @@ class Compiler:
             raise KasokuError(f"the {spec.name} engine was built from ONNX files that hold their own weights "
                               "(onnx_dir); LoRA adapters need engines compiled from the model itself.")
         backend = self.backend(backend_name)
-        if not backend.needs_onnx:  # torch binds the module's own tensors: no graph
+        if backend.builds_from == Source.MODULE:
+            raise KasokuError(f"the {backend.name} backend compiles the weights into its packages: LoRA adapters "
+                              "cannot be rebound on its engines; compile a pipeline with the LoRA fused instead "
+                              "(kasoku.compile on it builds engines with those weights).")
+        if backend.builds_from == Source.NOTHING:  # torch binds the module's own tensors: no graph
             weights = {n: GraphWeight.of(n, t) for n, t in bindable_tensors(spec.module).items()}
             return WeightBinding(spec, backend, self.precision(spec), None, engine, weights)
         chain = self.chain(spec, backend)

@@ -185,6 +185,9 @@ class TensorSpec:
     dims: tuple[Dim, ...]
     dtype: torch.dtype = torch.float32
     high: int | None = None  # integer inputs (token ids) are drawn from [0, high)
+    # An input the component reads in fp32 at every precision (diffusers embeds the U-Net's timestep in
+    # fp32 itself, also in a bf16 or fp16 pipeline): engines that compute in a lower dtype leave it as is.
+    always_fp32: bool = False
 
     def shape_at(self, shape: ImageShape, *, minimum: bool = False) -> tuple[int, ...]:
         return tuple(d if isinstance(d, int) else d.at(shape, minimum=minimum) for d in self.dims)

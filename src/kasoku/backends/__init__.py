@@ -2,17 +2,19 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 from ..options import CompileOptions
 from .base import Availability, Backend, BackendUnavailable, Engine, UnsupportedPrecision
+from .inductor import InductorBackend, target_device
 from .onnxruntime import OnnxRuntimeBackend
 from .openvino import OpenVinoBackend
 from .tensorrt import TensorRTBackend
 from .torch_eager import TorchBackend
 
 BACKENDS: dict[str, type[Backend]] = {
-    cls.name: cls for cls in (TensorRTBackend, OnnxRuntimeBackend, OpenVinoBackend, TorchBackend)
+    cls.name: cls for cls in (TensorRTBackend, OnnxRuntimeBackend, OpenVinoBackend, InductorBackend, TorchBackend)
 }
 # `onnxruntime-cuda` and `onnxruntime-tensorrt` are onnxruntime with that execution provider.
 PROVIDER_ALIASES = {"onnxruntime-cpu": "cpu", "onnxruntime-cuda": "cuda", "onnxruntime-tensorrt": "tensorrt"}
@@ -44,11 +46,22 @@ def gpu_candidates() -> list[str]:
             names.append("onnxruntime-cuda")
     except MissingOnnxRuntime:
         pass
+    if target_device().type == "cuda" and InductorBackend.availability().available:
+        names.append("inductor")
     return names
 
 
+# `auto` on a CPU also measures inductor when this is set to 1: opt-in, because its compile costs about as much
+# as the other candidates' together (tens of seconds per tiny component, see docs/BENCHMARKS.md).
+AUTO_INDUCTOR_ENV = "KASOKU_AUTO_INDUCTOR"
+
+
 def cpu_candidates() -> list[str]:
-    return [cls.name for cls in (OnnxRuntimeBackend, OpenVinoBackend) if cls.availability().available]
+    """The CPU backends `auto` measures that can run here."""
+    candidates = [OnnxRuntimeBackend, OpenVinoBackend]
+    if os.environ.get(AUTO_INDUCTOR_ENV) == "1":
+        candidates.append(InductorBackend)
+    return [cls.name for cls in candidates if cls.availability().available]
 
 
 __all__ = [

@@ -23,6 +23,7 @@ import subprocess
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from enum import Enum
 from pathlib import Path
 from typing import Any, ClassVar
 
@@ -223,6 +224,7 @@ class Engine(ABC):
                 f"{self.spec.name} takes inputs {list(expected)}; missing {missing}, unexpected {unexpected}."
             )
         feeds = {}
+        seen: dict[str, tuple[str, int]] = {}  # axis -> (the first input that has it, its size there)
         for tensor in self.spec.inputs:
             value = _as_tensor(inputs[tensor.name])
             if value.ndim != len(tensor.dims):
@@ -237,6 +239,13 @@ class Engine(ABC):
                     )
             for i, axis in tensor.dynamic_axes.items():
                 self._check_axis(tensor.name, i, axis.name, int(value.shape[i]))
+                first, size = seen.setdefault(axis.name, (tensor.name, int(value.shape[i])))
+                if size != value.shape[i]:
+                    raise KasokuError(
+                        f"{self.spec.name} inputs {first!r} and {tensor.name!r} must agree on {axis.name} but "
+                        f"have {size} and {value.shape[i]} (shapes {tuple(inputs[first].shape)} and "
+                        f"{tuple(value.shape)})."
+                    )
             dtype = tensor.dtype if not tensor.dtype.is_floating_point else self.dtype
             feeds[tensor.name] = value.to(device=self.device, dtype=dtype).contiguous()
         return feeds
@@ -260,12 +269,21 @@ def _as_tensor(value: Any) -> torch.Tensor:
     return torch.from_numpy(np.ascontiguousarray(value))  # shares the array's memory
 
 
+class Source(str, Enum):
+    """What a backend builds its engines from (which entries of the cache its engine's key chains to)."""
+
+    ONNX = "onnx"  # the exported ONNX file, after the backend's passes: export → optimize → engine
+    MODULE = "module"  # the component's torch module itself, keyed on its weights: engine only (inductor)
+    NOTHING = "nothing"  # nothing is built: the engine is the torch module (the reference)
+
+
 class Backend(ABC):
-    """Builds engine files from an ONNX artefact and loads engines from them."""
+    """Builds engine files from an ONNX artefact (or the torch module, see `builds_from`) and loads
+    engines from them."""
 
     name: ClassVar[str]
     extra: ClassVar[str | None] = None  # the pip extra that installs it
-    needs_onnx: ClassVar[bool] = True
+    builds_from: ClassVar[Source] = Source.ONNX
     # ONNX passes before this backend builds (see kasoku.optimize.PASSES); precision passes are added per
     # precision. Empty: the backend's own graph optimizer does it all when it builds (ONNX Runtime, OpenVINO).
     passes: ClassVar[tuple[str, ...]] = ()
@@ -360,15 +378,16 @@ class Backend(ABC):
         return None
 
     @abstractmethod
-    def build(self, spec: ComponentSpec, onnx_path: Path, out_dir: Path, precision: Precision, *,
+    def build(self, spec: ComponentSpec, onnx_path: Path | None, out_dir: Path, precision: Precision, *,
               calibration: Callable[[], list] | None = None, weights: dict[str, torch.Tensor] | None = None,
               run_time: frozenset[str] = frozenset()) -> dict[str, Any]:
         """Write the engine files for `spec` into `out_dir`; return metadata for the manifest.
 
         `onnx_path` is an architecture graph and `weights` its weights by graph name (kasoku.weights), or,
-        with `weights` None, an ONNX file that holds its own weights (a user's). Weights named in `run_time`
-        stay engine inputs (their base values go to the entry, see :func:`save_bound`); the others are
-        constants. `calibration` returns the recorded input samples where :meth:`needs_calibration` says so."""
+        with `weights` None, an ONNX file that holds its own weights (a user's); it is None for a backend
+        that builds from the torch module (`builds_from`). Weights named in `run_time` stay engine inputs
+        (their base values go to the entry, see :func:`save_bound`); the others are constants.
+        `calibration` returns the recorded input samples where :meth:`needs_calibration` says so."""
 
     @abstractmethod
     def load(self, spec: ComponentSpec, entry_dir: Path, precision: Precision) -> Engine:

@@ -13,7 +13,7 @@ import torch
 from ..attention import exportable_attention
 from ..components import ComponentSpec, Precision
 from ..weights import base_layers
-from .base import Availability, Backend, Engine
+from .base import Availability, Backend, Engine, Source
 
 
 class TorchEngine(Engine):
@@ -39,7 +39,7 @@ class TorchEngine(Engine):
 
 class TorchBackend(Backend):
     name = "torch"
-    needs_onnx = False
+    builds_from = Source.NOTHING
     passes = ()
     precisions = (Precision.FP32,)
     refused = {Precision.FP16: "it is the fp32 reference"}

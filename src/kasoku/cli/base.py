@@ -152,10 +152,12 @@ def add_backend_arguments(parser: argparse.ArgumentParser) -> None:
     from ..options import DEFAULT_MIN_PSNR, PRECISION_CHOICES
 
     parser.add_argument("--backend", choices=BACKEND_CHOICES, default="auto",
-                        help="auto (default): TensorRT then ONNX Runtime CUDA on a GPU; on a CPU the faster of "
-                             "onnxruntime and openvino per component, measured once per model and machine")
+                        help="auto (default): TensorRT, then ONNX Runtime CUDA, then inductor on a GPU; on a CPU "
+                             "the faster of onnxruntime and openvino (and inductor with KASOKU_AUTO_INDUCTOR=1) per "
+                             "component, measured once per model and machine")
     parser.add_argument("--precision", choices=PRECISION_CHOICES, default="fp32",
-                        help="fp32 (default: exact); fp16; bf16 (CPUs with AVX512-BF16 or AMX, on OpenVINO); int8 "
+                        help="fp32 (default: exact); fp16; bf16 (CPUs with AVX512-BF16 or AMX, on OpenVINO or "
+                             "inductor; GPUs on inductor); int8 "
                              "(NNCF on OpenVINO: the U-Net calibrated on the pipeline's own runs); fastest: per "
                              "component the fastest precision whose image drift stays within --min-psnr. Each has "
                              "a fidelity contract (`kasoku verify --precision X` checks it)")

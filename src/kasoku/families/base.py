@@ -231,7 +231,7 @@ class Family:
             name="unet",
             inputs=(
                 TensorSpec("sample", (axes.guided, config.in_channels, axes.latent_h, axes.latent_w)),
-                TensorSpec("timestep", (axes.guided,)),
+                TensorSpec("timestep", (axes.guided,), always_fp32=True),
                 TensorSpec("encoder_hidden_states", (axes.guided, text_length, config.cross_attention_dim)),
                 *added,
             ),
