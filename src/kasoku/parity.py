@@ -49,9 +49,13 @@ TOLERANCES: dict[Precision | str, Tolerance] = {
                               image_reference="diffusers"),
     Precision.FP16: Tolerance(rel_to_peak=None, rel_error=2e-2, image_psnr_db=30.0, image_ssim=0.9, image_steps=20,
                               image_reference="fp32 engines"),
-    Precision.BF16: Tolerance(rel_to_peak=None, rel_error=1e-1, image_psnr_db=35.0, image_ssim=0.95, image_steps=20,
+    # bf16 and int8: measured on OpenVINO at full size (SD 1.5, random weights, 512x512 exact-shape engines,
+    # 2026-11-30): worst component rel. error bf16 0.024 (VAE decoder; U-Net 0.016), int8 0.087 (U-Net); worst
+    # image of verify's three prompts at 20 steps against the fp32 engines bf16 49.4 dB / SSIM 0.9997, int8
+    # 40.5 dB / 0.9980. The bounds keep about 2x on the errors and 8-9 dB on the images.
+    Precision.BF16: Tolerance(rel_to_peak=None, rel_error=5e-2, image_psnr_db=40.0, image_ssim=0.99, image_steps=20,
                               image_reference="fp32 engines"),
-    Precision.INT8: Tolerance(rel_to_peak=None, rel_error=3e-1, image_psnr_db=25.0, image_ssim=0.8, image_steps=20,
+    Precision.INT8: Tolerance(rel_to_peak=None, rel_error=2e-1, image_psnr_db=32.0, image_ssim=0.97, image_steps=20,
                               image_reference="fp32 engines"),
     # PROVISIONAL: the tiny SD pipeline at 64x64, 20 steps with guidance, measured 41.7 dB / SSIM 0.9975 at
     # interval 3 and 37.2 dB / 0.9931 at 5 (full_sd15.py --smoke --stages deepcache); the bound is set well below
