@@ -225,8 +225,8 @@ class OnnxRuntimeBackend(Backend):
     extra = "cpu"  # or `gpu` (onnxruntime-gpu) for the CUDA and TensorRT providers; never both
     precisions = (Precision.FP32, Precision.FP16)
     refused = {Precision.BF16: NO_BF16,
-               Precision.INT8: "kasoku's int8 is NNCF's, on OpenVINO (ONNX Runtime's own static QDQ quantization "
-                               "measured slower on the SD 1.5 U-Net, see the README); use --backend openvino"}
+               Precision.INT8: "kasoku's int8 is NNCF's (the OpenVINO toolkit's quantizer), built on OpenVINO; "
+                               "ONNX Runtime's own QDQ quantization is not driven by kasoku; use --backend openvino"}
 
     def __init__(self, options=None, shared_dir=None, provider: str = "cpu"):
         super().__init__(options, shared_dir)
