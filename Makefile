@@ -9,7 +9,7 @@ TORCH_PIN := torch==2.13.0
 # never both. `make setup ORT=gpu` on a machine with an NVIDIA GPU.
 ORT := cpu
 
-.PHONY: setup browser demo test test-fast bench lint clean
+.PHONY: setup browser demo test test-fast test-slow bench lint clean
 
 setup: $(STAMP)
 
@@ -30,7 +30,11 @@ demo: setup
 	$(VENV)/bin/kasoku demo
 
 test: setup browser
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q --durations=25
+
+# Tests marked slow (AOTInductor compiles: minutes each on two cores) are skipped by `make test`, run here.
+test-slow: setup
+	KASOKU_RUN_SLOW=1 $(PY) -m pytest -q -m slow
 
 # The unit tier: no export, no engine build (under two minutes); `make test` runs both tiers.
 test-fast: setup

@@ -20,8 +20,15 @@ quiet_third_party_logs()
 ENGINE_FIXTURES = {"tiny_onnx", "tiny_compiled", "tiny_kasoku", "tiny_inpaint_kasoku", "family_kasoku"}
 
 
+# Tests marked `slow` take minutes each on two cores (AOTInductor's C++ compiles): `make test` skips them with this
+# reason, `make test-slow` (KASOKU_RUN_SLOW=1) runs them.
+RUN_SLOW = os.environ.get("KASOKU_RUN_SLOW") == "1"
+
+
 def pytest_collection_modifyitems(config, items):
     for item in items:
+        if item.get_closest_marker("slow") is not None and not RUN_SLOW:
+            item.add_marker(pytest.mark.skip(reason="slow (minutes of compile on 2 cores); `make test-slow` runs it"))
         fixtures = set(getattr(item, "fixturenames", ()))
         if item.get_closest_marker("integration") is None and fixtures & ENGINE_FIXTURES:
             item.add_marker(pytest.mark.integration)

@@ -57,11 +57,10 @@ TOLERANCES: dict[Precision | str, Tolerance] = {
                               image_reference="fp32 engines"),
     Precision.INT8: Tolerance(rel_to_peak=None, rel_error=2e-1, image_psnr_db=32.0, image_ssim=0.97, image_steps=20,
                               image_reference="fp32 engines"),
-    # PROVISIONAL: the tiny SD pipeline at 64x64, 20 steps with guidance, measured 41.7 dB / SSIM 0.9975 at
-    # interval 3 and 37.2 dB / 0.9931 at 5 (full_sd15.py --smoke --stages deepcache); the bound is set well below
-    # until the full-size measurement (full_sd15.py, stage `deepcache`: SD 1.5, 512x512, 20 steps with guidance,
-    # intervals 2, 3, 5 against interval 1) replaces it with its interval-3 figures less a margin.
-    STEP_CACHE: Tolerance(rel_to_peak=None, rel_error=None, image_psnr_db=30.0, image_ssim=0.9, image_steps=20,
+    # Measured at full size (full_sd15.py --stages deepcache: SD 1.5, 512x512, 20 steps with guidance, OpenVINO fp32,
+    # 2026-11-30): interval 3 gave 37.5 dB / SSIM 0.9961 against interval 1 (non-uniform 37.9 dB, interval 2
+    # 43.8 dB, interval 5 33.3 dB / 0.9897); the tiny pipeline 41.7 dB at 3. The bound keeps 5.5 dB below interval 3.
+    STEP_CACHE: Tolerance(rel_to_peak=None, rel_error=None, image_psnr_db=32.0, image_ssim=0.98, image_steps=20,
                           image_reference="the same engines without step caching"),
 }
 
