@@ -253,6 +253,7 @@ def _count_lines(path: Path) -> int:
 
 
 @needs_ray
+@pytest.mark.slow  # waits for Ray to notice a killed actor and start another: most of a minute on two cores
 def test_a_killed_ray_worker_has_its_jobs_retried(reference, tiny_dir, tiny_cache, prompts, tmp_path):
     out = tmp_path / "out"
     plan = prepare(tiny_dir, read_jobs(prompts), out, batch_size=1, backend="onnxruntime",

@@ -88,7 +88,7 @@ def test_precision_and_profile_make_new_entries(tiny_dir, tiny_cache, tiny_compi
     _, fp16 = compile_components(tiny_dir, backend="onnxruntime", precision="fp16", cache=tiny_cache,
                                  components=["text_encoder"])
     statuses = fp16.statuses()
-    assert statuses[("text_encoder", "export")] == "built"  # the fp32 compile dropped its export once done
+    assert statuses[("text_encoder", "export")] == "reused"  # the architecture graph (no weights) stays
     assert statuses[("text_encoder", "optimize")] == "built"  # the fp16 pass
     assert statuses[("text_encoder", "engine")] == "built"
     wider = ShapeProfile.from_ranges((1, 1, 2), (32, 64, 160), (32, 64, 160), 16)
@@ -127,7 +127,8 @@ def test_two_processes_compile_the_same_model_once(tiny_dir, tmp_path):
     assert sorted(b for b in built if b[1] == "engine") == [("text_encoder", "engine"), ("vae_encoder", "engine")]
     for report in reports:
         assert {s["component"] for s in report["stages"] if s["stage"] == "engine"} == {"text_encoder", "vae_encoder"}
-    assert sorted(e.kind for e in Cache(tmp_path / "cache").list()) == ["engine", "engine"]  # exports dropped
+    # the weightless graphs stay for the next checkpoint
+    assert sorted(e.kind for e in Cache(tmp_path / "cache").list()) == ["engine", "engine", "graph", "graph"]
 
 
 def test_compile_cli_reports_stages(tiny_dir, tiny_cache, tiny_compiled, capsys):

@@ -22,7 +22,9 @@ def weights_bytes(folder) -> int:
     return sum(p.stat().st_size for p in folder.rglob("*.safetensors"))
 
 
-@pytest.mark.parametrize("backend, bound", [("onnxruntime", 2.0), ("openvino", 2.0), ("auto", 2.5)])
+# openvino's bound is also held inside auto's run (auto builds and measures both CPU backends); its own run is slow
+@pytest.mark.parametrize("backend, bound", [("onnxruntime", 2.0), pytest.param("openvino", 2.0, marks=pytest.mark.slow),
+                                            ("auto", 2.5)])
 def test_a_compiled_unet_costs_at_most_twice_its_weights(tiny_dir, tmp_path, backend, bound):
     """The U-Net (most of a model's weights; the other components follow the same path)."""
     cache = tmp_path / "cache"
@@ -115,7 +117,8 @@ def test_prune_never_pulls_an_entry_from_under_a_loader(cache_with_one, tmp_path
     assert main(["cache", "prune", "--max-size", "0", "--cache-dir", str(cache)]) == 0
     out = capsys.readouterr().out
     assert "freed" in out and "in use by another process were kept" in out
-    assert len(entries) == 2 and [e.key for e in Cache(cache).list()] == [held.key]  # the held one stayed whole
+    # every entry but the held one was evicted (the engines and their weightless graphs); the held one stayed whole
+    assert sum(e.kind == "engine" for e in entries) == 2 and [e.key for e in Cache(cache).list()] == [held.key]
     rest, _ = loader.communicate(timeout=120)
     assert loader.returncode == 0 and "loaded ['last_hidden_state', 'pooler_output']" in rest, rest
     assert main(["cache", "prune", "--max-size", "0", "--cache-dir", str(cache)]) == 0  # now it can go

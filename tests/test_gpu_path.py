@@ -98,7 +98,7 @@ def test_a_fallen_back_gpu_engine_is_never_cached(tiny_dir, tmp_path, monkeypatc
         compile_components(tiny_dir, backend="onnxruntime-cuda", components=["text_encoder"], cache=tmp_path,
                            check_parity=False)
     kinds = [entry.kind for entry in Cache(tmp_path).list(include_unreadable=True)]
-    assert kinds == ["onnx"], kinds  # the export is kept; no engine, no half-built folder
+    assert kinds == ["graph"], kinds  # the graph is kept; no engine, no half-built folder
 
 
 # ---- key parts -------------------------------------------------------------------------------------

@@ -372,6 +372,7 @@ def test_sigterm_answers_the_requests_in_flight_then_exits_0(tiny_dir, cache_roo
 
 @pytest.mark.skipif(importlib.util.find_spec("ray") is None or importlib.util.find_spec("ray.serve") is None,
                     reason="Ray Serve is not installed: pip install 'kasoku[serve]' (`make setup` does)")
+@pytest.mark.slow  # starts a Ray cluster and two Serve replicas: over a minute on two cores
 def test_two_ray_serve_replicas_load_from_the_cache_and_share_the_requests(tiny_dir, cache_root, tmp_path):
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
