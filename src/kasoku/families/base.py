@@ -221,18 +221,25 @@ class Family:
         """The U-Net as a module of positional tensors (one per spec input) returning a tuple."""
         return UNetModule(unet)
 
+    def denoiser_inputs(self, pipe, config, axes: Axes, *, fp32_timestep: bool = False) -> tuple[TensorSpec, ...]:
+        """The inputs every denoiser takes first (a U-Net, a ControlNet): the latent sample, the timestep and
+        the text embeddings, shaped by its config."""
+        return (
+            TensorSpec("sample", (axes.guided, config.in_channels, axes.latent_h, axes.latent_w)),
+            TensorSpec("timestep", (axes.guided,), always_fp32=fp32_timestep),
+            TensorSpec("encoder_hidden_states", (axes.guided, pipe.tokenizer.model_max_length,
+                                                 config.cross_attention_dim)),
+        )
+
     def unet_spec(self, pipe, profile: ShapeProfile, axes: Axes, weights) -> ComponentSpec:
         from ..loading import real_module
 
         config = pipe.unet.config
-        text_length = pipe.tokenizer.model_max_length
         added = self.unet_added_inputs(pipe, axes)
         return ComponentSpec(
             name="unet",
             inputs=(
-                TensorSpec("sample", (axes.guided, config.in_channels, axes.latent_h, axes.latent_w)),
-                TensorSpec("timestep", (axes.guided,), always_fp32=True),
-                TensorSpec("encoder_hidden_states", (axes.guided, text_length, config.cross_attention_dim)),
+                *self.denoiser_inputs(pipe, config, axes, fp32_timestep=True),
                 *added,
             ),
             outputs=(TensorSpec("out_sample", (axes.guided, config.out_channels, axes.latent_h, axes.latent_w)),),
@@ -413,10 +420,7 @@ class Family:
         return ComponentSpec(
             name=name,
             inputs=(
-                TensorSpec("sample", (axes.guided, config.in_channels, axes.latent_h, axes.latent_w)),
-                TensorSpec("timestep", (axes.guided,)),
-                TensorSpec("encoder_hidden_states", (axes.guided, pipe.tokenizer.model_max_length,
-                                                     config.cross_attention_dim)),
+                *self.denoiser_inputs(pipe, config, axes),
                 TensorSpec("controlnet_cond", (axes.guided, config.conditioning_channels, axes.pixel_h, axes.pixel_w)),
                 TensorSpec("conditioning_scale", (len(residuals),)),
                 *added,
@@ -441,10 +445,7 @@ class Family:
         return ComponentSpec(
             name=CONTROLNET_UNET,
             inputs=(
-                TensorSpec("sample", (axes.guided, config.in_channels, axes.latent_h, axes.latent_w)),
-                TensorSpec("timestep", (axes.guided,)),
-                TensorSpec("encoder_hidden_states", (axes.guided, pipe.tokenizer.model_max_length,
-                                                     config.cross_attention_dim)),
+                *self.denoiser_inputs(pipe, config, axes),
                 *added,
                 *self.residual_specs(config, axes),
             ),
