@@ -22,10 +22,12 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import gc
 import json
 import shutil
 import socket
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -72,6 +74,18 @@ def constant_weight_export(spec, path: Path) -> Path:
                                     output_names=list(spec.output_names), opset_version=18, optimize=True)
     program.save(str(path), external_data=sum(p.numel() for p in spec.module.parameters()) * 4 > 2 * 1024**3 * 0.9)
     return path
+
+
+def export_in_own_process(model: Path, path: Path) -> float:
+    """`constant_weight_export` of `model`'s U-Net in a child process, timed: at full size the exporter holds
+    several copies of the 3.4 GB of weights, and its peak must not add to the engines this process holds."""
+    code = ("import sys; from pathlib import Path; sys.path.insert(0, sys.argv[1]); import lora; "
+            "from kasoku.components import component_specs; from kasoku.loading import load_pipeline; "
+            "spec = component_specs(load_pipeline(Path(sys.argv[2]), lazy=True), None, ['unet'])['unet']; "
+            "lora.constant_weight_export(spec, Path(sys.argv[3]))")
+    start = time.perf_counter()
+    subprocess.run([sys.executable, "-c", code, str(HERE), str(model), str(path)], check=True)
+    return time.perf_counter() - start
 
 
 def _timed(fn) -> tuple[float, object]:
@@ -139,23 +153,25 @@ def measure(model: Path, second: Path, backend: str, work: Path, *, threads: int
     result["switch"] = switches
 
     log(f"{backend}: U-Net speed, bound against constant weights and against run-time weights")
-    pipe = load_pipeline(model, lazy=True)  # the U-Net's weights load only where needed
-    spec = component_specs(pipe, None, ["unet"])["unet"]
-    inputs = spec.sample_inputs(spec.profile.opt, seed=3)
-    bound = compile_components(pipe, backend=backend, specs={"unet": spec}, cache=cache, threads=threads)[0]["unet"]
+    gc.collect()  # the switches' pipelines: their engines go before the U-Net's three are held at once
     with tempfile.TemporaryDirectory(dir=work) as folder:
         from kasoku.backends import get_backend
         from kasoku.components import Precision
         from kasoku.options import CompileOptions
 
+        result["constant_export_s"] = export_in_own_process(model, Path(folder) / "constants.onnx")
+        pipe = load_pipeline(model, lazy=True)  # the U-Net's weights load only where needed
+        spec = component_specs(pipe, None, ["unet"])["unet"]
+        inputs = spec.sample_inputs(spec.profile.opt, seed=3)
         runtime = get_backend(backend, CompileOptions(threads=threads))
-        seconds, path = _timed(lambda: constant_weight_export(spec, Path(folder) / "constants.onnx"))
-        result["constant_export_s"] = seconds
-        runtime.build(spec, path, Path(folder), Precision.FP32)  # the file holds its weights: no binding
+        runtime.build(spec, Path(folder) / "constants.onnx", Path(folder), Precision.FP32)  # no binding
         constants = runtime.load(spec, Path(folder), Precision.FP32)
+        bound = compile_components(pipe, backend=backend, specs={"unet": spec}, cache=cache,
+                                   threads=threads)[0]["unet"]
         against_constants = interleaved({"bound": bound, "constants": constants}, inputs, repeats)
         difference = (bound.run(inputs)["out_sample"] - constants.run(inputs)["out_sample"]).abs().max().item()
         del constants
+        gc.collect()
     run_time = compile_components(pipe, backend=backend, specs={"unet": spec}, cache=cache, threads=threads,
                                   lora_targets="attention")[0]["unet"]
     against_run_time = interleaved({"bound": bound, "run-time": run_time}, inputs, repeats)
