@@ -4,11 +4,11 @@
                                    [--threads 2] [--repeats 3] [--fresh-cache]
 
 A backend (in --backends and --contenders) may name its precision: `inductor:bf16`, `openvino:bf16`
-(default fp32). The inductor comparison, cold compile and warm load beside OpenVINO in one run:
+(default fp32). The inductor comparison: each contender's engines for one 512x512 profile, compiled
+cold, loaded warm and timed per component beside OpenVINO in one run:
 
-    python benchmarks/full_sd15.py --stages cold,warm,runtime,speed \
-        --backends onnxruntime,openvino,openvino:bf16,inductor,inductor:bf16 \
-        --contenders torch,onnxruntime,openvino,openvino:bf16,inductor,inductor:bf16
+    python benchmarks/full_sd15.py --stages speed --fresh-cache \
+        --contenders torch,openvino:bf16,inductor:bf16,openvino,inductor
 
 Builds the SD 1.5 architecture (CLIP ViT-L text encoder, the 860M-parameter U-Net, the VAE) with
 random weights once into benchmarks/.models/ (no weights can be downloaded here), then runs stages,
@@ -25,7 +25,9 @@ the largest stage's VmHWM):
                      AOTInductor: torch._inductor.aoti_load_package of the package).
 - speed:<contender>  one call per component after warm-up, median of repeats, against torch eager
                      (torch, onnxruntime, openvino), with the FLOP floor; the components' inputs and
-                     torch's outputs are saved by the torch stage, so every contender is checked.
+                     torch's outputs are saved by the torch stage, so every contender is checked; and what
+                     the contender's engines for this profile cost: the compile (cold with --fresh-cache) and
+                     the load of the same engines again from the cache.
 - controlnet:<contender>  a U-Net step steered by a ControlNet (SD 1.5's ControlNet architecture, random
                      weights, built once into benchmarks/.models/): the ControlNet, then the U-Net that takes
                      its residuals, one call each after warm-up, against torch eager, with the FLOP floor and
@@ -280,9 +282,15 @@ def stage_speed(contender: str, args) -> dict:
 
         io = np.load(io_file)
         backend, precision = backend_precision(contender)
-        engines, report = compile_components(MODEL_DIR, backend=backend, precision=precision, components=TXT2IMG,
-                                             profile=profile, cache=args.cache, threads=args.threads,
-                                             label="sd15-random")
+
+        def compile_engines():
+            return compile_components(MODEL_DIR, backend=backend, precision=precision, components=TXT2IMG,
+                                      profile=profile, cache=args.cache, threads=args.threads, label="sd15-random")
+
+        start = time.perf_counter()
+        engines, report = compile_engines()
+        result["compile_s"] = time.perf_counter() - start  # cold where `built` names every component
+        result["built"] = sorted({r.component for r in report.stages if r.status != "reused"})
         for name, engine in engines.items():
             inputs = {k.split(".", 2)[2]: io[k] for k in io.files if k.startswith(f"{name}.in.")}
             reference = {k.split(".", 2)[2]: io[k] for k in io.files if k.startswith(f"{name}.out.")}
@@ -293,6 +301,10 @@ def stage_speed(contender: str, args) -> dict:
                         key=lambda p: p.max_abs / p.limit)
             result["components"][name] = {"seconds": samples, "max_abs_vs_torch": worst.max_abs,
                                           "tolerance": worst.limit, "passed": worst.passed}
+        del engines
+        start = time.perf_counter()
+        compile_engines()  # the same engines from the warm cache: what a new process pays
+        result["warm_load_s"] = time.perf_counter() - start
     return {**result, "peak_mb": peak_mb()}
 
 
@@ -922,7 +934,7 @@ def markdown(report: dict) -> str:
                 lines.append(f"| {component} ({t['gflop']:.0f} GFLOP) | {name} | {median:.2f} | "
                              f"{min(r['seconds']):.2f}–{max(r['seconds']):.2f} | {base / median:.2f}× | {floor:.2f} | "
                              f"{median / floor:.2f} | {check} |")
-        lines += [*_inductor_lines(report["speed"]), ""]
+        lines += ["", *_speed_compile_lines(report["speed"]), *_inductor_lines(report["speed"]), ""]
     lines += _controlnet_table(report)
     if "ort-qdq" in report:
         r = report["ort-qdq"].get("unet", {})
@@ -989,6 +1001,19 @@ def _step_median(run: dict, row: str) -> float:
     """The median seconds of a component, or of the step: the sum of its components' medians."""
     names = CONTROLNET_STEP if row == "step" else (row,)
     return sum(_median(run["components"][c]["seconds"]) for c in names)
+
+
+def _speed_compile_lines(speed: dict) -> list[str]:
+    """What the speed stage's engines (the 512x512 profile) cost to compile and to load again from the cache."""
+    rows = [(name, run) for name, run in speed.items() if "compile_s" in run]
+    if not rows:
+        return []
+    lines = ["| contender | compile s (components built) | warm load s (the three engines from the cache) |",
+             "| --- | --- | --- |"]
+    for name, run in rows:
+        built = ", ".join(run["built"]) or "none: all from the cache"
+        lines.append(f"| {name} | {run['compile_s']:.1f} ({built}) | {run['warm_load_s']:.2f} |")
+    return [*lines, ""]
 
 
 def _inductor_lines(speed: dict) -> list[str]:

@@ -12,8 +12,8 @@ architecture (stage `lora`, one process per backend). Per backend, in one proces
 - the time to switch between two LoRA adapters on the U-Net's attention projections (ranks `rank_a` and
   `rank_b`, random A and B), on those engines and on engines with constant weights (rebuilt in memory);
 - the U-Net's speed, interleaved, median of repeats after a warm-up: the engine with bound weights
-  (kasoku's) against one built from an ONNX file that holds its weights as constants (the export with the
-  exporter's own optimizer, kasoku's previous flow), and against the engine with run-time weights.
+  (kasoku's) against one built from the same graph with the weights written into the file as constants
+  (initializers the runtime may fold), and against the engine with run-time weights.
 
 It writes benchmarks/results/<date>-<host>-lora.json and .md (the tiny run); nothing is asserted.
 """
@@ -27,7 +27,6 @@ import json
 import shutil
 import socket
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -61,31 +60,22 @@ def write_adapter(model: Path, folder: Path, rank: int, seed: int) -> Path:
     return folder
 
 
-def constant_weight_export(spec, path: Path) -> Path:
-    """The component exported with its weights as constants, as kasoku exported before graphs were keyed by
-    architecture: the dynamo exporter with its own optimizer (which folds weights into new constants)."""
-    from kasoku.attention import exportable_attention
-    from kasoku.export import _dynamo_dynamic_shapes, _export_shape, _quiet_exporter
+def constants_file(spec, backend: str, cache: Path, threads: int | None, path: Path) -> Path:
+    """The graph `spec`'s engine is built from (the optimized graph where the backend runs passes, else the
+    architecture graph; built again if the compile dropped it) with the module's weights written in as
+    initializers: the same engine as kasoku's, except that its weights are constants of the file."""
+    import contextlib
 
-    inputs = spec.sample_inputs(_export_shape(spec.profile))
-    with exportable_attention(), torch.no_grad(), _quiet_exporter():
-        program = torch.onnx.export(spec.module, tuple(inputs[n] for n in spec.input_names), dynamo=True,
-                                    dynamic_shapes=_dynamo_dynamic_shapes(spec), input_names=list(spec.input_names),
-                                    output_names=list(spec.output_names), opset_version=18, optimize=True)
-    program.save(str(path), external_data=sum(p.numel() for p in spec.module.parameters()) * 4 > 2 * 1024**3 * 0.9)
-    return path
+    from kasoku.build import ONNX_FILE, Compiler
+    from kasoku.cache import Cache
+    from kasoku.export import materialize
+    from kasoku.options import CompileOptions
 
-
-def export_in_own_process(model: Path, path: Path) -> float:
-    """`constant_weight_export` of `model`'s U-Net in a child process, timed: at full size the exporter holds
-    several copies of the 3.4 GB of weights, and its peak must not add to the engines this process holds."""
-    code = ("import sys; from pathlib import Path; sys.path.insert(0, sys.argv[1]); import lora; "
-            "from kasoku.components import component_specs; from kasoku.loading import load_pipeline; "
-            "spec = component_specs(load_pipeline(Path(sys.argv[2]), lazy=True), None, ['unet'])['unet']; "
-            "lora.constant_weight_export(spec, Path(sys.argv[3]))")
-    start = time.perf_counter()
-    subprocess.run([sys.executable, "-c", code, str(HERE), str(model), str(path)], check=True)
-    return time.perf_counter() - start
+    compiler = Compiler(Cache(cache), CompileOptions(backend=backend, threads=threads), label="base")
+    runtime = compiler.backend(backend)
+    with contextlib.ExitStack() as held:
+        graph = compiler.sources(spec, runtime, compiler.chain(spec, runtime), held)[-1].file(ONNX_FILE)
+        return materialize(spec, graph, path)
 
 
 def _timed(fn) -> tuple[float, object]:
@@ -159,12 +149,13 @@ def measure(model: Path, second: Path, backend: str, work: Path, *, threads: int
         from kasoku.components import Precision
         from kasoku.options import CompileOptions
 
-        result["constant_export_s"] = export_in_own_process(model, Path(folder) / "constants.onnx")
         pipe = load_pipeline(model, lazy=True)  # the U-Net's weights load only where needed
         spec = component_specs(pipe, None, ["unet"])["unet"]
         inputs = spec.sample_inputs(spec.profile.opt, seed=3)
+        seconds, path = _timed(lambda: constants_file(spec, backend, cache, threads, Path(folder) / "constants.onnx"))
+        result["constants_file_s"] = seconds
         runtime = get_backend(backend, CompileOptions(threads=threads))
-        runtime.build(spec, Path(folder) / "constants.onnx", Path(folder), Precision.FP32)  # no binding
+        runtime.build(spec, path, Path(folder), Precision.FP32)  # the file holds its weights: no binding
         constants = runtime.load(spec, Path(folder), Precision.FP32)
         bound = compile_components(pipe, backend=backend, specs={"unet": spec}, cache=cache,
                                    threads=threads)[0]["unet"]
