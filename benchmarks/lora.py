@@ -60,22 +60,77 @@ def write_adapter(model: Path, folder: Path, rank: int, seed: int) -> Path:
     return folder
 
 
-def constants_file(spec, backend: str, cache: Path, threads: int | None, path: Path) -> Path:
-    """The graph `spec`'s engine is built from (the optimized graph where the backend runs passes, else the
-    architecture graph; built again if the compile dropped it) with the module's weights written in as
-    initializers: the same engine as kasoku's, except that its weights are constants of the file."""
+def in_own_process(function, *args):
+    """`function(*args)` in a fresh process: at full size an engine build holds several copies of the
+    3.4 GB of U-Net weights for a while, and what a runtime frees stays in the process's heap."""
+    import multiprocessing
+    from concurrent.futures import ProcessPoolExecutor
+
+    with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as pool:
+        return pool.submit(function, *args).result()
+
+
+def _unet_spec(model: Path, threads: int | None):
+    from kasoku.components import component_specs
+    from kasoku.console import quiet_third_party_logs
+    from kasoku.loading import load_pipeline
+
+    quiet_third_party_logs()
+    if threads:
+        torch.set_num_threads(threads)
+    pipe = load_pipeline(model, lazy=True)  # the U-Net's weights load only where needed
+    return pipe, component_specs(pipe, None, ["unet"])["unet"]
+
+
+def build_constants_engine(model: Path, backend: str, cache: Path, threads: int | None, folder: Path) -> float:
+    """An engine in `folder` built from the graph kasoku's U-Net engine is built from (the optimized graph
+    where the backend runs passes, else the architecture graph; built again if the compile dropped it) with
+    the weights written into the file as initializers: kasoku's engine, except that its weights are
+    constants the runtime may fold. Returns the seconds of the file and the build."""
     import contextlib
 
     from kasoku.build import ONNX_FILE, Compiler
     from kasoku.cache import Cache
+    from kasoku.components import Precision
     from kasoku.export import materialize
     from kasoku.options import CompileOptions
 
+    _, spec = _unet_spec(model, threads)
+    start = time.perf_counter()
     compiler = Compiler(Cache(cache), CompileOptions(backend=backend, threads=threads), label="base")
     runtime = compiler.backend(backend)
     with contextlib.ExitStack() as held:
         graph = compiler.sources(spec, runtime, compiler.chain(spec, runtime), held)[-1].file(ONNX_FILE)
-        return materialize(spec, graph, path)
+        path = materialize(spec, graph, folder / "constants.onnx")
+    runtime.build(spec, path, folder, Precision.FP32)  # the file holds its weights: no binding
+    return time.perf_counter() - start
+
+
+def compare_speeds(model: Path, backend: str, cache: Path, threads: int | None, folder: Path, repeats: int) -> dict:
+    """The U-Net engine with bound weights (kasoku's) against the constants engine in `folder`, then against
+    the engine whose attention projections are run-time weights: interleaved, at the profile's optimum."""
+    from kasoku.backends import get_backend
+    from kasoku.build import compile_components
+    from kasoku.components import Precision
+    from kasoku.options import CompileOptions
+
+    pipe, spec = _unet_spec(model, threads)
+    inputs = spec.sample_inputs(spec.profile.opt, seed=3)
+    constants = get_backend(backend, CompileOptions(threads=threads)).load(spec, folder, Precision.FP32)
+    bound = compile_components(pipe, backend=backend, specs={"unet": spec}, cache=cache, threads=threads)[0]["unet"]
+    against_constants = interleaved({"bound": bound, "constants": constants}, inputs, repeats)
+    difference = (bound.run(inputs)["out_sample"] - constants.run(inputs)["out_sample"]).abs().max().item()
+    del constants
+    gc.collect()
+    run_time = compile_components(pipe, backend=backend, specs={"unet": spec}, cache=cache, threads=threads,
+                                  lora_targets="attention")[0]["unet"]
+    against_run_time = interleaved({"bound": bound, "run-time": run_time}, inputs, repeats)
+    medians = [{n: statistics.median(v) for n, v in pair.items()} for pair in (against_constants, against_run_time)]
+    return {"shape": str(spec.profile.opt), "bound_and_constants": against_constants,
+            "bound_and_run_time": against_run_time, "medians": medians,
+            "bound_vs_constants": medians[0]["bound"] / medians[0]["constants"] - 1,
+            "run_time_vs_bound": medians[1]["run-time"] / medians[1]["bound"] - 1,
+            "max_abs_bound_vs_constants": difference, "run_time_weights": len(run_time.bound)}
 
 
 def _timed(fn) -> tuple[float, object]:
@@ -116,8 +171,6 @@ def measure(model: Path, second: Path, backend: str, work: Path, *, threads: int
             rank_a: int, rank_b: int, log=print) -> dict:
     """Every measurement of the module docstring for one backend; `work` is emptied first."""
     from kasoku.build import compile_components
-    from kasoku.components import component_specs
-    from kasoku.loading import load_pipeline
 
     shutil.rmtree(work, ignore_errors=True)
     work.mkdir(parents=True)
@@ -143,35 +196,10 @@ def measure(model: Path, second: Path, backend: str, work: Path, *, threads: int
     result["switch"] = switches
 
     log(f"{backend}: U-Net speed, bound against constant weights and against run-time weights")
-    gc.collect()  # the switches' pipelines: their engines go before the U-Net's three are held at once
     with tempfile.TemporaryDirectory(dir=work) as folder:
-        from kasoku.backends import get_backend
-        from kasoku.components import Precision
-        from kasoku.options import CompileOptions
-
-        pipe = load_pipeline(model, lazy=True)  # the U-Net's weights load only where needed
-        spec = component_specs(pipe, None, ["unet"])["unet"]
-        inputs = spec.sample_inputs(spec.profile.opt, seed=3)
-        seconds, path = _timed(lambda: constants_file(spec, backend, cache, threads, Path(folder) / "constants.onnx"))
-        result["constants_file_s"] = seconds
-        runtime = get_backend(backend, CompileOptions(threads=threads))
-        runtime.build(spec, path, Path(folder), Precision.FP32)  # the file holds its weights: no binding
-        constants = runtime.load(spec, Path(folder), Precision.FP32)
-        bound = compile_components(pipe, backend=backend, specs={"unet": spec}, cache=cache,
-                                   threads=threads)[0]["unet"]
-        against_constants = interleaved({"bound": bound, "constants": constants}, inputs, repeats)
-        difference = (bound.run(inputs)["out_sample"] - constants.run(inputs)["out_sample"]).abs().max().item()
-        del constants
-        gc.collect()
-    run_time = compile_components(pipe, backend=backend, specs={"unet": spec}, cache=cache, threads=threads,
-                                  lora_targets="attention")[0]["unet"]
-    against_run_time = interleaved({"bound": bound, "run-time": run_time}, inputs, repeats)
-    medians = [{n: statistics.median(v) for n, v in pair.items()} for pair in (against_constants, against_run_time)]
-    result["speed"] = {"shape": str(spec.profile.opt), "bound_and_constants": against_constants,
-                       "bound_and_run_time": against_run_time, "medians": medians,
-                       "bound_vs_constants": medians[0]["bound"] / medians[0]["constants"] - 1,
-                       "run_time_vs_bound": medians[1]["run-time"] / medians[1]["bound"] - 1,
-                       "max_abs_bound_vs_constants": difference, "run_time_weights": len(run_time.bound)}
+        result["constants_build_s"] = in_own_process(build_constants_engine, model, backend, cache, threads,
+                                                     Path(folder))
+        result["speed"] = in_own_process(compare_speeds, model, backend, cache, threads, Path(folder), repeats)
     shutil.rmtree(work, ignore_errors=True)
     return result
 
