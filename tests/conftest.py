@@ -76,21 +76,29 @@ def tiny_onnx(tiny_specs, tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
-def tiny_cache(tmp_path_factory):
+def _session_cache(tmp_path_factory):
     from kasoku.cache import Cache
 
     return Cache(tmp_path_factory.mktemp("cache"))
 
 
 @pytest.fixture(scope="session")
-def tiny_compiled(tiny_dir, tiny_cache):
-    """The tiny pipeline compiled once per CPU backend: {backend: (engines, report)}."""
+def tiny_compiled(tiny_dir, _session_cache):
+    """The tiny pipeline compiled once per CPU backend into the empty session cache: {backend: (engines,
+    report)}; its reports show every stage built (export, engine)."""
     from kasoku.build import compile_components
 
     return {
-        backend: compile_components(tiny_dir, backend=backend, cache=tiny_cache)
+        backend: compile_components(tiny_dir, backend=backend, cache=_session_cache)
         for backend in ("onnxruntime", "openvino")
     }
+
+
+@pytest.fixture(scope="session")
+def tiny_cache(_session_cache, tiny_compiled):
+    """The session cache, always after `tiny_compiled`: whichever test (and test worker) comes first,
+    the tiny pipeline's first compile is the one that exported its graphs."""
+    return _session_cache
 
 
 @pytest.fixture(scope="session")

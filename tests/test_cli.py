@@ -84,6 +84,10 @@ def test_generate_bad_input_writes_nothing(tiny_dir, tiny_cache, tiny_compiled, 
     assert list(out.parent.iterdir()) == []
 
 
-def test_generate_output_folder_must_exist(tiny_dir, tiny_cache, tmp_path, capsys):
-    assert _generate(tiny_dir, tiny_cache, tmp_path / "nope" / "x.png") == 1
+def test_generate_output_folder_must_exist(tiny_dir, tmp_path, capsys):
+    from kasoku.cache import Cache
+
+    cache = Cache(tmp_path / "cache")
+    assert _generate(tiny_dir, cache, tmp_path / "nope" / "x.png") == 1
     assert "does not exist" in capsys.readouterr().out
+    assert not cache.list()  # refused before any engine was built

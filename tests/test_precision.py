@@ -24,8 +24,9 @@ needs_bf16 = pytest.mark.skipif(not native_bf16(), reason="this CPU has no nativ
 
 
 @pytest.fixture(scope="module")
-def precision_cache(tmp_path_factory):
-    return tmp_path_factory.mktemp("precision-cache")
+def precision_cache(tiny_cache, tiny_compiled):
+    """The session cache: its architecture graphs (and OpenVINO's fp32 engines) are reused, not exported again."""
+    return tiny_cache.root
 
 
 @pytest.fixture(scope="module")
@@ -156,26 +157,25 @@ def test_verify_checks_the_contract_and_fails_when_it_is_broken(tiny_dir, precis
 
 
 @pytest.mark.integration
-def test_generate_builds_exact_shape_engines_unless_cached_ones_serve(tiny_dir, tmp_path, capsys):
-    cache = tmp_path / "cache"
-    args = ["generate", str(tiny_dir), "a cat", "--steps", "2", "--backend", "openvino", "--cache-dir", str(cache),
-            "--components", "text_encoder", "unet", "vae_decoder"]
-    assert main([*args, "-o", str(tmp_path / "a.png")]) == 0
-    from kasoku.cache import Cache
-
-    engines = [e for e in Cache(cache).list() if e.kind == "engine"]
+def test_generate_builds_exact_shape_engines_unless_cached_ones_serve(tiny_dir, tiny_cache, tiny_compiled, tmp_path,
+                                                                      capsys):
+    # The session cache holds the model's default engines (dynamic, 32..128 px): 160x160 is outside them.
+    args = ["generate", str(tiny_dir), "a cat", "--steps", "2", "--backend", "openvino", "--cache-dir",
+            str(tiny_cache.root), "--components", "text_encoder", "unet", "vae_decoder"]
+    before = {e.key for e in tiny_cache.list()}
+    assert main([*args, "-o", str(tmp_path / "a.png"), "--height", "160", "--width", "160"]) == 0
+    engines = [e for e in tiny_cache.list() if e.kind == "engine" and e.key not in before]
+    assert sorted(e.component for e in engines) == ["text_encoder", "unet", "vae_decoder"]
     profiles = {json.dumps(e.parts["profile"], sort_keys=True) for e in engines}
     assert len(profiles) == 1
     profile = ShapeProfile.from_dict(json.loads(profiles.pop()))
-    assert profile.is_static and profile.guidance is True and profile.min == ImageShape(1, 64, 64)
-    manifest = json.loads((cache / "entries" / engines[0].key / "kasoku-entry.json").read_text())
+    assert profile.is_static and profile.guidance is True and profile.min == ImageShape(1, 160, 160)
+    manifest = json.loads((tiny_cache.root / "entries" / engines[0].key / "kasoku-entry.json").read_text())
     assert manifest["meta"]["static"] is True  # OpenVINO compiled it with static shapes
-    # once the model's default (dynamic) engines are in the cache, generate uses them
-    assert main(["compile", str(tiny_dir), "--backend", "openvino", "--cache-dir", str(cache),
-                 "--components", "text_encoder", "unet", "vae_decoder"]) == 0
-    before = len(Cache(cache).list())
+    # 96x96 is served by the default engines already in the cache: nothing is built
+    before = len(tiny_cache.list())
     assert main([*args, "-o", str(tmp_path / "b.png"), "--height", "96", "--width", "96"]) == 0
-    assert len(Cache(cache).list()) == before  # 96x96 is served by the default range: nothing built
+    assert len(tiny_cache.list()) == before
     capsys.readouterr()
 
 
