@@ -163,14 +163,12 @@ def interleaved(engines: dict, inputs: dict, repeats: int) -> dict[str, list[flo
     return samples
 
 
-def timed_compile(model: Path, label: str, options: dict, keep_intermediate: bool) -> tuple[float, list[str]]:
+def timed_compile(model: Path, label: str, options: dict) -> tuple[float, list[str]]:
     """`compile_components` of `model`: its seconds and the entries it built."""
     from kasoku.build import compile_components
 
     _process_settings(options.get("threads"))
-    start = time.perf_counter()
-    _, report = compile_components(model, label=label, keep_intermediate=keep_intermediate, **options)
-    seconds = time.perf_counter() - start
+    seconds, (_, report) = _timed(lambda: compile_components(model, label=label, **options))
     return seconds, sorted({f"{s.component}:{s.stage}" for s in report.stages if s.status != "reused"})
 
 
@@ -204,10 +202,9 @@ def measure(model: Path, second: Path, backend: str, work: Path, *, threads: int
     result: dict = {"backend": backend, "threads": threads, "ranks": [rank_a, rank_b]}
 
     log(f"{backend}: cold compile of the base")
-    # the optimized graph is kept: the constants engine below is built from it without optimizing again
-    result["cold_s"] = in_own_process(timed_compile, model, "base", common, True)[0]
+    result["cold_s"] = in_own_process(timed_compile, model, "base", common)[0]
     log(f"{backend}: compile of a second checkpoint")
-    result["second_s"], result["second_built"] = in_own_process(timed_compile, second, "second", common, False)
+    result["second_s"], result["second_built"] = in_own_process(timed_compile, second, "second", common)
     result["second_vs_cold"] = result["second_s"] / result["cold_s"]
 
     adapters = {"a": write_adapter(model, work / "lora-a", rank_a, 1), "b": write_adapter(model, work / "lora-b",

@@ -24,7 +24,7 @@ needs_bf16 = pytest.mark.skipif(not native_bf16(), reason="this CPU has no nativ
 
 
 @pytest.fixture(scope="module")
-def precision_cache(tiny_cache, tiny_compiled):
+def precision_cache(tiny_cache):
     """The session cache: its architecture graphs (and OpenVINO's fp32 engines) are reused, not exported again."""
     return tiny_cache.root
 
@@ -157,8 +157,7 @@ def test_verify_checks_the_contract_and_fails_when_it_is_broken(tiny_dir, precis
 
 
 @pytest.mark.integration
-def test_generate_builds_exact_shape_engines_unless_cached_ones_serve(tiny_dir, tiny_cache, tiny_compiled, tmp_path,
-                                                                      capsys):
+def test_generate_builds_exact_shape_engines_unless_cached_ones_serve(tiny_dir, tiny_cache, tmp_path, capsys):
     # The session cache holds the model's default engines (dynamic, 32..128 px): 160x160 is outside them.
     args = ["generate", str(tiny_dir), "a cat", "--steps", "2", "--backend", "openvino", "--cache-dir",
             str(tiny_cache.root), "--components", "text_encoder", "unet", "vae_decoder"]
