@@ -99,8 +99,8 @@ def build_sd15(directory: Path, seed: int = 0) -> Path:
     from diffusers import AutoencoderKL, StableDiffusionPipeline, UNet2DConditionModel
     from transformers import CLIPTextConfig, CLIPTextModel
 
+    from kasoku.architectures.tiny import tiny_tokenizer
     from kasoku.families import FAMILIES
-    from kasoku.tiny import tiny_tokenizer
 
     torch.manual_seed(seed)
     tokenizer = tiny_tokenizer()  # a real CLIP BPE tokenizer; ids fall inside the full vocabulary
@@ -163,7 +163,7 @@ def stage_model(target: str, args) -> dict:
 
 
 def stage_cold(target: str, args) -> dict:
-    from kasoku.build import compile_components
+    from kasoku.compiling import compile_components
 
     backend, precision = backend_precision(target)
     shutil.rmtree(cache_for(args, target), ignore_errors=True)  # cold means cold
@@ -257,8 +257,9 @@ def stage_runtime(target: str, args) -> dict:
 def stage_speed(contender: str, args) -> dict:
     """One call per component after warm-up; torch also counts FLOPs and saves inputs and outputs."""
     from kasoku.benchmark import count_flops
-    from kasoku.components import ImageShape, ShapeProfile, component_specs
+    from kasoku.components import ImageShape, ShapeProfile
     from kasoku.loading import load_pipeline
+    from kasoku.model import component_specs
     from kasoku.parity import compare_output
 
     profile = ShapeProfile.from_ranges((1, 1, 1), (SIZE,) * 3, (SIZE,) * 3, MULTIPLE)
@@ -278,7 +279,7 @@ def stage_speed(contender: str, args) -> dict:
                                           "shapes": {k: list(v.shape) for k, v in inputs.items()}}
         np.savez(io_file, **saved)
     else:
-        from kasoku.build import compile_components
+        from kasoku.compiling import compile_components
 
         io = np.load(io_file)
         backend, precision = backend_precision(contender)
@@ -313,7 +314,7 @@ def build_controlnet(directory: Path, model_dir: Path, seed: int = 0) -> Path:
     16-32-96-256 conditioning embedding) for the U-Net in `model_dir`, random weights, as a diffusers folder."""
     from diffusers import UNet2DConditionModel
 
-    from kasoku.tiny import random_controlnet
+    from kasoku.architectures.tiny import random_controlnet
 
     torch.manual_seed(seed)
     with torch.device("meta"):  # the U-Net only lends its config: none of its weights are made
@@ -328,8 +329,9 @@ def stage_controlnet(contender: str, args) -> dict:
     saves its inputs and outputs (the U-Net's residual inputs are the ControlNet's own outputs); every other
     contender is kasoku's engine on that backend, checked against them."""
     from kasoku.benchmark import count_flops
-    from kasoku.components import ImageShape, ShapeProfile, component_specs
+    from kasoku.components import ImageShape, ShapeProfile
     from kasoku.loading import load_pipeline
+    from kasoku.model import component_specs
     from kasoku.parity import compare_output
 
     profile = ShapeProfile.from_ranges((1, 1, 1), (SIZE,) * 3, (SIZE,) * 3, MULTIPLE)
@@ -354,7 +356,7 @@ def stage_controlnet(contender: str, args) -> dict:
                                           "shapes": {k: list(v.shape) for k, v in inputs.items()}}
         np.savez(io_file, **saved)
     else:
-        from kasoku.build import compile_components
+        from kasoku.compiling import compile_components
 
         io = np.load(io_file)
         pipe = load_pipeline(MODEL_DIR, lazy=True, controlnet=CONTROLNET_DIR)
@@ -399,11 +401,10 @@ def stage_ov_probe(_target: str, args) -> dict:
     ov.Core().import_model(ov.Tensor(blob, shared_memory=True), "CPU", config)
     import_s = time.perf_counter() - start
     del blob
-    from kasoku.components import component_specs, default_profile
-    from kasoku.loading import load_pipeline
+    from kasoku.model import Model
 
-    pipe = load_pipeline(MODEL_DIR)
-    spec = component_specs(pipe, default_profile(pipe), ["unet"])["unet"]
+    pipe = Model.load(MODEL_DIR)
+    spec = pipe.specs(names=["unet"])["unet"]
     with tempfile.TemporaryDirectory(dir=args.work) as tmp:
         export_component(spec, Path(tmp) / "model.onnx", check_shapes=[])
         del pipe, spec
@@ -537,8 +538,9 @@ def stage_fidelity(precision: str, args) -> dict:
     error against torch fp32 at 512x512, and the images of verify's prompts at the contract's steps against the
     fp32 engines' (saved by the fp32 stage), with the same seed."""
     import kasoku
-    from kasoku.components import ImageShape, Precision, ShapeProfile, component_specs
+    from kasoku.components import ImageShape, Precision, ShapeProfile
     from kasoku.loading import load_pipeline
+    from kasoku.model import component_specs
     from kasoku.parity import TOLERANCES, parity_against_torch, psnr, ssim
     from kasoku.verification import FIDELITY_PROMPTS
 
@@ -656,18 +658,19 @@ UNET_ENGINES = ("unet", "unet_full", "unet_shallow")
 def deepcache_flops(branch: int) -> dict:
     """GFLOP of one call of the plain U-Net, the full and the shallow graph (batch 2: guidance, 512x512),
     counted on the meta device (no weights are read, nothing is computed)."""
+    from kasoku.architectures.deepcache import Branch, StepCacheFullModule, StepCacheShallowModule
+    from kasoku.architectures.unet import UNetModule
     from kasoku.benchmark import count_flops_meta
-    from kasoku.components import ImageShape, ShapeProfile, component_specs
-    from kasoku.families import family_of
-    from kasoku.loading import load_pipeline
-    from kasoku.step_cache import Branch
+    from kasoku.components import ImageShape, ShapeProfile
+    from kasoku.model import Model
 
-    pipe = load_pipeline(MODEL_DIR, lazy=True)  # every module on the meta device
-    family, geometry = family_of(pipe), Branch.of(pipe.unet.config, branch)
+    model = Model.load(MODEL_DIR, lazy=True)  # every module on the meta device
+    unet = model.pipe.unet
+    geometry = Branch.of(unet.config, branch)
     profile = ShapeProfile.exact(ImageShape(1, SIZE, SIZE), guidance=True, multiple=MULTIPLE)
-    specs = component_specs(pipe, profile, UNET_ENGINES, cache_branch=branch)
-    modules = {"unet": family.unet_module(pipe.unet), "unet_full": family.unet_full_module(pipe.unet, geometry),
-               "unet_shallow": family.unet_shallow_module(pipe.unet, geometry)}
+    specs = model.specs(profile, UNET_ENGINES, cache_branch=branch)
+    modules = {"unet": UNetModule(unet), "unet_full": StepCacheFullModule(unet, geometry),
+               "unet_shallow": StepCacheShallowModule(unet, geometry)}
     return {name: count_flops_meta(modules[name], specs[name].sample_inputs(profile.opt), specs[name].input_names)
             / 1e9 for name in UNET_ENGINES}
 

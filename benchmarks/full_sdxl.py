@@ -94,8 +94,8 @@ def sdxl_pipeline(real: tuple[str, ...] = ()):
     from diffusers import AutoencoderKL, StableDiffusionXLPipeline, UNet2DConditionModel
     from transformers import CLIPTextConfig, CLIPTextModel, CLIPTextModelWithProjection
 
+    from kasoku.architectures.tiny import tiny_tokenizer
     from kasoku.families import FAMILIES
-    from kasoku.tiny import tiny_tokenizer
 
     if SMOKE:
         return FAMILIES["sdxl"].tiny_pipeline()
@@ -123,7 +123,8 @@ def _module_of(component: str) -> str:
 
 
 def _spec(pipe, component: str, size: int):
-    from kasoku.components import ShapeProfile, component_specs
+    from kasoku.components import ShapeProfile
+    from kasoku.model import component_specs
 
     profile = ShapeProfile.from_ranges((1, 1, 1), (size,) * 3, (size,) * 3, 32)  # one image, with guidance
     return component_specs(pipe, profile, [component])[component]
@@ -174,7 +175,7 @@ def stage_torch(component: str, size: int, repeats: int, work: Path, export: boo
 
 
 def stage_engine(component: str, backend: str, size: int, repeats: int, threads: int, work: Path) -> dict:
-    from kasoku.build import compile_components
+    from kasoku.compiling import compile_components
     from kasoku.parity import compare_output
 
     pipe = sdxl_pipeline()  # every module on the meta device: the engines need the specs, not the weights

@@ -272,7 +272,7 @@ def stage_backend(model: Model, stage: Stage, args) -> dict:
     """Cold compile, per-component parity at min/opt/max, the warm load, the image against diffusers fp16,
     its seconds."""
     import kasoku
-    from kasoku.build import compile_components
+    from kasoku.compiling import compile_components
     from kasoku.families import family_of
     from kasoku.loading import load_pipeline
     from kasoku.parity import psnr

@@ -56,9 +56,10 @@ def kasoku_compile(model: Path, backend: str, precision: str, cache: Path, threa
 
 def speed(model: Path, caches: dict[str, Path], threads: int, repeats: int) -> dict:
     """Each contender's U-Net from its warm cache, called in turns; torch eager fp32 beside them."""
-    from kasoku.build import compile_components
-    from kasoku.components import Precision, component_specs
+    from kasoku.compiling import compile_components
+    from kasoku.components import Precision
     from kasoku.loading import load_pipeline
+    from kasoku.model import component_specs
     from kasoku.parity import compare_output
 
     torch.set_num_threads(threads)

@@ -80,8 +80,8 @@ def _process_settings(threads: int | None) -> None:
 
 
 def _unet_spec(model: Path, threads: int | None):
-    from kasoku.components import component_specs
     from kasoku.loading import load_pipeline
+    from kasoku.model import component_specs
 
     _process_settings(threads)
     pipe = load_pipeline(model, lazy=True)  # the U-Net's weights load only where needed
@@ -123,7 +123,7 @@ def compare_speeds(model: Path, backend: str, cache: Path, threads: int | None, 
     """The U-Net engine with bound weights (kasoku's) against the constants engine in `folder`, then against
     the engine whose attention projections are run-time weights: interleaved, at the profile's optimum."""
     from kasoku.backends import get_backend
-    from kasoku.build import compile_components
+    from kasoku.compiling import compile_components
     from kasoku.components import Precision
     from kasoku.options import CompileOptions
 
@@ -165,7 +165,7 @@ def interleaved(engines: dict, inputs: dict, repeats: int) -> dict[str, list[flo
 
 def timed_compile(model: Path, label: str, options: dict) -> tuple[float, list[str]]:
     """`compile_components` of `model`: its seconds and the entries it built."""
-    from kasoku.build import compile_components
+    from kasoku.compiling import compile_components
 
     _process_settings(options.get("threads"))
     seconds, (_, report) = _timed(lambda: compile_components(model, label=label, **options))

@@ -58,7 +58,7 @@ def tiny_dir(tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def tiny_specs(tiny_pipe):
-    from kasoku.components import component_specs
+    from kasoku.model import component_specs
 
     return component_specs(tiny_pipe)
 
@@ -86,7 +86,7 @@ def _session_cache(tmp_path_factory):
 def tiny_compiled(tiny_dir, _session_cache):
     """The tiny pipeline compiled once per CPU backend into the empty session cache: {backend: (engines,
     report)}; its reports show every stage built (export, engine)."""
-    from kasoku.build import compile_components
+    from kasoku.compiling import compile_components
 
     return {
         backend: compile_components(tiny_dir, backend=backend, cache=_session_cache)

@@ -76,7 +76,7 @@ def test_unknown_and_unavailable_backends_explain(monkeypatch):
 
 
 def test_auto_measures_once_and_remembers(tiny_dir, tiny_cache, tiny_compiled):
-    from kasoku.build import compile_components
+    from kasoku.compiling import compile_components
 
     _, first = compile_components(tiny_dir, backend="auto", cache=tiny_cache, components=["vae_encoder"])
     choose = [s for s in first.stages if s.stage == "choose"]
@@ -95,8 +95,8 @@ def test_auto_measures_once_and_remembers(tiny_dir, tiny_cache, tiny_compiled):
 
 
 def test_auto_keeps_only_the_winners_engine(tiny_dir, tmp_path):
-    from kasoku.build import compile_components
     from kasoku.cache import Cache
+    from kasoku.compiling import compile_components
 
     _, report = compile_components(tiny_dir, backend="auto", cache=tmp_path, components=["vae_decoder"])
     engines = [e for e in Cache(tmp_path).list() if e.kind == "engine"]

@@ -9,9 +9,9 @@ import sys
 
 import pytest
 
-from kasoku.build import compile_components
 from kasoku.cache import Cache, CorruptEntryWarning
 from kasoku.cli import main
+from kasoku.compiling import compile_components
 from kasoku.components import ShapeProfile
 from tests.conftest import SD_COMPONENTS
 

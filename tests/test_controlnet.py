@@ -18,10 +18,12 @@ import torch
 from PIL import Image
 
 import kasoku
+from kasoku.architectures.controlnet import UnfitControlNet
+from kasoku.architectures.unet import controlnet_residuals
 from kasoku.cli import main
-from kasoku.components import Precision, component_specs
+from kasoku.components import Precision
 from kasoku.families import FAMILIES, TASKS
-from kasoku.families.base import UnfitControlNet, controlnet_residuals
+from kasoku.model import Model, component_specs
 from kasoku.parity import TOLERANCES, psnr
 from kasoku.pipeline import InvalidInput
 
@@ -154,9 +156,9 @@ def test_family_answers_the_controlnet_questions(tiny_pipe, controlnets):
     family = FAMILIES["sd1"]
     pipe = family.with_controlnet(tiny_pipe, controlnets["sd1"])
     assert type(pipe).__name__ == "StableDiffusionControlNetPipeline"
-    assert family.component_names(pipe) == ("text_encoder", "controlnet_0", "controlnet_1", "unet_controlnet",
+    assert Model.of(pipe).components == ("text_encoder", "controlnet_0", "controlnet_1", "unet_controlnet",
                                             "vae_decoder", "vae_encoder")
-    assert family.task_components("txt2img", pipe) == ("text_encoder", "controlnet_0", "controlnet_1",
+    assert Model.of(pipe).task_components("txt2img") == ("text_encoder", "controlnet_0", "controlnet_1",
                                                        "unet_controlnet", "vae_decoder")
     assert {task: type(family.task_pipeline(pipe, task)).__name__ for task in TASKS} == DIFFUSERS["sd1"]
     same_twice = family.with_controlnet(tiny_pipe, [controlnets["sd1"][0], controlnets["sd1"][0]])
@@ -209,14 +211,14 @@ def test_guidance_profile_serves_guess_mode(tiny_pipe, controlnets):
 
 
 def test_export_derives_every_size_of_one_image_dim_from_one_dim(tiny_pipe, controlnets):
-    from kasoku.export import _dynamo_dynamic_shapes
+    from kasoku.components import torch_dynamic_shapes
 
     pipe = FAMILIES["sd1"].with_controlnet(tiny_pipe, controlnets["sd1"][0])
     specs = component_specs(pipe, names=["controlnet_0", "unet_controlnet"])
-    shapes = _dynamo_dynamic_shapes(specs["controlnet_0"])
+    shapes = torch_dynamic_shapes(specs["controlnet_0"])
     latent, pixel = shapes["sample"][2], shapes["controlnet_cond"][2]
     assert latent.root is pixel.root  # one Dim of the image height; the ControlNet's *added are bound too
-    unet = _dynamo_dynamic_shapes(specs["unet_controlnet"])
+    unet = torch_dynamic_shapes(specs["unet_controlnet"])
     assert set(unet) == {"sample", "timestep", "encoder_hidden_states", "rest"}  # the residuals: forward's *rest
     assert len(unet["rest"]) == len(specs["unet_controlnet"].input_names) - 3
     assert all(r[2].root is unet["sample"][2].root for r in unet["rest"])
@@ -466,7 +468,7 @@ def test_batch_jobs_with_control_images(tiny_dir, controlnet_dir, tiny_cache, co
 @pytest.mark.gpu
 def test_tensorrt_engines_match_torch(tiny_pipe, controlnets, tmp_path):
     from kasoku.backends.tensorrt import TensorRTBackend
-    from kasoku.build import compile_components
+    from kasoku.compiling import compile_components
     from kasoku.components import ImageShape
     from kasoku.loading import load_pipeline
     from kasoku.parity import compare_outputs

@@ -221,7 +221,7 @@ def test_bench_times_every_component(family, family_dirs, family_kasoku, tiny_ca
 
 
 def test_sdxl_vae_stays_fp32_unless_a_fp16_safe_vae_is_given(family_dirs, tiny_cache):
-    from kasoku.build import compile_components
+    from kasoku.compiling import compile_components
     from kasoku.tiny import tiny_pipeline
 
     pipe = load_pipeline(family_dirs["sdxl"])
@@ -239,7 +239,7 @@ def test_sdxl_vae_stays_fp32_unless_a_fp16_safe_vae_is_given(family_dirs, tiny_c
 
 def test_tensorrt_profiles_cover_sdxl_inputs(family_pipes):
     from kasoku.backends.tensorrt import trt_profile
-    from kasoku.components import component_specs
+    from kasoku.model import component_specs
 
     specs = component_specs(family_pipes["sdxl"])
     unet = trt_profile(specs["unet"])

@@ -103,7 +103,7 @@ def test_prune_never_pulls_an_entry_from_under_a_loader(cache_with_one, tmp_path
     # another process holds the entry the way a loader does (the shared lock), then loads it
     script = (
         "import sys, time; from kasoku.cache import Cache; from kasoku.backends import get_backend;"
-        "from kasoku.tiny import tiny_pipeline; from kasoku.components import component_specs;"
+        "from kasoku.tiny import tiny_pipeline; from kasoku.model import component_specs;"
         f"c = Cache({str(cache)!r}); spec = component_specs(tiny_pipeline(seed=1), names=['text_encoder'])"
         "['text_encoder'];"
         f"ctx = c.reading({held.key!r}); ctx.__enter__(); print('holding', flush=True); time.sleep(3);"

@@ -62,7 +62,7 @@ def _check(name, spec, engine, inputs, precision, label):
 
 @pytest.mark.parametrize("backend, precision", GPU_ENGINES)
 def test_gpu_engines_build_run_and_match_at_the_profiles_min_opt_and_max(tiny_dir, tmp_path, backend, precision):
-    from kasoku.build import compile_components
+    from kasoku.compiling import compile_components
 
     engines, report = compile_components(tiny_dir, backend=backend, precision=precision, cache=tmp_path)
     assert set(report.backends.values()) == {backend}
@@ -83,7 +83,7 @@ def test_gpu_engines_build_run_and_match_at_the_profiles_min_opt_and_max(tiny_di
                                      pytest.param("onnxruntime-cuda", marks=_skip_unless("onnxruntime-cuda"))])
 def test_cuda_graph_engines_replay_new_inputs(tiny_dir, tmp_path, backend):
     """Static-profile engines with cuda_graph: the captured graph replays each call's own inputs."""
-    from kasoku.build import compile_components
+    from kasoku.compiling import compile_components
 
     shape = ImageShape(1, 64, 64)
     profile = ShapeProfile.exact(shape, guidance=True, multiple=8)

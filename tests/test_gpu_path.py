@@ -86,8 +86,8 @@ def test_a_fallen_back_gpu_engine_is_never_cached(tiny_dir, tmp_path, monkeypatc
     import onnxruntime as ort
 
     import kasoku.backends.onnxruntime as ort_backend
-    from kasoku.build import compile_components
     from kasoku.cache import Cache
+    from kasoku.compiling import compile_components
 
     if "CUDAExecutionProvider" in ort.get_available_providers():
         pytest.skip("onnxruntime-gpu with CUDA is installed here: this session would not fall back")

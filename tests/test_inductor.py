@@ -18,8 +18,9 @@ import kasoku
 from kasoku.backends import UnsupportedPrecision, cpu_candidates, get_backend, gpu_candidates
 from kasoku.backends import inductor as inductor_backend
 from kasoku.backends.base import Availability
-from kasoku.build import Compiler, compile_components
+from kasoku.build import Compiler
 from kasoku.cache import MANIFEST, Cache, digest_key
+from kasoku.compiling import compile_components
 from kasoku.components import ImageShape, Precision, ShapeOutOfProfile
 from kasoku.errors import KasokuError
 from kasoku.options import CompileOptions

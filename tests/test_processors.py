@@ -14,8 +14,9 @@ from diffusers.models.attention_processor import (
 )
 
 import kasoku
-from kasoku.components import ImageShape, component_specs
+from kasoku.components import ImageShape
 from kasoku.export import export_component, ort_session
+from kasoku.model import component_specs
 from kasoku.tiny import tiny_pipeline
 
 pytestmark = pytest.mark.integration  # exports or builds engines

@@ -156,7 +156,7 @@ def cache_root(tiny_dir, tiny_cache):
     """The tiny pipeline's ONNX Runtime engines for its default profile, compiled once: every server
     here serves 64x64 from them (engines in the cache that serve the size are used, not rebuilt);
     the other test modules' `tiny_compiled` shares the same entries."""
-    from kasoku.build import compile_components
+    from kasoku.compiling import compile_components
 
     compile_components(tiny_dir, backend="onnxruntime", cache=tiny_cache)
     return tiny_cache.root

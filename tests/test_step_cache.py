@@ -11,20 +11,19 @@ import math
 import pytest
 import torch
 
+from kasoku.architectures.deepcache import Branch, UNetLayers, branch_count
 from kasoku.batch import InvalidJobs, Job, plan_batches, read_jobs
-from kasoku.components import ImageShape, component_specs
+from kasoku.components import ImageShape
 from kasoku.families import FAMILIES
+from kasoku.model import component_specs
 from kasoku.options import CompileOptions, InvalidOptions
 from kasoku.step_cache import (
     DEFAULT_BRANCH,
     FEATURE,
     FULL,
     SHALLOW,
-    Branch,
     InvalidStepCache,
     StepCacheRun,
-    UNetLayers,
-    branch_count,
     full_steps,
 )
 
@@ -157,17 +156,17 @@ def test_step_cache_specs_come_from_the_unet_spec(tiny_pipe):
 def test_export_relates_the_feature_axes_to_the_latent_axes(tiny_pipe):
     """torch.export sees the feature's height as a multiple of the same Dim as the latent's, so it can prove the
     shapes the shallow graph concatenates agree; a spec with one axis per image dimension keeps its Dims."""
-    from kasoku.export import _dynamo_dynamic_shapes
+    from kasoku.components import torch_dynamic_shapes
 
     def root(dim):
         return getattr(dim, "root", dim)  # a derived Dim (k * base) names its base
 
     specs = component_specs(tiny_pipe, names=["unet", SHALLOW], cache_branch=2)  # the feature at 1/2 the latent
-    shallow = _dynamo_dynamic_shapes(specs[SHALLOW])
-    latent, feature = shallow["sample"][2], shallow[FEATURE][2]
+    shallow = torch_dynamic_shapes(specs[SHALLOW])
+    latent, feature = shallow["sample"][2], shallow["rest"][-1][2]  # the deep feature: the last of *rest
     assert root(latent) is root(feature) and latent is not feature
     assert root(latent).__name__.startswith("height_div")  # one Dim of the image height for both axes
-    plain = _dynamo_dynamic_shapes(specs["unet"])
+    plain = torch_dynamic_shapes(specs["unet"])
     assert root(plain["sample"][2]).__name__ == "latent_height_div2" and plain["timestep"][0].__name__ == "batch"
 
 

@@ -140,8 +140,8 @@ def test_cli_lora_spec_and_job_loras(tmp_path):
 def test_a_pipeline_saved_and_loaded_back_keeps_its_architecture_key(tiny_dir):
     """transformers writes `architectures` and `dtype` into a saved config: the graph is the same, so is its key
     (else a folder and the pipeline it was saved from would export twice)."""
-    from kasoku.components import component_specs
     from kasoku.loading import load_pipeline
+    from kasoku.model import component_specs
 
     folder = component_specs(load_pipeline(tiny_dir, lazy=True), None, ("text_encoder", "unet"))
     memory = component_specs(tiny_pipeline(), None, ("text_encoder", "unet"))

@@ -21,7 +21,7 @@ _PUBLIC = {
     "export_pipeline": "kasoku.export",
     "compile": "kasoku.pipeline",
     "KasokuPipeline": "kasoku.pipeline",
-    "compile_components": "kasoku.build",
+    "compile_components": "kasoku.compiling",
     "CompileOptions": "kasoku.options",
     "verify": "kasoku.verification",
     "bench": "kasoku.benchmark",

@@ -21,10 +21,20 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from .attention import exportable_attention
+from .backends import BACKEND_CHOICES
 from .backends.base import cpu_flags, cpu_name
-from .components import ComponentSpec, ImageShape, ShapeProfile, component_specs
+from .cache import Cache
+from .compiling import compile_components
+from .components import ComponentSpec, ImageShape, ShapeProfile
 from .errors import KasokuError
+from .export import module_weights
+from .extras import import_onnxruntime
+from .fidelity import diffusers_inputs, task_inputs
+from .model import Model
 from .options import CompileOptions
+from .pipeline import KasokuPipeline
+from .weights import materialize
 
 # Peers that are not kasoku backends: the runtime's own defaults on kasoku's exported ONNX file.
 PEERS = ("torch.compile", "onnxruntime-defaults", "openvino-defaults")
@@ -33,8 +43,6 @@ MATMUL_SIZE = 4096
 
 def check_contenders(names: list[str]) -> list[str]:
     """kasoku backends and peers by name; an unknown one is an error listing the choices."""
-    from .backends import BACKEND_CHOICES
-
     known = [b for b in BACKEND_CHOICES if b != "auto"] + list(PEERS)
     unknown = [n for n in names if n not in known]
     if unknown or not names:
@@ -156,8 +164,6 @@ def count_flops_meta(module: torch.nn.Module, inputs: dict[str, torch.Tensor], n
     `inputs` (moved to the meta device) in the order of `names`."""
     from torch.utils.flop_counter import FlopCounterMode
 
-    from .attention import exportable_attention
-
     args = [inputs[name].to("meta") for name in names]
     with FlopCounterMode(display=False) as counter, torch.no_grad(), exportable_attention():
         module(*args)
@@ -182,8 +188,6 @@ def _peer_runner(peer: str, spec: ComponentSpec, onnx_path: Path | None, threads
                 out = compiled(*(torch.as_tensor(inputs[n]) for n in spec.input_names))
             return {n: o.numpy() for n, o in zip(spec.output_names, out)}
     elif peer == "onnxruntime-defaults":
-        from .extras import import_onnxruntime
-
         ort = import_onnxruntime()
 
         options = ort.SessionOptions()
@@ -228,19 +232,14 @@ def bench(
 ) -> BenchReport:
     """Time torch eager and each contender side by side; see the module docstring. `controlnet`
     (ControlNet folders or models) times the ControlNet pipeline: its ControlNet and U-Net engines."""
-    from .build import compile_components
-    from .cache import Cache
-    from .families import family_of
-    from .loading import load_pipeline
-
     if repeats < 3:
         raise KasokuError(f"--repeats must be at least 3 (a median of repeats) but is {repeats}.")
     check_contenders(list(backends))
     threads = threads or torch.get_num_threads()
     torch.set_num_threads(threads)
-    pipe = load_pipeline(model, controlnet=controlnet)
-    label = str(model) if isinstance(model, (str, Path)) else type(model).__name__
-    specs = component_specs(pipe, profile, components)
+    pipe = Model.load(model, controlnet=controlnet)
+    label = pipe.label
+    specs = pipe.specs(profile, components)
     profile = next(iter(specs.values())).profile
     shape = shape or ImageShape(1, profile.opt.height, profile.opt.width)
     profile.check(shape)
@@ -257,7 +256,7 @@ def bench(
                          machine={"cpu": cpu_name(), "flags": cpu_flags(), "python": platform.python_version(),
                                   "torch": torch.__version__},
                          threads=threads, repeats=repeats, matmul_gflops=rate, kasoku_backends=kasoku_backends,
-                         family=family_of(pipe).title)
+                         family=pipe.family.title)
     options = CompileOptions(threads=threads)  # the peers run the exported graph with the weights bound
     compile_seconds: dict[str, dict[str, float]] = {}
     for backend in kasoku_backends:
@@ -317,22 +316,18 @@ def bench(
 def _exported_onnx(cache, spec: ComponentSpec, folder: Path) -> Path | None:
     """The component's exported graph from the cache with its weights bound, as a self-contained ONNX file in
     `folder` (what the peers run)."""
-    from .export import materialize
+    import onnx
 
     for info in cache.list():
         if info.kind == "graph" and info.component == spec.name and info.parts.get("architecture") == spec.architecture:
-            return materialize(spec, cache.entries / info.key / "model.onnx", folder / "model.onnx")
+            graph = cache.entries / info.key / "model.onnx"
+            return materialize(graph, module_weights(spec, onnx.load(str(graph))), folder / "model.onnx")
     return None
 
 
 def _bench_end_to_end(pipe, report, specs, cache, profile, shape, steps, guidance, repeats, options, label, log):
     """diffusers' torch pipeline against kasoku with, per component, the backend that was fastest
     in this run (what `auto` does on a CPU), and every backend alone when there are several."""
-    from .build import compile_components
-    from .families import family_of
-    from .pipeline import KasokuPipeline
-    from .verification import diffusers_inputs, task_inputs
-
     result = EndToEndBench(shape=str(shape), steps=steps, guidance=guidance)
     prompt = "a beautiful photograph of mt fuji during cherry blossom"
     extra = task_inputs(pipe, "txt2img", shape)  # control images where the pipeline has ControlNets
@@ -346,14 +341,14 @@ def _bench_end_to_end(pipe, report, specs, cache, profile, shape, steps, guidanc
                             generator=torch.Generator().manual_seed(0), output_type="np", **inputs).images]
         return run
 
-    torch_pipe = family_of(pipe).task_pipeline(pipe, "txt2img")
+    torch_pipe = pipe.task_pipeline("txt2img")
     fastest = {c.component: min((n for n in c.results if n in report.kasoku_backends),
                                 key=lambda n, c=c: c.results[n].seconds.median) for c in report.components}
-    needed = family_of(pipe).task_components("txt2img", pipe)
+    needed = pipe.task_components("txt2img")
     engines = {}
     for name in needed:
         backend = fastest.get(name, report.kasoku_backends[0])
-        spec = specs[name] if name in specs else component_specs(pipe, profile, [name])[name]
+        spec = specs[name] if name in specs else pipe.specs(profile, [name])[name]
         loaded, _ = compile_components(pipe, options.replace(backend=backend), specs={name: spec}, cache=cache,
                                        label=label)
         engines[name] = loaded[name]

@@ -11,6 +11,9 @@ entries, so a warm start opens only the final engine entry, checks its manifest 
 (what the runtime's own load costs). Only a miss walks the chain, building what is missing: for a
 new checkpoint of a known architecture, only its engine.
 
+The builder builds: what it needs beyond the options (int8 calibration samples, the precisions `fastest`
+chose) is decided by the policies before it runs and handed to it (:mod:`kasoku.compiling`).
+
 `auto` picks per component: on a GPU TensorRT, then ONNX Runtime CUDA; on a CPU whichever of
 ONNX Runtime and OpenVINO runs the component faster here. The choice is measured once per
 architecture, profile, precision and machine (not per thread count or weights) and recorded in
@@ -36,24 +39,15 @@ import torch
 from .backends import Engine, UnsupportedPrecision, cpu_candidates, get_backend, gpu_candidates
 from .backends.base import Backend, Source, cpu_name
 from .cache import Cache, CacheEntry, default_cache_dir, digest_key, file_sha256
-from .components import ComponentSpec, Precision, component_specs
+from .components import ComponentSpec, Precision, ShapeProfile
 from .errors import KasokuError
-from .export import (
-    EXPORT_CODE_VERSION,
-    check_onnx_parity,
-    default_check_shapes,
-    export_graph,
-    module_weights,
-    onnx_files,
-)
+from .export import EXPORT_CODE_VERSION, check_onnx_parity, default_check_shapes, export_graph, module_weights
 from .extras import import_onnxruntime
-from .families import family_of
-from .fingerprint import WeightsFingerprints
+from .model import Model
 from .optimize import optimize
-from .options import FASTEST, CompileOptions
-from .parity import parity_against_torch, raise_on_failure
-from .step_cache import COMPONENTS as STEP_CACHE_COMPONENTS
-from .weights import GraphWeight, bindable_tensors, read_graph_weights, run_time_weights
+from .options import FASTEST, CalibrationPlan, CompileOptions
+from .parity import ParityError, parity_against_torch, raise_on_failure
+from .weights import GraphWeight, bindable_tensors, onnx_files, read_graph_weights, run_time_weights
 
 ONNX_FILE = "model.onnx"
 AUTO_REPEATS = 3
@@ -131,16 +125,18 @@ def _versions() -> dict[str, str]:
 
 
 class Compiler:
-    """One compile: the cache, the options and the hooks; :meth:`compile` is the entry point."""
+    """One compile: the cache, the options and the hooks; :meth:`compile` is the entry point.
+
+    `calibration` holds, per component, the recorded input samples an int8 engine that is not in the cache yet
+    is calibrated on (kasoku.calibration records them before the build: :meth:`needs_samples` says which)."""
 
     def __init__(self, cache: Cache, options: CompileOptions, *, on_stage: StageHook = _no_hook, label: str = "?",
-                 pipe=None, weights: WeightsFingerprints | None = None):
+                 calibration: dict[str, list] | None = None):
         self.cache = cache
         self.options = options
         self.on_stage = on_stage
         self.model = label
-        self.pipe = pipe  # the diffusers pipeline: calibration runs it
-        self.weights = weights or WeightsFingerprints(cache.root)
+        self.calibration: dict[str, list] = dict(calibration or {})
         self.records: list[StageRecord] = []
         self.load_seconds: dict[str, float] = {}
         self.references: dict = {}  # torch's outputs for the parity checks, computed once per component and shape
@@ -179,14 +175,12 @@ class Compiler:
                 "passes": backend.optimization_passes(precision), "onnx": onnx.__version__,
                 "onnxruntime": import_onnxruntime().__version__}
 
-    def calibration_parts(self, spec: ComponentSpec, source: str) -> dict[str, Any]:
-        from .backends.openvino import native_bf16
-        from .calibration import CalibrationPlan
-
+    def calibration_parts(self, spec: ComponentSpec, backend: Backend, source: str) -> dict[str, Any]:
+        """The key of an int8 component's recorded calibration inputs: the graph, the plan, the shape, where they
+        are recorded (the backend's say), and the weights."""
         plan = CalibrationPlan(samples=self.options.calibration_samples)
-        precision = Precision.BF16 if native_bf16() else Precision.FP32
         return {"kind": "calibration", "component": spec.name, "source": source, "shape": vars(spec.profile.opt),
-                "plan": plan.to_dict(), "precision": precision.value, "backend": "openvino",
+                "plan": plan.to_dict(), **backend.calibration_recording(),
                 **({"weights": spec.fingerprint} if self.binds_weights() else {})}
 
     def engine_parts(self, spec: ComponentSpec, backend: Backend, source: str) -> dict[str, Any]:
@@ -219,7 +213,7 @@ class Compiler:
         engine_parts = self.engine_parts(spec, backend, digest_key(optimized_parts or export_parts))
         calibration_parts = None
         if backend.needs_calibration(spec, precision):
-            calibration_parts = self.calibration_parts(spec, digest_key(export_parts))
+            calibration_parts = self.calibration_parts(spec, backend, digest_key(export_parts))
             engine_parts["calibration"] = digest_key(calibration_parts)
         return KeyChain(export_parts, optimized_parts, engine_parts, calibration_parts)
 
@@ -235,12 +229,33 @@ class Compiler:
             return True
         return self.cache.lookup(self.chain(spec, backend).engine) is not None
 
+    def calibration_chain(self, spec: ComponentSpec) -> tuple[Backend, KeyChain] | None:
+        """(the backend, the key chain) of `spec`'s engine when it is calibrated on recorded inputs (int8 on a
+        backend that calibrates: `auto` resolves to the one backend that builds int8), else None."""
+        name = self.options.backend_for(spec.name)
+        if name == "auto":
+            candidates, _ = self._auto_candidates(spec)
+            if len(candidates) != 1:
+                return None
+            name = candidates[0]
+        backend = self.backend(name)
+        if not backend.needs_calibration(spec, self.precision(spec)):
+            return None
+        return backend, self.chain(spec, backend)
+
+    def needs_samples(self, spec: ComponentSpec) -> bool:
+        """Whether building `spec`'s engine needs recorded calibration inputs that were not handed in yet."""
+        found = self.calibration_chain(spec)
+        return found is not None and spec.name not in self.calibration and \
+            self.cache.lookup(found[1].engine) is None
+
     # ---- stages ------------------------------------------------------------------------------
 
     def _record(self, spec: ComponentSpec, stage: str, status: str, entry: CacheEntry, seconds: float) -> None:
         self.records.append(StageRecord(spec.name, stage, status, entry.key, seconds, entry.meta))
 
-    def _stage(self, spec: ComponentSpec, stage: str, parts: dict, build) -> CacheEntry:
+    def stage(self, spec: ComponentSpec, stage: str, parts: dict, build) -> CacheEntry:
+        """The entry of `parts`, from the cache or built by `build(folder)` (under `on_stage`), recorded."""
         with self.on_stage(spec.name, stage):
             start = time.perf_counter()
             entry = self.cache.get_or_build(parts, build, describe={"model": self.model, "component": spec.name})
@@ -264,7 +279,7 @@ class Compiler:
                     shutil.copy2(file, tmp / file.name)
                 return {"source": str(path)}
 
-            return self._stage(spec, "export", parts, copy)
+            return self.stage(spec, "export", parts, copy)
 
         def build(tmp: Path) -> dict:
             # Proven against torch once, at the end of the chain (the engine); a failure there checks
@@ -272,7 +287,7 @@ class Compiler:
             result = export_graph(spec, tmp / ONNX_FILE, exporter=self.options.exporter, opset=self.options.opset)
             return {"export_seconds": result.seconds, "weights": result.weights}
 
-        return self._stage(spec, "export", parts, build)
+        return self.stage(spec, "export", parts, build)
 
     def optimized(self, spec: ComponentSpec, parts: dict, source: CacheEntry) -> CacheEntry:
         precision = self.precision(spec)
@@ -282,42 +297,12 @@ class Compiler:
                               precision=precision)
             return {"passes": report.to_dict()["passes"]}
 
-        return self._stage(spec, "optimize", parts, build)
-
-    def calibrated(self, spec: ComponentSpec, parts: dict) -> CacheEntry:
-        """Inputs of `spec`'s component recorded during the pipeline's own runs (kasoku.calibration), on
-        engines of the calibration precision built by a compile of their own."""
-        from .calibration import CalibrationPlan, record_inputs, save_samples
-
-        def build(tmp: Path) -> dict:
-            if self.pipe is None:
-                raise KasokuError(f"calibrating {spec.name} for int8 needs the pipeline; compile through "
-                                  "kasoku.compile or compile_components.")
-            family = family_of(self.pipe)
-            names = family.calibration_components(spec.name)
-            specs = component_specs(self.pipe, spec.profile, [n for n in names if n != spec.name],
-                                    weights=self.weights)
-            specs[spec.name] = spec
-            sub = Compiler(self.cache, self.options.replace(precision=Precision(parts["precision"]),
-                                                            backend=parts["backend"]),
-                           on_stage=self.on_stage, label=self.model, pipe=self.pipe, weights=self.weights)
-            engines = {name: sub.engine(specs[name], parts["backend"]) for name in names}
-            plan = CalibrationPlan(**{k: tuple(v) if k == "prompts" else v for k, v in parts["plan"].items()})
-            with self.on_stage(spec.name, f"calibrating on {plan.samples} denoising steps"):
-                samples = record_inputs(self.pipe, engines, spec.name, spec.profile.opt, plan)
-            self.records += [StageRecord(r.component, f"calibration {r.stage}", r.status, r.key, r.seconds, r.detail)
-                             for r in sub.records]
-            self.intermediates |= sub.intermediates
-            if not self.options.keep_intermediate:  # the recording engines were only a means
-                for key in sub.built.values():
-                    self.cache.remove(key, wait=False)
-            save_samples(samples, tmp / "calibration.npz")
-            return {"samples": len(samples)}
-
-        return self._stage(spec, "calibrate", parts, build)
+        return self.stage(spec, "optimize", parts, build)
 
     def built_engine(self, spec: ComponentSpec, backend: Backend, parts: dict, sources: list[CacheEntry],
                      calibration: Callable[[], list] | None = None) -> CacheEntry:
+        """Build `spec`'s engine entry from `sources` (the export and its optimization; none for a backend that
+        builds from the torch module), calibrated on `calibration()`'s samples where the backend says so."""
         precision = self.precision(spec)
         # A graph this compile exported is proven at two shapes of the profile; one from the cache was proven
         # when it was built, so only the weights are new: one shape, the profile's smallest, proves them.
@@ -339,7 +324,7 @@ class Compiler:
                                                                           weights)]
             return meta
 
-        return self._stage(spec, "engine", parts, build)
+        return self.stage(spec, "engine", parts, build)
 
     def backend(self, name: str) -> Backend:
         backend = get_backend(name, self.options, shared_dir=self.cache.root / "shared" / name)
@@ -363,9 +348,11 @@ class Compiler:
         calibration = None
         if chain.calibration is not None:
             def calibration() -> list:
-                from .calibration import load_samples
-
-                return load_samples(self.calibrated(spec, chain.calibration).file("calibration.npz"))
+                if spec.name not in self.calibration:
+                    raise KasokuError(f"the int8 {spec.name} engine is calibrated on inputs recorded from the "
+                                      "pipeline's own runs, which were not given; compile through kasoku.compile "
+                                      "or kasoku.compile_components (they record them first).")
+                return self.calibration[spec.name]
         start = time.perf_counter()
         entry = self.cache.lookup(engine_parts)
         if entry is not None:
@@ -399,11 +386,11 @@ class Compiler:
             held.enter_context(self.cache.reading(sources[1].key))
         return sources
 
-    def weight_binding(self, spec: ComponentSpec, backend_name: str, engine: Engine):
-        """What rebinding `spec`'s weights needs (LoRA adapters on a compiled pipeline): its graph (from the
-        cache, built again if it was evicted), backend and precision, and the compiled engine."""
-        from .lora import WeightBinding
-
+    def graph_and_weights(self, spec: ComponentSpec, backend_name: str
+                          ) -> tuple[Backend, Path | None, dict[str, GraphWeight]]:
+        """What rebinding `spec`'s weights (LoRA adapters on a compiled pipeline) needs of the build: the backend,
+        the graph its engine was built from (from the cache, built again if it was evicted; None for the torch
+        reference, which binds the module's own tensors) and the graph's weights by name."""
         if not self.binds_weights():
             raise KasokuError(f"the {spec.name} engine was built from ONNX files that hold their own weights "
                               "(onnx_dir); LoRA adapters need engines compiled from the model itself.")
@@ -412,14 +399,12 @@ class Compiler:
             raise KasokuError(f"the {backend.name} backend compiles the weights into its packages: LoRA adapters "
                               "cannot be rebound on its engines; compile a pipeline with the LoRA fused instead "
                               "(kasoku.compile on it builds engines with those weights).")
-        if backend.builds_from == Source.NOTHING:  # torch binds the module's own tensors: no graph
-            weights = {n: GraphWeight.of(n, t) for n, t in bindable_tensors(spec.module).items()}
-            return WeightBinding(spec, backend, self.precision(spec), None, engine, weights)
+        if backend.builds_from == Source.NOTHING:
+            return backend, None, {n: GraphWeight.of(n, t) for n, t in bindable_tensors(spec.module).items()}
         chain = self.chain(spec, backend)
         with contextlib.ExitStack() as held:
             graph = self.sources(spec, backend, chain, held)[-1].file(ONNX_FILE)
-        return WeightBinding(spec, backend, self.precision(spec), graph, engine,
-                             read_graph_weights(graph, spec.input_names))
+        return backend, graph, read_graph_weights(graph, spec.input_names)
 
     def finish(self) -> None:
         """Once every engine of this compile exists: drop the intermediates they were built from (unless
@@ -436,8 +421,6 @@ class Compiler:
         """The new engine against torch at `shapes` (default: two shapes of its profile): one check for the
         whole chain (export, passes, engine build). A mismatch checks the ONNX files of the chain in ONNX
         Runtime (the graphs with `weights` bound) to name the stage that broke parity."""
-        from .parity import ParityError
-
         shapes = shapes or default_check_shapes(spec.profile)
         try:
             return engine_parity(spec, engine, precision, self.references, shapes)
@@ -520,7 +503,7 @@ class Compiler:
             (tmp / "choice.txt").write_text(choice)
             return {"choice": choice, "seconds": timings}
 
-        entry = self._stage(spec, "choose", parts, build)
+        entry = self.stage(spec, "choose", parts, build)
         choice = entry.meta["choice"]
         self._drop_losers(spec, [name for name in candidates if name != choice])
         return choice, None
@@ -578,116 +561,34 @@ def engine_parity(spec: ComponentSpec, engine: Engine, precision: Precision, ref
     return results
 
 
-def compile_components(
-    model,
-    options: CompileOptions | None = None,
-    *,
-    cache: Cache | str | Path | None = None,
-    specs: dict[str, ComponentSpec] | None = None,
-    on_stage: StageHook = _no_hook,
-    label: str | None = None,
-    **fields: Any,
-) -> tuple[dict[str, Engine], CompileReport]:
-    """Fill the cache for the components of `model` and load their engines.
-
-    `options` (or its fields as keywords: backend, precision, profile, components, ...) says what to
-    build; `cache` is a :class:`Cache` or its folder (default: the options' cache_dir). `specs` (from
-    `component_specs`) lets a caller that compiles repeatedly reuse them. A model given as a folder
-    is loaded lazily: torch weights are read only for the components that must be built."""
-    from .loading import load_pipeline, model_label, release_module
-
-    start = time.perf_counter()
-    options = CompileOptions.of(options, **fields)
-    pipe = load_pipeline(model, lazy=True)
-    root = cache.root if isinstance(cache, Cache) else Path(cache or options.cache_dir or default_cache_dir())
-    weights = WeightsFingerprints(root)
-    specs = specs or component_specs(pipe, options.profile, requested_components(pipe, options), weights=weights,
-                                     cache_branch=options.cache_branch)
-    if not isinstance(cache, Cache):  # created only once the model and its components are known to be fine
-        cache = Cache(root)
-    label = label or model_label(model)
-    notes: list[str] = []
-    asked = options.precision_label
-    if options.precision == FASTEST:
-        from .fastest import choose_precisions
-
-        measured = {name: spec for name, spec in specs.items() if name not in STEP_CACHE_COMPONENTS}
-        chosen_precisions, notes = choose_precisions(pipe, measured, options, cache, on_stage=on_stage, label=label,
-                                                     weights=weights)
-        # the step-cache graphs are the U-Net's: they take its precision (their drift is measured as caching's)
-        chosen_precisions.update({name: chosen_precisions["unet"] for name in specs if name in STEP_CACHE_COMPONENTS
-                                  and "unet" in chosen_precisions})
-        options = options.replace(precision=chosen_precisions)
-    compiler = Compiler(cache, options, on_stage=on_stage, label=label, pipe=pipe, weights=weights)
-    order = list(specs)
-    weights.prefetch(pipe, [attr for name in order for attr in specs[name].modules])
-
-    def release_unneeded(done: str) -> None:
-        # Free torch weights kasoku loaded itself once no later component needs them.
-        later = {attr for name in order[order.index(done) + 1:] for attr in specs[name].modules}
-        for attr in set(specs[done].modules) - later:
-            for spec in specs.values():
-                if attr in spec.modules:
-                    spec.forget_module()
-            release_module(pipe, attr)
-
-    engines, chosen = compiler.compile(specs, on_done=release_unneeded)
-    compiler.finish()
-    report = CompileReport(
-        model=label,
-        precision=asked,
-        profile=next(iter(specs.values())).profile.to_dict(),
-        backends=chosen,
-        stages=compiler.records,
-        seconds=time.perf_counter() - start,
-        family=family_of(pipe).name,
-        precisions={name: compiler.precision(spec).value for name, spec in specs.items()},
-        notes=notes + precision_notes(specs, options),
-        load_seconds=compiler.load_seconds,
-    )
-    return engines, report
-
-
-def requested_components(pipe, options: CompileOptions) -> tuple[str, ...] | None:
-    """The components `options` asks for (None: every component the model has), with the step-cache
-    graphs right after the U-Net where `step_cache` is set (and the U-Net is asked for)."""
-    if not options.step_cache:
-        return options.components
-    names = list(options.components or family_of(pipe).component_names(pipe))
-    if "unet" in names:
-        at = names.index("unet") + 1
-        names[at:at] = [name for name in STEP_CACHE_COMPONENTS if name not in names]
-    return tuple(names)
-
-
-def precision_notes(specs: dict[str, ComponentSpec], options: CompileOptions) -> list[str]:
-    """One line per component built in another precision than asked, saying why."""
-    notes = []
-    for name, spec in specs.items():
-        asked = options.precision_of(name)
-        if spec.precision_for(asked) != asked:
-            notes.append(f"{name}: {spec.fp32_for[asked]}.")
-    return notes
-
-
-def cached_profile(model, options: CompileOptions, profiles, *, cache: Cache | None = None):
+def cached_profile(model, options: CompileOptions, profiles, *, cache: Cache | None = None) -> ShapeProfile | None:
     """The first of `profiles` whose engines (every component `options` asks for) are all in the
     cache, or None; builds and measures nothing. `kasoku generate` asks this before it compiles a new
     exact-shape engine set: engines already built for a wider profile that serves the call are used."""
-    from .loading import load_pipeline
-
     if options.precision == FASTEST:
         return None
-    pipe = load_pipeline(model, lazy=True)
+    model = Model.load(model, lazy=True)
     root = cache.root if cache is not None else Path(options.cache_dir or default_cache_dir())
     if not (root / "entries").is_dir():
         return None
     cache = cache or Cache(root)
-    weights = WeightsFingerprints(root)
+    model.remember_digests_under(root)
     for profile in profiles:
-        specs = component_specs(pipe, profile, requested_components(pipe, options), weights=weights,
-                                cache_branch=options.cache_branch)
-        compiler = Compiler(cache, options.replace(profile=profile), pipe=pipe, weights=weights)
+        specs = model.specs(profile, requested_components(model, options), cache_branch=options.cache_branch)
+        compiler = Compiler(cache, options.replace(profile=profile))
         if all(compiler.cached(spec) for spec in specs.values()):
             return profile
     return None
+
+
+def requested_components(model: Model, options: CompileOptions) -> tuple[str, ...] | None:
+    """The components `options` asks for (None: every component the model has), with the step-cache
+    graphs right after the denoiser where `step_cache` is set (and the denoiser is asked for)."""
+    if not options.step_cache:
+        return options.components
+    family = model.family
+    names = list(options.components or model.components)
+    if family.denoiser in names and family.step_cache_components:
+        at = names.index(family.denoiser) + 1
+        names[at:at] = [name for name in family.step_cache_components if name not in names]
+    return tuple(names)

@@ -1,49 +1,30 @@
 """Calibration data for int8: a component's inputs recorded during the pipeline's own denoising runs.
 
-As optimum-intel does for its hybrid mode, the U-Net is calibrated on what it actually sees: the
+As optimum-intel does for its hybrid mode, the denoiser is calibrated on what it actually sees: the
 family's text-to-image pipeline runs over a built-in prompt set at the profile's optimum size,
-with guidance, on engines of a higher precision (bf16 where the CPU has it natively, else fp32),
-and every input the U-Net engine is called with is recorded until `samples` calls are collected.
-The recording is a cache entry, so an int8 build calibrates once.
+with guidance, on engines of a higher precision (where the quantizing backend says: bf16 where the CPU
+has it natively, else fp32), and every input the denoiser engine is called with is recorded until
+`samples` calls are collected. The recording is a cache entry, so an int8 build calibrates once.
+
+This is a policy: it runs before the builder and hands it the samples (:func:`provide`), so the builder
+never runs the pipeline itself.
 """
 
 from __future__ import annotations
 
 import itertools
-from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 import torch
 
-from .components import ImageShape
+from .build import Compiler, StageRecord
+from .components import ComponentSpec, ImageShape, Precision
+from .model import Model
+from .options import CALIBRATION_PROMPTS, CalibrationPlan  # noqa: F401 - the plan's home is options
+from .runtime import EnginePipelines
 
 CALIBRATION_FILE = "calibration.npz"
-CALIBRATION_PROMPTS = (
-    "a photograph of an astronaut riding a horse on mars",
-    "a beautiful photograph of mt fuji during cherry blossom",
-    "an oil painting of a castle on a hill at night, detailed",
-    "a portrait of a woman with red hair, soft lighting, sharp focus",
-    "a watercolor painting of a forest river in autumn",
-    "a cinematic photo of a city street in the rain at night",
-    "a drawing of a cat sitting on a sofa, high quality",
-    "a digital illustration of a robot in a flower garden",
-)
-
-
-@dataclass(frozen=True)
-class CalibrationPlan:
-    """What the recording runs: prompts cycled until `samples` engine calls are recorded."""
-
-    prompts: tuple[str, ...] = CALIBRATION_PROMPTS
-    steps: int = 8
-    samples: int = 32
-    guidance: float = 7.5
-    seed: int = 0
-
-    def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
 
 
 class _Enough(Exception):
@@ -66,24 +47,19 @@ class RecordingEngine:
         return self._engine.run(inputs)
 
 
-def record_inputs(pipe, engines: dict, component: str, shape: ImageShape, plan: CalibrationPlan
+def record_inputs(model: Model, engines: dict, component: str, shape: ImageShape, plan: CalibrationPlan
                   ) -> list[dict[str, np.ndarray]]:
-    """`component`'s inputs during text-to-image runs of `pipe`'s family on `engines` (the text
+    """`component`'s inputs during text-to-image runs of `model`'s family on `engines` (the text
     encoders' and the component's), at `shape`'s size, until `plan.samples` calls."""
-    from .families import family_of
-    from .standins import EngineTimes
-
-    family = family_of(pipe)
     recorder = RecordingEngine(engines[component], plan.samples)
-    runner = family.task_pipeline(pipe, "txt2img",
-                                  **family.stand_ins(pipe, {**engines, component: recorder}, EngineTimes()))
+    runner = EnginePipelines(model, {**engines, component: recorder}, tasks=("txt2img",))
     for index, prompt in enumerate(itertools.cycle(plan.prompts)):
         if len(recorder.recorded) >= plan.samples or index >= plan.samples:
             break
         try:
-            runner(prompt, height=shape.height, width=shape.width, num_inference_steps=plan.steps,
-                   guidance_scale=plan.guidance, generator=torch.Generator().manual_seed(plan.seed + index),
-                   output_type="latent")
+            runner("txt2img", prompt=prompt, height=shape.height, width=shape.width,
+                   num_inference_steps=plan.steps, guidance_scale=plan.guidance,
+                   generator=torch.Generator().manual_seed(plan.seed + index), output_type="latent")
         except _Enough:
             break
     return recorder.recorded
@@ -100,3 +76,39 @@ def load_samples(path: Path) -> list[dict[str, np.ndarray]]:
             index, name = key.split("/", 1)
             samples.setdefault(int(index), {})[name] = data[key]
     return [samples[i] for i in sorted(samples)]
+
+
+def recorded_samples(compiler: Compiler, model: Model, spec: ComponentSpec) -> list[dict[str, np.ndarray]]:
+    """`spec`'s calibration samples: from the cache, or recorded first on engines of the recording precision
+    (built by a compile of their own, dropped afterwards unless `keep_intermediate`)."""
+    _backend, chain = compiler.calibration_chain(spec)
+    parts = chain.calibration
+
+    def build(tmp: Path) -> dict:
+        names = model.family.calibration_components(spec.name)
+        specs = model.specs(spec.profile, [n for n in names if n != spec.name])
+        specs[spec.name] = spec
+        recording = compiler.options.replace(precision=Precision(parts["precision"]), backend=parts["backend"])
+        sub = Compiler(compiler.cache, recording, on_stage=compiler.on_stage, label=compiler.model)
+        engines = {name: sub.engine(specs[name], parts["backend"]) for name in names}
+        plan = CalibrationPlan.from_dict(parts["plan"])
+        with compiler.on_stage(spec.name, f"calibrating on {plan.samples} denoising steps"):
+            samples = record_inputs(model, engines, spec.name, spec.profile.opt, plan)
+        compiler.records += [StageRecord(r.component, f"calibration {r.stage}", r.status, r.key, r.seconds, r.detail)
+                             for r in sub.records]
+        compiler.intermediates |= sub.intermediates
+        if not compiler.options.keep_intermediate:  # the recording engines were only a means
+            for key in sub.built.values():
+                compiler.cache.remove(key, wait=False)
+        save_samples(samples, tmp / CALIBRATION_FILE)
+        return {"samples": len(samples)}
+
+    entry = compiler.stage(spec, "calibrate", parts, build)
+    return load_samples(entry.file(CALIBRATION_FILE))
+
+
+def provide(compiler: Compiler, model: Model, specs: dict[str, ComponentSpec]) -> None:
+    """Hand `compiler` the calibration samples of every spec whose int8 engine it will have to build."""
+    for spec in specs.values():
+        if compiler.needs_samples(spec):
+            compiler.calibration[spec.name] = recorded_samples(compiler, model, spec)

@@ -1,11 +1,13 @@
 """One description per component: what export, optimization, engines and verification read.
 
-A component (a text encoder, the U-Net, the VAE decoder or encoder, ...) is a torch module with
+A component (a text encoder, a denoiser, the VAE decoder or encoder, ...) is a torch module with
 named inputs and outputs. Each tensor dimension is either fixed or an :class:`Axis` derived from
-the pipeline-level :class:`ImageShape` (images per call, height, width in pixels); the
-:class:`ShapeProfile` gives the min/opt/max image shape a compiled pipeline serves. Every tensor
-shape anywhere in kasoku is computed from here. Which components a model has, and how each is
-described, is the model family's business (:mod:`kasoku.families`).
+the pipeline-level :class:`ImageShape` (images per call, height, width in pixels): a scale of one
+image dimension (a latent's height) or of a product of them (a transformer's packed token count);
+the :class:`ShapeProfile` gives the min/opt/max image shape a compiled pipeline serves. Every tensor
+shape anywhere in kasoku is computed from here, torch.export's dynamic dims included. What a
+component's module and tensors are is its architecture's business (:mod:`kasoku.architectures`),
+which components a pipeline has its family's (:mod:`kasoku.families`).
 """
 
 from __future__ import annotations
@@ -13,7 +15,8 @@ from __future__ import annotations
 import functools
 import hashlib
 import json
-from collections.abc import Callable, Iterable, Mapping
+import math
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from enum import Enum
 from fractions import Fraction
@@ -21,6 +24,7 @@ from fractions import Fraction
 import numpy as np
 import torch
 
+from .attention import exportable_attention
 from .errors import KasokuError
 
 
@@ -152,20 +156,30 @@ class ShapeProfile:
 
 @dataclass(frozen=True)
 class Axis:
-    """A dynamic dimension: `scale` x the image's `of` ("batch", "height" or "width").
+    """A dynamic dimension: `scale` x the image's `of` ("batch", "height" or "width"), or `scale` x the
+    product of several image dimensions (`of` a tuple: a transformer's packed tokens, height x width / 256).
 
-    `min_scale` replaces `scale` at the profile's minimum: the U-Net and text encoder see 2x
+    `min_scale` replaces `scale` at the profile's minimum: the denoiser and text encoder see 2x
     the images under classifier-free guidance, but 1x without it.
     """
 
     name: str
-    of: str
+    of: str | tuple[str, ...]
     scale: Fraction = Fraction(1)
     min_scale: Fraction | None = None
 
+    @property
+    def dims(self) -> tuple[str, ...]:
+        """The image dimensions this axis scales (one, or the several whose product it scales)."""
+        return (self.of,) if isinstance(self.of, str) else tuple(self.of)
+
+    @property
+    def is_product(self) -> bool:
+        return len(self.dims) > 1
+
     def at(self, shape: ImageShape, *, minimum: bool = False) -> int:
         scale = self.min_scale if (minimum and self.min_scale is not None) else self.scale
-        return int(getattr(shape, self.of) * scale)
+        return int(math.prod(getattr(shape, dim) for dim in self.dims) * scale)
 
     def in_profile(self, profile: ShapeProfile, which: str) -> int:
         """The axis at the profile's "min", "opt" or "max": a guidance axis takes 1x the images where
@@ -275,7 +289,7 @@ class ComponentSpec:
         out: dict[str, tuple[Axis, AxisRange]] = {}
         for tensor in self.inputs:
             for axis in tensor.dynamic_axes.values():
-                step = self.profile.multiple * axis.scale if axis.of != "batch" else 1
+                step = self.profile.multiple * axis.scale if axis.of != "batch" and not axis.is_product else 1
                 out[axis.name] = (
                     axis,
                     AxisRange(
@@ -300,7 +314,7 @@ class ComponentSpec:
             for index, axis in tensor.dynamic_axes.items():
                 value = int(input_shapes[tensor.name][index])
                 values[axis.name] = value
-                if axis.min_scale is None:
+                if axis.min_scale is None and not axis.is_product:
                     image.setdefault(axis.of, Fraction(value) / axis.scale)
         return {
             t.name: tuple(d if isinstance(d, int) else values.get(d.name) or int(image[d.of] * d.scale)
@@ -340,8 +354,6 @@ class ComponentSpec:
     @torch.no_grad()
     def run_torch(self, inputs: Mapping[str, np.ndarray | torch.Tensor]) -> dict[str, np.ndarray]:
         """The reference: the eager torch module on named inputs."""
-        from .attention import exportable_attention
-
         args = [torch.as_tensor(np.asarray(inputs[name])) for name in self.input_names]
         with exportable_attention():
             outputs = self.module(*args)
@@ -371,127 +383,15 @@ def _jsonable(value):
     return str(value)
 
 
-# ---- torch wrappers: positional tensors in, a tuple of tensors out ---------------------------
 
 
-class TextEncoderModule(torch.nn.Module):
-    """A CLIP text encoder returning the named outputs the family's pipeline reads."""
-
-    def __init__(self, text_encoder: torch.nn.Module, outputs: tuple[str, ...]):
-        super().__init__()
-        self.text_encoder = text_encoder
-        self.output_names = outputs
-
-    def forward(self, input_ids: torch.Tensor):
-        hidden_states = "penultimate_hidden_state" in self.output_names
-        out = self.text_encoder(input_ids, output_hidden_states=hidden_states, return_dict=True)
-        values = {"penultimate_hidden_state": lambda: out.hidden_states[-2]}
-        return tuple(values[name]() if name in values else getattr(out, name) for name in self.output_names)
+# ---- profiles ------------------------------------------------------------------------------------
 
 
-class UNetModule(torch.nn.Module):
-    """The U-Net on (sample, timestep, encoder_hidden_states); a family with added conditioning
-    subclasses it with those inputs named in `forward` (the exporters read the signature)."""
-
-    def __init__(self, unet: torch.nn.Module):
-        super().__init__()
-        self.unet = unet
-
-    def forward(self, sample, timestep, encoder_hidden_states):
-        return (self.unet(sample, timestep, encoder_hidden_states, return_dict=False)[0],)
-
-
-# The ControlNet's outputs and the residual-taking U-Net's extra inputs: one name per down-block residual
-# (in diffusers' order), then the mid-block residual.
-DOWN_RESIDUAL = "down_block_res_{}"
-MID_RESIDUAL = "mid_block_res"
-
-
-def residual_names(down: int) -> tuple[str, ...]:
-    """The names of `down` down-block residuals and the mid-block residual."""
-    return (*(DOWN_RESIDUAL.format(i) for i in range(down)), MID_RESIDUAL)
-
-
-class ControlNetModule(torch.nn.Module):
-    """A diffusers ControlNetModel on (sample, timestep, encoder_hidden_states, controlnet_cond,
-    conditioning_scale, *added conditioning) returning each residual times its scale.
-
-    `conditioning_scale` holds one scale per residual, so one engine serves every scale and guess
-    mode alike: diffusers multiplies every residual by the scale, or in guess mode by
-    logspace(-1, 0) times it (ControlNetModel.forward, step 6); the stand-in computes that vector."""
-
-    def __init__(self, controlnet: torch.nn.Module, added: tuple[str, ...] = ()):
-        super().__init__()
-        self.controlnet = controlnet
-        self.added = added
-
-    def forward(self, sample, timestep, encoder_hidden_states, controlnet_cond, conditioning_scale, *added):
-        added_cond_kwargs = dict(zip(self.added, added)) or None
-        down, mid = self.controlnet(sample, timestep, encoder_hidden_states, controlnet_cond, conditioning_scale=1.0,
-                                    added_cond_kwargs=added_cond_kwargs, return_dict=False)
-        return (*(residual * conditioning_scale[i] for i, residual in enumerate(down)),
-                mid * conditioning_scale[len(down)])
-
-
-class ResidualUNetModule(torch.nn.Module):
-    """The U-Net with a ControlNet's residuals as inputs: (sample, timestep, encoder_hidden_states,
-    *added conditioning, *down-block residuals, mid-block residual)."""
-
-    def __init__(self, unet: torch.nn.Module, added: tuple[str, ...] = ()):
-        super().__init__()
-        self.unet = unet
-        self.added = added
-
-    def forward(self, sample, timestep, encoder_hidden_states, *rest):
-        added, residuals = dict(zip(self.added, rest)) or None, rest[len(self.added):]
-        return (self.unet(sample, timestep, encoder_hidden_states, added_cond_kwargs=added,
-                          down_block_additional_residuals=residuals[:-1], mid_block_additional_residual=residuals[-1],
-                          return_dict=False)[0],)
-
-
-class VaeDecoderModule(torch.nn.Module):
-    def __init__(self, vae: torch.nn.Module):
-        super().__init__()
-        self.vae = vae
-
-    def forward(self, latent_sample):
-        return (self.vae.decode(latent_sample, return_dict=False)[0],)
-
-
-class VaeEncoderModule(torch.nn.Module):
-    """Returns the latent distribution's parameters (mean and log-variance, stacked on channels),
-    so that sampling with the caller's generator happens outside the engine, as in diffusers."""
-
-    def __init__(self, vae: torch.nn.Module):
-        super().__init__()
-        self.vae = vae
-
-    def forward(self, sample):
-        return (self.vae.encode(sample, return_dict=False)[0].parameters,)
-
-
-# ---- profiles of a pipeline ----------------------------------------------------------------
-
-
-def vae_scale_factor(vae) -> int:
-    return 2 ** (len(vae.config.block_out_channels) - 1)
-
-
-def pixel_multiple(pipe) -> int:
-    """Height and width must be multiples of this: the VAE's 8x times the U-Net's downsampling."""
-    unet_levels = len(pipe.unet.config.block_out_channels) - 1
-    return vae_scale_factor(pipe.vae) * 2**unet_levels
-
-
-def native_size(pipe) -> int:
-    """diffusers' default image size: the U-Net's sample size times the VAE's scale factor."""
-    return pipe.unet.config.sample_size * vae_scale_factor(pipe.vae)
-
-
-def default_profile(pipe, max_batch: int = 4) -> ShapeProfile:
-    """min = half, opt = the model's native size, max = double; 1..`max_batch` images."""
-    multiple = pixel_multiple(pipe)
-    native = (native_size(pipe) // multiple) * multiple or multiple
+def default_profile(native: int, multiple: int, max_batch: int = 4) -> ShapeProfile:
+    """A model's default range: min = half its `native` size, opt = native, max = double, in steps of
+    `multiple` pixels; 1..`max_batch` images."""
+    native = (native // multiple) * multiple or multiple
     low = max(multiple, (native // 2 // multiple) * multiple)
     high = native * 2
     return ShapeProfile.from_ranges((1, 1, max_batch), (low, native, high), (low, native, high), multiple)
@@ -518,29 +418,52 @@ def profile_serving(base: ShapeProfile, shape: ImageShape) -> ShapeProfile:
     return ShapeProfile(low, base.opt, high, base.multiple, base.guidance)
 
 
-# ---- the components of a pipeline: asked of its family -------------------------------------
+# ---- torch.export's view of a spec (the ONNX exporter and AOTInductor both trace through it) ------------
 
 
-def model_components(pipe) -> tuple[str, ...]:
-    """The components this pipeline has."""
-    from .families import family_of
+def export_shape(profile: ShapeProfile) -> ImageShape:
+    """The shape a component is traced at: the optimum, but with every dynamic size >= 2 (torch.export
+    specializes sizes 0 and 1, which would freeze the batch)."""
+    opt, high = profile.opt, profile.max
+    return ImageShape(batch=min(max(2, opt.batch), high.batch), height=opt.height, width=opt.width)
 
-    return family_of(pipe).component_names(pipe)
+
+def torch_export_dims(spec: ComponentSpec) -> dict[str, object]:
+    """torch.export Dims per dynamic axis name. Axes of one image size at several scales (a ControlNet's
+    latent sample and pixel conditioning image, a U-Net's residuals at each level) are all derived from
+    one Dim of that size, so torch.export sees how they relate instead of a constraint violation. An axis
+    of a product of image dims (packed tokens) is a Dim of its own: torch.export derives dims linearly only."""
+    from torch.export import Dim
+
+    axes = spec.axes()
+    dims: dict[str, object] = {}
+    bases: dict[str, object] = {}  # image dim -> the one Dim its scaled axes derive from
+    multiple = spec.profile.multiple
+    for name, (axis, rng) in axes.items():
+        if rng.min == rng.max:
+            continue
+        scaled = [a for a, _ in axes.values() if a.of == axis.of and a.of != "batch"]
+        if len(scaled) > 1 and not axis.is_product:
+            if axis.of not in bases:
+                bases[axis.of] = Dim(f"{axis.of}_div{multiple}", min=getattr(spec.profile.min, axis.of) // multiple,
+                                     max=getattr(spec.profile.max, axis.of) // multiple)
+            dims[name] = int(multiple * axis.scale) * bases[axis.of]
+        elif rng.step > 1:
+            base = Dim(f"{name}_div{rng.step}", min=math.ceil(rng.min / rng.step), max=rng.max // rng.step)
+            dims[name] = rng.step * base
+        else:
+            dims[name] = Dim(name, min=rng.min, max=rng.max)
+    return dims
 
 
-def component_specs(
-    pipe, profile: ShapeProfile | None = None, names: Iterable[str] | None = None, *, weights=None,
-    cache_branch: int | None = None,
-) -> dict[str, ComponentSpec]:
-    """The component specs of a diffusers pipeline (all it has, or `names`), from its family.
+def torch_dynamic_shapes(spec: ComponentSpec, module: torch.nn.Module | None = None) -> dict[str, object]:
+    """The dynamic shapes of the inputs, keyed as torch.export binds them to the module's forward: by
+    parameter name, and a *args parameter (a variable number of inputs) as a tuple in input order."""
+    import inspect
 
-    `weights` (a :class:`kasoku.fingerprint.WeightsFingerprints`) remembers weight digests across
-    calls; by default they are computed from the live modules once per call. `cache_branch` is the
-    skip branch of the step-cache components (kasoku.step_cache; default: its default branch)."""
-    from .families import family_of
-    from .fingerprint import WeightsFingerprints
-    from .step_cache import DEFAULT_BRANCH
-
-    family = family_of(pipe)
-    branch = DEFAULT_BRANCH if cache_branch is None else cache_branch
-    return family.specs(pipe, profile or default_profile(pipe), names, weights or WeightsFingerprints(), branch)
+    dims = torch_export_dims(spec)
+    per_input = {t.name: {i: dims[a.name] for i, a in t.dynamic_axes.items() if a.name in dims} for t in spec.inputs}
+    forward = (module if module is not None else spec.module).forward
+    bound = inspect.signature(forward).bind(*spec.input_names).arguments
+    return {parameter: tuple(per_input[n] for n in names) if isinstance(names, tuple) else per_input[names]
+            for parameter, names in bound.items()}

@@ -16,7 +16,12 @@ from pathlib import Path
 import torch
 
 from .build import CompileReport, engine_parity
-from .parity import OutputParity, psnr
+from .components import Precision
+from .console import table
+from .model import Model
+from .parity import TOLERANCES, OutputParity, psnr
+from .pipeline import compile
+from .tiny import write_tiny_pipeline
 
 DEMO_PROMPT = "a beautiful photograph of mt fuji during cherry blossom"  # the seed's prompt
 DEMO_STEPS = 10
@@ -39,9 +44,6 @@ class DemoReport:
 
     @property
     def passed(self) -> bool:
-        from .components import Precision
-        from .parity import TOLERANCES
-
         return all(p.passed for p in self.component_parity) and \
             self.image_psnr_db >= TOLERANCES[Precision.FP32].image_psnr_db
 
@@ -63,17 +65,12 @@ def _timed(fn, repeats: int) -> dict[str, float]:
 
 def run_demo(workdir: str | Path | None = None, output: str | Path = "kasoku-demo.png",
              cache_dir: str | Path | None = None, backend: str = "auto", on_stage=None) -> DemoReport:
-    from .families import family_of
-    from .loading import load_pipeline
-    from .pipeline import compile
-    from .tiny import write_tiny_pipeline
-
     start = time.perf_counter()
     root = Path(workdir) if workdir else Path(tempfile.mkdtemp(prefix="kasoku-demo-"))
     model_dir = root / "tiny-sd"
     if not (model_dir / "model_index.json").exists():
         write_tiny_pipeline(model_dir)
-    reference = load_pipeline(model_dir)
+    reference = Model.load(model_dir)
     report = DemoReport(model_dir=str(model_dir), image_path=str(output))
     report.seconds["write and load the tiny model"] = time.perf_counter() - start
 
@@ -85,15 +82,13 @@ def run_demo(workdir: str | Path | None = None, output: str | Path = "kasoku-dem
     report.seconds["compile (export, optimize, engines)"] = time.perf_counter() - start
 
     start = time.perf_counter()
-    from .components import component_specs
-
-    specs = component_specs(reference, pipe.profile)
+    specs = reference.specs(pipe.profile)
     for name, engine in pipe.engines.items():
         report.component_parity += engine_parity(specs[name], engine, engine.precision)
     report.seconds["component parity"] = time.perf_counter() - start
 
     start = time.perf_counter()
-    diffusers_pipe = family_of(reference).task_pipeline(reference, "txt2img")
+    diffusers_pipe = reference.task_pipeline("txt2img")
 
     def run(p, output_type="np"):
         return p(DEMO_PROMPT, num_inference_steps=DEMO_STEPS, guidance_scale=DEMO_GUIDANCE,
@@ -114,8 +109,6 @@ def run_demo(workdir: str | Path | None = None, output: str | Path = "kasoku-dem
 
 
 def print_demo_report(report: DemoReport, console) -> None:
-    from .console import table
-
     if report.compile:
         rows = [[s.component, s.stage, s.status, f"{s.seconds:.2f} s"] for s in report.compile.stages]
         console.print(table("1. compile (cache: built or reused)", ["component", "stage", "cache", "time"], rows))

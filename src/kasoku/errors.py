@@ -3,3 +3,7 @@
 
 class KasokuError(Exception):
     """An error with a message that says what is wrong and what to do."""
+
+
+class NotADiffusersPipeline(KasokuError, ValueError):
+    """A folder or object that is not a diffusers pipeline kasoku supports."""

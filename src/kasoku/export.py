@@ -14,7 +14,6 @@ import contextlib
 import io
 import json
 import logging
-import math
 import time
 import warnings
 from dataclasses import asdict, dataclass, field
@@ -26,19 +25,23 @@ import torch
 
 from . import __version__
 from .attention import exportable_attention
-from .components import ComponentSpec, ImageShape, Precision, ShapeProfile, component_specs
+from .components import ComponentSpec, ImageShape, Precision, ShapeProfile, export_shape, torch_dynamic_shapes
 from .errors import KasokuError
+from .extras import import_onnxruntime
+from .model import Model
 from .options import DEFAULT_EXPORTER, DEFAULT_OPSET, EXPORTERS
 from .parity import OutputParity, parity_against_torch, raise_on_failure
 from .weights import (
+    PROTO_LIMIT,
     as_numpy,
     base_layers,
     bindable_tensors,
     graph_weights,
+    onnx_files,
     save_with_weights,
-    weights_for,
     with_initializers,
 )
+from .weights import module_weights as _module_weights
 
 logger = logging.getLogger(__name__)
 
@@ -46,7 +49,7 @@ logger = logging.getLogger(__name__)
 # 3: graphs without weights (weights are named inputs), keyed by architecture.
 EXPORT_CODE_VERSION = 3
 # A protobuf cannot exceed 2 GiB, so larger models keep their weights in a side file.
-EXTERNAL_DATA_THRESHOLD = 2 * 1024**3
+EXTERNAL_DATA_THRESHOLD = PROTO_LIMIT
 
 
 class ExportError(KasokuError, RuntimeError):
@@ -83,52 +86,6 @@ def default_check_shapes(profile: ShapeProfile) -> list[ImageShape]:
     return list(dict.fromkeys([opt, second]))
 
 
-def _export_shape(profile: ShapeProfile) -> ImageShape:
-    # Export traces at the optimum, but with every dynamic size >= 2: torch.export specializes
-    # sizes 0 and 1, which would freeze the batch.
-    opt, high = profile.opt, profile.max
-    return ImageShape(batch=min(max(2, opt.batch), high.batch), height=opt.height, width=opt.width)
-
-
-def _dynamo_dims(spec: ComponentSpec) -> dict[str, object]:
-    """torch.export Dims per dynamic axis name. Axes of one image size at several scales (a ControlNet's
-    latent sample and pixel conditioning image, a U-Net's residuals at each level) are all derived from
-    one Dim of that size, so torch.export sees how they relate instead of a constraint violation."""
-    from torch.export import Dim
-
-    axes = spec.axes()
-    dims: dict[str, object] = {}
-    bases: dict[str, object] = {}  # image dim -> the one Dim its scaled axes derive from
-    multiple = spec.profile.multiple
-    for name, (axis, rng) in axes.items():
-        if rng.min == rng.max:
-            continue
-        scaled = [a for a, _ in axes.values() if a.of == axis.of and a.of != "batch"]
-        if len(scaled) > 1:
-            if axis.of not in bases:
-                bases[axis.of] = Dim(f"{axis.of}_div{multiple}", min=getattr(spec.profile.min, axis.of) // multiple,
-                                     max=getattr(spec.profile.max, axis.of) // multiple)
-            dims[name] = int(multiple * axis.scale) * bases[axis.of]
-        elif rng.step > 1:
-            base = Dim(f"{name}_div{rng.step}", min=math.ceil(rng.min / rng.step), max=rng.max // rng.step)
-            dims[name] = rng.step * base
-        else:
-            dims[name] = Dim(name, min=rng.min, max=rng.max)
-    return dims
-
-
-def _dynamo_dynamic_shapes(spec: ComponentSpec) -> dict[str, object]:
-    """The dynamic shapes of the inputs, keyed as torch.export binds them to the module's forward: by
-    parameter name, and a *args parameter (a variable number of inputs) as a tuple in input order."""
-    import inspect
-
-    dims = _dynamo_dims(spec)
-    per_input = {t.name: {i: dims[a.name] for i, a in t.dynamic_axes.items() if a.name in dims} for t in spec.inputs}
-    bound = inspect.signature(spec.module.forward).bind(*spec.input_names).arguments
-    return {parameter: tuple(per_input[n] for n in names) if isinstance(names, tuple) else per_input[names]
-            for parameter, names in bound.items()}
-
-
 def _torchscript_dynamic_axes(spec: ComponentSpec) -> dict[str, dict[int, str]]:
     return {t.name: {i: a.name for i, a in t.dynamic_axes.items()} for t in spec.inputs}
 
@@ -153,12 +110,12 @@ def _export_graph_to_file(spec: ComponentSpec, path: Path, exporter: str, opset:
     """The graph with `weights` as named inputs. The dynamo exporter runs without its optimizer, which
     would fold weights into new, unnamed constants (transposed projections, reshaped norms); its optimizer
     runs afterwards on the graph whose weights are inputs, so it folds only what no weight feeds."""
-    example = spec.sample_inputs(_export_shape(spec.profile))
+    example = spec.sample_inputs(export_shape(spec.profile))
     args = tuple(example[name] for name in spec.input_names)
     common = dict(input_names=list(spec.input_names), output_names=list(spec.output_names), opset_version=opset)
     with exportable_attention(), torch.no_grad(), _quiet_exporter():
         if exporter == "dynamo":
-            program = torch.onnx.export(spec.module, args, dynamo=True, dynamic_shapes=_dynamo_dynamic_shapes(spec),
+            program = torch.onnx.export(spec.module, args, dynamo=True, dynamic_shapes=torch_dynamic_shapes(spec),
                                         verbose=False, optimize=False, **common)
             _weights_to_inputs(program.model.graph, weights)
             program.optimize()
@@ -216,33 +173,12 @@ def export_graph(spec: ComponentSpec, path: str | Path, *, exporter: str = DEFAU
 
 def module_weights(spec: ComponentSpec, graph: onnx.ModelProto) -> dict[str, torch.Tensor]:
     """The module's weights for `graph`'s weight inputs, in the graph's dtypes (the module is loaded)."""
-    return weights_for(graph_weights(graph, spec.input_names), bindable_tensors(spec.module), spec.name)
-
-
-def materialize(spec: ComponentSpec, graph_path: Path, path: Path,
-                tensors: dict[str, torch.Tensor] | None = None) -> Path:
-    """A self-contained ONNX file at `path`: the graph at `graph_path` with `tensors` (default: the module's
-    weights) as initializers; the weights in `path`.data when they pass protobuf's 2 GB."""
-    graph = onnx.load(str(graph_path))
-    tensors = tensors if tensors is not None else module_weights(spec, graph)
-    external = sum(t.numel() * t.element_size() for t in tensors.values()) > EXTERNAL_DATA_THRESHOLD
-    path.parent.mkdir(parents=True, exist_ok=True)
-    save_with_weights(graph, tensors, path, external=external)
-    return path
-
-
-def onnx_files(path: Path) -> list[Path]:
-    """The ONNX file and its external-data side files."""
-    files = [path]
-    files += sorted(p for p in path.parent.glob(path.name + ".data*") if p.is_file())
-    return files
+    return _module_weights(spec.module, graph, spec.input_names, spec.name)
 
 
 def ort_session(path: Path, threads: int | None = None, weights: dict[str, torch.Tensor] | None = None):
     """An ONNX Runtime CPU session of an ONNX file; of an architecture graph with `weights` bound as
     initializers at session creation (the session keeps them alive)."""
-    from .extras import import_onnxruntime
-
     ort = import_onnxruntime()
     options = ort.SessionOptions()
     options.log_severity_level = 3
@@ -326,8 +262,6 @@ def versions() -> dict[str, str]:
     import diffusers
     import transformers
 
-    from .extras import import_onnxruntime
-
     onnxruntime = import_onnxruntime()
     return {
         "kasoku": __version__,
@@ -367,10 +301,7 @@ def export_pipeline(
 ) -> ExportManifest:
     """Export the components of a diffusers pipeline (with `controlnet`: its ControlNet pipeline's) into
     `outdir` with a manifest.json."""
-    from .loading import load_pipeline
-
-    pipe = load_pipeline(model, controlnet=controlnet)
-    specs = component_specs(pipe, profile, components)
+    specs = Model.load(model, controlnet=controlnet).specs(profile, components)
     outdir = Path(outdir)
     outdir.mkdir(parents=True, exist_ok=True)
     exported = []

@@ -13,9 +13,16 @@ from __future__ import annotations
 
 import torch
 
+from . import calibration
+from .build import Compiler, measure
+from .cache import Cache
 from .components import ComponentSpec, Precision
 from .errors import KasokuError
+from .fidelity import FIDELITY_PROMPTS, VERIFY_SEED, diffusers_inputs, task_inputs
+from .model import Model
+from .options import CompileOptions
 from .parity import TOLERANCES, psnr
+from .runtime import EnginePipelines
 
 # Fastest first: what is tried for each component (those its backend cannot build here are skipped).
 CANDIDATES = (Precision.INT8, Precision.BF16, Precision.FP16)
@@ -23,36 +30,30 @@ PROMPTS = 2  # of verify's fidelity prompts
 SPEED_MARGIN = 0.95  # a precision must take at most this share of fp32's time to be worth its drift
 
 
-def choose_precisions(pipe, specs: dict[str, ComponentSpec], options, cache, *, on_stage, label: str, weights
-                      ) -> tuple[dict[str, Precision], list[str]]:
+def choose_precisions(model: Model, specs: dict[str, ComponentSpec], options: CompileOptions, cache: Cache, *,
+                      on_stage) -> tuple[dict[str, Precision], list[str]]:
     """(component -> precision, notes saying what was chosen and why)."""
-    from .build import Compiler, measure
-    from .families import family_of
-    from .pipeline import KasokuPipeline
-    from .verification import FIDELITY_PROMPTS, VERIFY_SEED, task_inputs
-
-    family = family_of(pipe)
-    task = family.tasks(pipe)[0]
+    task = model.task
     profile = next(iter(specs.values())).profile
     shape = profile.opt
-    extra = task_inputs(pipe, task, shape)
+    extra = diffusers_inputs(model, task, task_inputs(model, task, shape))
     steps = TOLERANCES[Precision.BF16].image_steps
-    measured = [n for n in family.task_components(task, pipe) if n in specs]
+    measured = [n for n in model.task_components(task) if n in specs]
 
     built: dict[str, set[tuple[Precision, str]]] = {}  # the trials' engine entries: (precision, key) per component
 
     def engines_for(precisions: dict[str, Precision]):
-        compiler = Compiler(cache, options.replace(precision=precisions), on_stage=on_stage, label=label, pipe=pipe,
-                            weights=weights)
+        compiler = Compiler(cache, options.replace(precision=precisions), on_stage=on_stage, label=model.label)
+        calibration.provide(compiler, model, specs)
         engines = {name: compiler.engine(spec, compiler.choose(spec)[0]) for name, spec in specs.items()}
         for (name, _backend), key in compiler.built.items():
             built.setdefault(name, set()).add((precisions[name], key))
         return engines
 
     def images(engines) -> list:
-        fast = KasokuPipeline(pipe, engines, profile)
-        return [fast(prompt, num_inference_steps=steps, height=shape.height, width=shape.width, output_type="np",
-                     generator=torch.Generator().manual_seed(VERIFY_SEED), **extra).images
+        run = EnginePipelines(model, engines, tasks=(task,))
+        return [run(task, prompt=prompt, num_inference_steps=steps, height=shape.height, width=shape.width,
+                    output_type="np", generator=torch.Generator().manual_seed(VERIFY_SEED), **extra).images
                 for prompt in FIDELITY_PROMPTS[:PROMPTS]]
 
     chosen = {name: Precision.FP32 for name in specs}

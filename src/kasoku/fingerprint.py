@@ -93,6 +93,12 @@ class WeightsFingerprints:
         self._computed: dict[int, str] = {}
         self._pending: dict[int, concurrent.futures.Future] = {}
 
+    def remember_under(self, root: str | Path) -> None:
+        """Remember digests of folder-loaded modules under `root` (a cache folder) from now on, unless a
+        folder was given already."""
+        if self.root is None:
+            self.root = Path(root) / FINGERPRINTS
+
     def prefetch(self, pipe, attributes) -> None:
         """Start hashing these live modules in the background (in this order), so that loading one
         component's engine overlaps hashing the next one's weights. Lazily loaded modules are left to

@@ -15,8 +15,9 @@ from typing import Any
 
 import torch
 
-from .errors import KasokuError
-from .families import SUPPORTED_PIPELINES, NotADiffusersPipeline, detect_family, family_of, read_model_index
+from .architectures.base import module_at
+from .errors import KasokuError, NotADiffusersPipeline
+from .families import SUPPORTED_PIPELINES, detect_family, family_of, read_model_index
 
 __all__ = ["ModelNotFound", "NotADiffusersPipeline", "SUPPORTED_PIPELINES", "load_pipeline", "load_controlnets",
            "read_model_index", "real_module", "lazy_source", "release_module", "model_label", "module_at"]
@@ -174,15 +175,6 @@ def _meta_models(folder: Path) -> dict[str, torch.nn.Module]:
 def lazy_source(module: Any) -> Path | None:
     """The folder a lazily loaded module's weights come from (None for a module given to kasoku)."""
     return getattr(module, _LAZY_SOURCE, None)
-
-
-def module_at(pipe, path: str):
-    """The module at a dotted attribute path of `pipe`: "unet", or "controlnet.nets.1" (the second
-    ControlNet of a MultiControlNetModel); None where there is none."""
-    module = pipe
-    for part in path.split("."):
-        module = getattr(module, part, None)
-    return module
 
 
 def _put_module(pipe, path: str, module: torch.nn.Module) -> None:

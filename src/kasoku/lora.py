@@ -28,6 +28,7 @@ from typing import Any
 import torch
 
 from .errors import KasokuError
+from .model import Model
 from .weights import GraphWeight, bindable_tensors, weights_for
 
 LORA_FILE_KINDS = (".safetensors", ".bin")
@@ -82,13 +83,13 @@ def _pattern_key(patterns: Sequence[str], module: str) -> str | None:
 
 
 def _scales(component: str, state_dict: Mapping[str, torch.Tensor], alphas: Mapping[str, float] | None,
-            metadata: Mapping[str, Any] | None) -> dict[str, float]:
+            metadata: Mapping[str, Any] | None, denoiser: str) -> dict[str, float]:
     """Per adapted module: alpha / rank, as PEFT's LoraLayer computes it from diffusers' LoraConfig."""
     from diffusers.utils.peft_utils import get_peft_kwargs
 
     ranks = {f"{key.split('.lora_B.')[0]}.lora_B.weight": value.shape[1] for key, value in state_dict.items()
              if ".lora_B." in key and value.ndim > 1}
-    config = dict(metadata) if metadata else get_peft_kwargs(ranks, alphas, state_dict, is_unet=component == "unet")
+    config = dict(metadata) if metadata else get_peft_kwargs(ranks, alphas, state_dict, is_unet=component == denoiser)
     alpha_pattern = config.get("alpha_pattern") or {}
     scales = {}
     for key, value in state_dict.items():
@@ -102,7 +103,7 @@ def _scales(component: str, state_dict: Mapping[str, torch.Tensor], alphas: Mapp
     return scales
 
 
-def _peft_keys(component: str, state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+def _peft_keys(component: str, state_dict: dict[str, torch.Tensor], denoiser: str) -> dict[str, torch.Tensor]:
     """Keys in PEFT's layout (`<module>.lora_A.weight`), converted as diffusers converts them per component."""
     from diffusers.utils import (
         convert_state_dict_to_diffusers,
@@ -112,7 +113,7 @@ def _peft_keys(component: str, state_dict: dict[str, torch.Tensor]) -> dict[str,
 
     if not state_dict:
         return {}
-    if component == "unet":
+    if component == denoiser:
         return state_dict if "lora_A" in next(iter(state_dict)) else convert_unet_state_dict_to_peft(state_dict)
     return convert_state_dict_to_peft(convert_state_dict_to_diffusers(state_dict))
 
@@ -128,14 +129,16 @@ def _graph_name(module: str, names: Mapping[str, GraphWeight], component: str) -
                     "adapter is for another model.")
 
 
-def read_adapter(source: str | Path | Mapping[str, torch.Tensor], name: str, pipeline_class, unet_config,
+def read_adapter(source: str | Path | Mapping[str, torch.Tensor], name: str, model: Model,
                  graph_weights: Mapping[str, Mapping[str, GraphWeight]], **kwargs) -> LoraAdapter:
-    """A LoRA file (or folder, or state dict) as diffusers reads it, for the components in `graph_weights`
-    (component -> its graph's weights). `kwargs` go to diffusers' `lora_state_dict` (weight_name, ...)."""
+    """A LoRA file (or folder, or state dict) as diffusers reads it for `model`'s family, for the components in
+    `graph_weights` (component -> its graph's weights). `kwargs` go to diffusers' `lora_state_dict`
+    (weight_name, ...)."""
     given = dict(source) if isinstance(source, Mapping) else str(source)
+    denoiser = model.family.denoiser
     try:
-        state_dict, alphas, metadata = pipeline_class.lora_state_dict(given, unet_config=unet_config,
-                                                                      return_lora_metadata=True, **kwargs)
+        state_dict, alphas, metadata = model.family.lora_state_dict(given, model, return_lora_metadata=True,
+                                                                    **kwargs)
     except Exception as error:  # safetensors, torch.load and diffusers' converters raise many kinds
         raise LoraError(f"cannot read the LoRA adapter {source if not isinstance(source, Mapping) else '(dict)'}: "
                         f"{error}") from None
@@ -147,7 +150,7 @@ def read_adapter(source: str | Path | Mapping[str, torch.Tensor], name: str, pip
     for component, names in graph_weights.items():
         prefix = f"{component}."
         own = {k.removeprefix(prefix): v for k, v in state_dict.items() if k.startswith(prefix)}
-        own = _peft_keys(component, own)
+        own = _peft_keys(component, own, denoiser)
         if not own:
             continue
         unsupported = [k for k in own if ".lora_A." not in k and ".lora_B." not in k or k.endswith(".bias")]
@@ -156,7 +159,7 @@ def read_adapter(source: str | Path | Mapping[str, torch.Tensor], name: str, pip
                             "LoKr or a LoRA bias); load it with diffusers, fuse it (`pipe.fuse_lora()`), then compile.")
         own_alphas = {k.removeprefix(prefix): v for k, v in (alphas or {}).items() if k.split(".")[0] == component}
         own_metadata = {k.removeprefix(prefix): v for k, v in (metadata or {}).items() if k.startswith(prefix)}
-        scales = _scales(component, own, own_alphas or None, own_metadata or None)
+        scales = _scales(component, own, own_alphas or None, own_metadata or None, denoiser)
         layers[component] = {
             _graph_name(module, names, component): LoraLayer(own[f"{module}.lora_A.weight"],
                                                              own[f"{module}.lora_B.weight"], scale)
@@ -168,16 +171,13 @@ def read_adapter(source: str | Path | Mapping[str, torch.Tensor], name: str, pip
     return adapter
 
 
-def check_adapter_file(path: str | Path, pipe, flag: str = "adapter") -> None:
-    """Before anything heavy: `path` exists and diffusers reads it as LoRA weights for `pipe`'s family."""
-    from .families import family_of
-
+def check_adapter_file(path: str | Path, model: Model, flag: str = "adapter") -> None:
+    """Before anything heavy: `path` exists and diffusers reads it as LoRA weights for `model`'s family."""
     path = Path(path)
     if not path.exists():
         raise LoraError(f"{flag} {path} does not exist; give a LoRA .safetensors file or the folder holding one.")
     try:
-        state_dict, _ = family_of(pipe).pipeline_class("txt2img").lora_state_dict(str(path),
-                                                                                 unet_config=pipe.unet.config)
+        state_dict, _ = model.family.lora_state_dict(str(path), model)
     except Exception as error:  # safetensors, torch.load and diffusers' converters raise many kinds
         raise LoraError(f"{flag} {path} is not a LoRA adapter diffusers can read: {error}") from None
     if not state_dict or not all("lora" in key for key in state_dict):
@@ -348,3 +348,9 @@ class WeightBinding:
             self.current.bind({**self.base_run_time, **merged(self.base(run_time), contributions, component,
                                                               run_time)})
         return self.current
+
+
+def weight_binding(compiler, spec, backend_name: str, engine) -> WeightBinding:
+    """The binding of `spec`'s compiled `engine` (on `backend_name`), its graph from `compiler`'s cache."""
+    backend, graph, graph_weights = compiler.graph_and_weights(spec, backend_name)
+    return WeightBinding(spec, backend, compiler.precision(spec), graph, engine, graph_weights)

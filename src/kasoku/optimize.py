@@ -21,8 +21,8 @@ from onnx.external_data_helper import uses_external_data
 
 from .components import ComponentSpec, Precision
 from .errors import KasokuError
-
-PROTO_LIMIT = 2 * 1024**3
+from .extras import import_onnxruntime
+from .weights import PROTO_LIMIT
 
 # Ops kept in fp32 in every fp16 graph; each component's spec adds its own (the VAE's
 # normalization and upsampling activations exceed fp16's range on real weights).
@@ -108,8 +108,6 @@ def infer_shapes(model: onnx.ModelProto, ctx: PassContext) -> onnx.ModelProto:
 def ort_transformer_fusions(model: onnx.ModelProto, ctx: PassContext) -> onnx.ModelProto:
     """After: attention, LayerNorm and GELU subgraphs are ONNX Runtime contrib ops (CPU-capable
     fusions only). The result runs only in ONNX Runtime."""
-    from .extras import import_onnxruntime
-
     import_onnxruntime()  # a clear error naming the extras when neither is installed
     from onnxruntime.transformers.fusion_options import FusionOptions
     from onnxruntime.transformers.optimizer import optimize_model
@@ -132,8 +130,6 @@ def _to_half_types(model: onnx.ModelProto, ctx: PassContext) -> onnx.ModelProto:
     """ONNX Runtime's float16 converter: float tensors fp16 except the component's own inputs and outputs and
     the keep-list; weight inputs of an architecture graph are declared fp16, so weights are bound in fp16 (the
     pass re-run on the weights alone: a cast)."""
-    from .extras import import_onnxruntime
-
     import_onnxruntime()  # a clear error naming the extras when neither is installed
     from onnxruntime.transformers.float16 import convert_float_to_float16
 

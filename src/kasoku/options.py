@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
@@ -22,7 +22,6 @@ DEFAULT_MIN_PSNR = 35.0  # dB against the fp32 engines: bf16's floor in the fide
 DEFAULT_EXPORTER = "dynamo"
 EXPORTERS = ("dynamo", "torchscript")
 DEFAULT_OPSET = 18
-TRT_OPT_LEVELS = range(0, 6)
 # Named sets of LoRA targets (module names, matched as suffixes): the attention projections diffusers'
 # training scripts adapt by default, in the U-Net (to_*) and the CLIP text encoders (*_proj).
 LORA_TARGET_PRESETS = {"attention": ("to_q", "to_k", "to_v", "to_out.0", "q_proj", "k_proj", "v_proj", "out_proj")}
@@ -51,11 +50,12 @@ class CompileOptions:
     threads: int | None = None  # CPU threads per engine; None: the runtime's default
     exporter: str = DEFAULT_EXPORTER
     opset: int = DEFAULT_OPSET
-    trt_opt_level: int = 3  # TensorRT builder optimization level
+    # backend settings: each is read, checked and keyed by the backends that use it (Backend.reads), never here
+    trt_opt_level: int = 3  # TensorRT builder optimization level (0-5)
     cuda_graph: bool = False  # TensorRT, ONNX Runtime CUDA: replay CUDA graphs (static profiles only)
     check_parity: bool = True  # prove every built artefact against torch
     onnx_dir: Path | None = None  # build from these ONNX files (a `kasoku export` folder) instead of exporting
-    calibration_samples: int = 32  # int8: U-Net calls recorded from the pipeline's own runs to calibrate on
+    calibration_samples: int = 32  # int8: denoiser calls recorded from the pipeline's own runs to calibrate on
     keep_intermediate: bool = False  # keep what engines were only built through (calibration engines)
     # modules whose weights stay engine inputs, bound once per LoRA adapter set (a switch in seconds); a preset
     # name of LORA_TARGET_PRESETS or module names; empty: every weight is a constant of its engine
@@ -64,7 +64,6 @@ class CompileOptions:
     # cache_interval > 1 builds them when they are missing), for this skip branch of the U-Net
     step_cache: bool = False
     cache_branch: int = DEFAULT_BRANCH
-    extra: Mapping[str, Any] = field(default_factory=dict)  # backend-specific settings
 
     def __post_init__(self) -> None:
         set_ = object.__setattr__  # normalise once, here, so every reader sees one form
@@ -88,8 +87,6 @@ class CompileOptions:
         if not isinstance(self.cache_branch, int) or isinstance(self.cache_branch, bool) or self.cache_branch < 0:
             raise InvalidOptions(f"`cache_branch` must be a skip branch of the U-Net, an int >= 0 (0: the outermost, "
                                  f"the default) but is {self.cache_branch!r}.")
-        if self.trt_opt_level not in TRT_OPT_LEVELS:
-            raise InvalidOptions(f"`trt_opt_level` must be 0..5 but is {self.trt_opt_level}.")
         if self.cuda_graph:
             check_cuda_graph_profile(self.profile)
 
@@ -177,3 +174,35 @@ def _precision(value: Any) -> Precision:
         return Precision(value)
     except ValueError:
         raise InvalidOptions(f"`precision` must be one of {', '.join(PRECISION_CHOICES)} but is {value!r}.") from None
+
+
+# ---- int8 calibration: what the recording runs (its digest is part of an int8 engine's key) ----------------
+
+CALIBRATION_PROMPTS = (
+    "a photograph of an astronaut riding a horse on mars",
+    "a beautiful photograph of mt fuji during cherry blossom",
+    "an oil painting of a castle on a hill at night, detailed",
+    "a portrait of a woman with red hair, soft lighting, sharp focus",
+    "a watercolor painting of a forest river in autumn",
+    "a cinematic photo of a city street in the rain at night",
+    "a drawing of a cat sitting on a sofa, high quality",
+    "a digital illustration of a robot in a flower garden",
+)
+
+
+@dataclass(frozen=True)
+class CalibrationPlan:
+    """What the recording runs: prompts cycled until `samples` engine calls are recorded."""
+
+    prompts: tuple[str, ...] = CALIBRATION_PROMPTS
+    steps: int = 8
+    samples: int = 32
+    guidance: float = 7.5
+    seed: int = 0
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> CalibrationPlan:
+        return cls(**{k: tuple(v) if k == "prompts" else v for k, v in data.items()})

@@ -1,12 +1,10 @@
-"""KasokuPipeline: diffusers' own Stable Diffusion recipes, with engines in place of torch.
+"""KasokuPipeline: diffusers' own recipes, with engines in place of torch, every input checked first.
 
-The seed needed a custom pipeline per task (stable_diffusion_tensorrt_txt2img, ...). kasoku
-does not re-write the recipe: the torch modules of a diffusers pipeline are replaced by
-engine-backed stand-ins (the model family says which, see :mod:`kasoku.standins`), and diffusers'
-own txt2img / img2img / inpaint pipelines of that family run unchanged on top of them. Call
-signature, schedulers, image processing, callbacks and outputs are therefore diffusers' own, and
-the same seed gives the same image. kasoku adds what an engine needs first: every input is
-checked against the compiled profile before anything runs.
+The engines run under diffusers' own txt2img / img2img / inpaint pipelines of the model's family
+(:mod:`kasoku.runtime`): call signature, schedulers, image processing, callbacks and outputs are
+diffusers' own, and the same seed gives the same image. kasoku adds what an engine needs first: every
+input is checked against the compiled profile before anything runs. :func:`compile` makes one: the
+policies, then the build (:func:`kasoku.compiling.compile_components`), then this object.
 
 LoRA adapters keep diffusers' names (`load_lora_weights`, `set_adapters`, `disable_lora`,
 `unload_lora_weights`, `fuse_lora`, ...) and rebind the engines' weights without re-export
@@ -22,16 +20,19 @@ from pathlib import Path
 from typing import Any
 
 from .backends import Engine
-from .build import CompileReport, compile_components
-from .components import ImageShape, ShapeProfile, default_profile, native_size
+from .build import Compiler, CompileReport
+from .cache import Cache, default_cache_dir
+from .compiling import compile_components
+from .components import ImageShape, Precision, ShapeProfile
 from .errors import KasokuError
-from .families import TASKS, family_of, family_only_arguments
-from .lora import AdapterWeight, LoraError, LoraState
+from .families import family_only_arguments
+from .lora import AdapterWeight, LoraError, LoraState, read_adapter, weight_binding
+from .model import Model
 from .options import CompileOptions
+from .runtime import EnginePipelines
 from .schedulers import SCHEDULERS, most_steps
 from .standins import EngineTimes, InvalidInput
-from .step_cache import COMPONENTS as STEP_CACHE_COMPONENTS
-from .step_cache import DEFAULT_SCHEDULE, InvalidStepCache, StepCacheRun, check_interval, check_schedule
+from .step_cache import DEFAULT_SCHEDULE, InvalidStepCache, check_interval, check_schedule
 
 __all__ = ["KasokuPipeline", "compile", "InvalidInput", "EngineTimes"]
 
@@ -117,24 +118,23 @@ class KasokuPipeline:
     was compiled with ``step_cache=True``.
     """
 
-    def __init__(self, diffusers_pipe, engines: dict[str, Engine], profile: ShapeProfile,
+    def __init__(self, model, engines: dict[str, Engine], profile: ShapeProfile,
                  report: CompileReport | None = None, *, options: CompileOptions | None = None,
                  cache_root: Path | None = None, label: str | None = None, cache=None):
-        self.family = family_of(diffusers_pipe)
-        self.controlnets = len(self.family.controlnet_paths(diffusers_pipe))  # how many ControlNets steer it
+        self.model = Model.of(model, label=label)  # a live diffusers pipeline, or a Model
+        self.family = self.model.family
+        self.controlnets = self.model.controlnets  # how many ControlNets steer it
         self.profile = profile
         self.engines = engines  # the stand-ins read this dict on every call: rebinding weights swaps entries
         self.compile_report = report
         self.times = EngineTimes()
-        self._source = diffusers_pipe
         self._options = options  # what compiled the engines (LoRA rebinds weights to the same graphs)
         self._cache_root = cache_root
         self._loras = LoraState()
         self._bindings: dict | None = None
         self._label, self._cache = label, cache  # to build the step-cache engines later
-        stand_ins = self.family.stand_ins(diffusers_pipe, engines, self.times)
-        self._unet = stand_ins["unet"]
-        self._pipes = {task: self.family.task_pipeline(diffusers_pipe, task, **stand_ins) for task in TASKS}
+        self._runtime = EnginePipelines(self.model, engines, self.times)
+        self._pipes = self._runtime.pipes
 
     # ---- construction --------------------------------------------------------------------------
 
@@ -146,10 +146,8 @@ class KasokuPipeline:
         `controlnet`: ControlNet folders or models (one, or a list for several), run with the family's
         ControlNet pipelines. The torch weights are read only for components whose engines are not in the
         cache yet."""
-        from .loading import load_pipeline
-
-        return compile(load_pipeline(path_or_id, lazy=True, controlnet=controlnet), backend, options=options,
-                       on_stage=on_stage, label=str(path_or_id), **fields)
+        model = Model.load(path_or_id, lazy=True, controlnet=controlnet, label=str(path_or_id))
+        return compile(model, backend, options=options, on_stage=on_stage, label=str(path_or_id), **fields)
 
     # ---- the diffusers surface -----------------------------------------------------------------
 
@@ -172,7 +170,7 @@ class KasokuPipeline:
 
     @property
     def tokenizer(self):
-        return self._source.tokenizer
+        return self.model.pipe.tokenizer
 
     @property
     def vae_scale_factor(self) -> int:
@@ -206,13 +204,11 @@ class KasokuPipeline:
         if self.controlnets:
             kwargs.update(self.family.control_arguments(task, control_image))
             kwargs.update(self._control_scales(kwargs))
-        pipe = self._pipes[task]
         run = None
         if cache_interval > 1:
             self.enable_step_cache()
-            run = StepCacheRun(cache_interval, cache_schedule, loop_length=lambda: pipe.num_timesteps)
-        with self._unet.step_cache(run):
-            return pipe(prompt=prompt, **kwargs)
+            run = self._runtime.step_cache_run(task, cache_interval, cache_schedule)
+        return self._runtime(task, step_cache=run, prompt=prompt, **kwargs)
 
     def _control_scales(self, kwargs) -> dict[str, Any]:
         """controlnet_conditioning_scale as diffusers takes it: a float for one ControlNet (not an int, nor a
@@ -227,18 +223,19 @@ class KasokuPipeline:
                 else float(scale)}
 
     def enable_step_cache(self, on_stage=None) -> None:
-        """Load the step-cache engines (unet_full, unet_shallow) for this pipeline's U-Net, on its
+        """Load the step-cache engines (unet_full, unet_shallow) of this pipeline's denoiser, on its
         backend and in its precision; built first when the cache does not hold them."""
-        missing = [name for name in STEP_CACHE_COMPONENTS if name not in self.engines]
+        names = self.family.step_cache_components
+        missing = [name for name in names if name not in self.engines]
         if not missing:
             return
         if self._options is None:
-            raise InvalidInput("step caching needs the unet_full and unet_shallow engines; compile with "
+            raise InvalidInput(f"step caching needs the {' and '.join(names)} engines; compile with "
                                "step_cache=True (kasoku.compile(..., step_cache=True)).")
-        unet = self.engines["unet"]
-        options = self._options.replace(components=tuple(missing), step_cache=False, backend=unet.backend,
-                                        precision=unet.precision)
-        engines, report = compile_components(self._source, options, cache=self._cache, label=self._label,
+        denoiser = self.engines[self.family.denoiser]
+        options = self._options.replace(components=tuple(missing), step_cache=False, backend=denoiser.backend,
+                                        precision=denoiser.precision)
+        engines, report = compile_components(self.model, options, cache=self._cache, label=self._label,
                                              **({"on_stage": on_stage} if on_stage else {}))
         self.engines.update(engines)
         if self.compile_report is not None:
@@ -285,11 +282,11 @@ class KasokuPipeline:
                                f"(exact-shape engines) but `guidance_scale` is {kwargs.get('guidance_scale', 7.5)}; "
                                "compile for this call (kasoku generate does) or a profile with guidance=None.")
         self._check_family_arguments(kwargs)
-        missing = [name for name in self.family.task_components(task, self._source) if name not in self.engines]
+        missing = [name for name in self.model.task_components(task) if name not in self.engines]
         if missing:
             raise InvalidInput(f"{task} needs the {', '.join(missing)} engine{'s' if len(missing) > 1 else ''}; "
                                f"compile with the {', '.join(missing)} component{'s' if len(missing) > 1 else ''}.")
-        if task not in self.family.tasks(self._source):
+        if task not in self.model.tasks:
             raise InvalidInput("this is an inpainting model (its U-Net also reads the mask): give `image` and "
                                "`mask_image`.")
 
@@ -376,11 +373,15 @@ class KasokuPipeline:
             check_schedule(schedule)
         except InvalidStepCache as error:
             raise InvalidInput(str(error)) from None
+        names = self.family.step_cache_components
+        if interval > 1 and not names:
+            raise InvalidInput(f"`cache_interval` {interval}: {self.family.title} pipelines have no step caching; "
+                               "call with cache_interval=1.")
         if interval > 1 and self.controlnets:
             raise InvalidInput(f"`cache_interval` {interval}: step caching does not run with ControlNets (the "
                                "step-cache U-Net graphs take no ControlNet residuals); call with cache_interval=1.")
-        if interval > 1 and self._options is None and not all(n in self.engines for n in STEP_CACHE_COMPONENTS):
-            raise InvalidInput(f"`cache_interval` {interval} needs the unet_full and unet_shallow engines, which "
+        if interval > 1 and self._options is None and not all(n in self.engines for n in names):
+            raise InvalidInput(f"`cache_interval` {interval} needs the {' and '.join(names)} engines, which "
                                "this pipeline has not and cannot build; compile with step_cache=True.")
 
     def _output_size(self, task: str, image, height, width) -> tuple[int, int]:
@@ -396,7 +397,7 @@ class KasokuPipeline:
                 width = width or image_width // 8 * 8
             else:
                 height, width = height or image_height, width or image_width
-        native = native_size(self._source)
+        native = self.model.native_size
         height, width = height or native, width or native
         check_size(height, width)
         return int(height), int(width)
@@ -415,13 +416,11 @@ class KasokuPipeline:
                           **kwargs) -> None:
         """Load a LoRA adapter (a diffusers, kohya or PEFT file, its folder, or a state dict) and make it the
         active one, as diffusers does; `kwargs` go to diffusers' `lora_state_dict` (weight_name, ...)."""
-        from .lora import read_adapter
-
         bindings = self._weight_bindings()
         name = adapter_name or self._loras.next_name()
         self._loras.check_new(name)  # before reading the file
-        adapter = read_adapter(pretrained_model_name_or_path_or_dict, name, self.family.pipeline_class("txt2img"),
-                               self._source.unet.config, {c: b.graph_weights for c, b in bindings.items()}, **kwargs)
+        adapter = read_adapter(pretrained_model_name_or_path_or_dict, name, self.model,
+                               {c: b.graph_weights for c, b in bindings.items()}, **kwargs)
         self._loras.add(adapter)
         self._apply_loras()
 
@@ -503,16 +502,12 @@ class KasokuPipeline:
             if self._options is None or self.compile_report is None:
                 raise KasokuError("this KasokuPipeline was made from engines directly; LoRA adapters need one made "
                                   "by kasoku.compile or KasokuPipeline.from_pretrained.")
-            from .build import Compiler
-            from .cache import Cache
-            from .components import Precision
-
             report = self.compile_report
             options = self._options.replace(backend=dict(report.backends),
                                             precision={c: Precision(p) for c, p in report.precisions.items()})
-            compiler = Compiler(Cache(self._cache_root), options, label=report.model, pipe=self._source)
-            self._bindings = {name: compiler.weight_binding(self.engines[name].spec, report.backends[name],
-                                                            self.engines[name]) for name in self.lora_components}
+            compiler = Compiler(Cache(self._cache_root), options, label=report.model)
+            self._bindings = {name: weight_binding(compiler, self.engines[name].spec, report.backends[name],
+                                                   self.engines[name]) for name in self.lora_components}
         return self._bindings
 
     def __repr__(self) -> str:
@@ -536,19 +531,23 @@ def compile(
 
     `controlnet` (ControlNet folders or models, one or a list) adds ControlNets to a pipeline without them.
     `options` is a :class:`CompileOptions`; its fields may also be given as keywords (backend,
-    precision, profile, components, cache_dir, threads, step_cache, cache_branch, ...)."""
-    from .cache import Cache, default_cache_dir
-
-    family_of(pipe)  # an unsupported pipeline fails here, naming the supported ones
-    if controlnet is not None:
-        from .loading import load_pipeline
-
-        pipe = load_pipeline(pipe, controlnet=controlnet)
+    precision, profile, components, cache_dir, threads, step_cache, cache_branch, ...). `pipe` may also be a
+    :class:`kasoku.model.Model` (what `KasokuPipeline.from_pretrained` hands it)."""
+    model = _compiled_model(pipe, controlnet, label)
     options = CompileOptions.of(options, backend=backend, **fields)
     if options.profile is None:
-        options = options.replace(profile=default_profile(pipe))
+        options = options.replace(profile=model.default_profile())
     kwargs: dict[str, Any] = {"on_stage": on_stage} if on_stage else {}
-    engines, report = compile_components(pipe, options, cache=cache, label=label, **kwargs)
+    engines, report = compile_components(model, options, cache=cache, label=label, **kwargs)
     root = cache.root if isinstance(cache, Cache) else Path(cache or options.cache_dir or default_cache_dir())
-    return KasokuPipeline(pipe, engines, options.profile, report, options=options, cache_root=root, label=label,
+    return KasokuPipeline(model, engines, options.profile, report, options=options, cache_root=root, label=label,
                           cache=cache)
+
+
+def _compiled_model(pipe, controlnet, label: str | None) -> Model:
+    """The model `compile` takes: a live diffusers pipeline or a Model (a path is refused with what to call)."""
+    if isinstance(pipe, (str, Path)):
+        raise InvalidInput(f"kasoku.compile takes a live diffusers pipeline; for the folder or hub id {str(pipe)!r} "
+                           "use kasoku.KasokuPipeline.from_pretrained(PATH), which loads and compiles it.")
+    model = Model.of(pipe, label=label)  # an unsupported pipeline fails here, naming the supported ones
+    return Model.load(model, controlnet=controlnet) if controlnet is not None else model

@@ -14,17 +14,21 @@ from dataclasses import asdict, dataclass, field
 import numpy as np
 import torch
 
-from .components import ImageShape, Precision, ShapeProfile, component_specs
-from .families import family_of
+from .cache import Cache
+from .components import ImageShape, Precision, ShapeProfile
+from .fidelity import (  # noqa: F401 - verify's prompts and seed, where callers read them
+    FIDELITY_PROMPTS,
+    VERIFY_PROMPT,
+    VERIFY_SEED,
+    diffusers_inputs,
+    inpaint_inputs,
+    task_inputs,
+)
+from .model import Model
 from .options import CompileOptions
 from .parity import STEP_CACHE, STEP_CACHE_INTERVAL, TOLERANCES, OutputParity, parity_against_torch, psnr, ssim
+from .pipeline import KasokuPipeline, compile
 from .step_cache import DEFAULT_SCHEDULE, check_interval, check_schedule
-
-VERIFY_PROMPT = "a photo of an astronaut riding a horse on mars"
-VERIFY_SEED = 0
-# A lower precision's images are held to the fp32 engines' on these prompts (the fidelity contract).
-FIDELITY_PROMPTS = (VERIFY_PROMPT, "a watercolor painting of a red fox in the snow",
-                    "a photograph of a lighthouse at sunset, detailed")
 
 
 @dataclass
@@ -90,26 +94,22 @@ def verify(
     ControlNet pipeline. `options` (or its fields as keywords) as for compile. With `cache_interval` > 1
     the step-cache engines are verified too, and the images of calls with that interval and
     `cache_schedule` are compared with the same engines' without step caching."""
-    from .cache import Cache
-    from .loading import load_pipeline, model_label
-    from .pipeline import KasokuPipeline, compile
-
     check_interval(cache_interval)
     check_schedule(cache_schedule)
     options = CompileOptions.of(options, backend=backend, **fields).replace(check_parity=False)
     if cache_interval > 1:
         options = options.replace(step_cache=True)
-    reference = load_pipeline(model, controlnet=controlnet)
-    label = model_label(model)
+    reference = Model.load(model, controlnet=controlnet)
+    label = reference.label
     kwargs = {"on_stage": on_stage} if on_stage else {}
     compared_with_fp32 = image and options.precision != Precision.FP32
     # the fp32 engines the images are held to are built from the same exports: keep them until then
     first = options.replace(keep_intermediate=True) if compared_with_fp32 else options
     pipe: KasokuPipeline = compile(reference, options=first, label=label, **kwargs)
-    specs = component_specs(reference, pipe.profile, list(pipe.engines), cache_branch=options.cache_branch)
+    specs = reference.specs(pipe.profile, list(pipe.engines), cache_branch=options.cache_branch)
     report = VerifyReport(model=label, precision=options.precision_label,
                           backends={n: e.backend for n, e in pipe.engines.items()},
-                          family=family_of(reference).title, notes=pipe.compile_report.notes)
+                          family=reference.family.title, notes=pipe.compile_report.notes)
     cache = Cache(options.cache_dir)
     for stage in pipe.compile_report.stages:
         if stage.stage == "engine":
@@ -127,20 +127,17 @@ def verify(
     return report
 
 
-def image_parity(reference, pipe, precision: Precision, options: CompileOptions | None = None,
+def image_parity(reference: Model, pipe: KasokuPipeline, precision: Precision, options: CompileOptions | None = None,
                  on_stage=None) -> ImageParity:
     """The precision's image contract: fp32 against diffusers' own torch image; a lower precision
     against kasoku's fp32 engines on the same backend, on FIDELITY_PROMPTS at the contract's steps,
     with the same initial latents (the same seed). PSNR and SSIM, the worst over the prompts."""
-    from .pipeline import compile
-
     tolerance = TOLERANCES[precision]
-    family = family_of(reference)
-    task = family.tasks(reference)[0]
+    task = reference.task
     shape = pipe.profile.opt
     extra = task_inputs(reference, task, shape)
     if tolerance.image_reference == "diffusers":
-        expected_pipe, prompts = family.task_pipeline(reference, task), (VERIFY_PROMPT,)
+        expected_pipe, prompts = reference.task_pipeline(task), (VERIFY_PROMPT,)
         expected_extra = diffusers_inputs(reference, task, extra)
     else:
         kwargs = {"on_stage": on_stage} if on_stage else {}
@@ -157,14 +154,14 @@ def image_parity(reference, pipe, precision: Precision, options: CompileOptions 
                            tolerance, shape, tolerance.image_reference)
 
 
-def step_cache_parity(reference, pipe, interval: int, schedule: str = DEFAULT_SCHEDULE) -> ImageParity:
+def step_cache_parity(reference: Model, pipe: KasokuPipeline, interval: int,
+                      schedule: str = DEFAULT_SCHEDULE) -> ImageParity:
     """Step caching's contract: the images of calls with `cache_interval` against the same engines' without
     it, on FIDELITY_PROMPTS at the contract's steps, with the same initial latents (the same seed)."""
     tolerance = TOLERANCES[STEP_CACHE]
-    family = family_of(reference)
-    task = family.tasks(reference)[0]
+    task = reference.task
     shape = pipe.profile.opt
-    extra = _inpaint_inputs(shape) if task == "inpaint" else {}
+    extra = inpaint_inputs(shape) if task == "inpaint" else {}
 
     def run(prompt, **cache):
         return pipe(prompt, num_inference_steps=tolerance.image_steps, height=shape.height, width=shape.width,
@@ -197,42 +194,6 @@ def _image_precision(pipe) -> Precision:
     """The contract an image is held to: the lowest precision among its engines' (fp32 < fp16 < bf16 < int8)."""
     order = list(Precision)
     return max((Precision(p) for p in pipe.compile_report.precisions.values()), key=order.index)
-
-
-def _random_image(shape: ImageShape, seed: int):
-    from PIL import Image
-
-    rng = np.random.default_rng(seed)
-    return Image.fromarray(rng.integers(0, 255, (shape.height, shape.width, 3), dtype=np.uint8))
-
-
-def _inpaint_inputs(shape: ImageShape) -> dict:
-    """An inpainting model inpaints a square of a random image."""
-    from PIL import Image
-
-    size = shape.height, shape.width
-    mask = np.zeros(size, dtype=np.uint8)
-    mask[size[0] // 4: 3 * size[0] // 4, size[1] // 4: 3 * size[1] // 4] = 255
-    return {"image": _random_image(shape, VERIFY_SEED), "mask_image": Image.fromarray(mask)}
-
-
-def task_inputs(pipe, task: str, shape: ImageShape) -> dict:
-    """The images a call of `task` takes besides the prompt, as KasokuPipeline takes them: inpainting's
-    image and mask, and a random control image per ControlNet where the pipeline has ControlNets."""
-    inputs = _inpaint_inputs(shape) if task == "inpaint" else {}
-    controlnets = len(family_of(pipe).controlnet_paths(pipe))
-    if controlnets:
-        images = [_random_image(shape, VERIFY_SEED + 1 + i) for i in range(controlnets)]
-        inputs["control_image"] = images[0] if controlnets == 1 else images
-    return inputs
-
-
-def diffusers_inputs(pipe, task: str, inputs: dict) -> dict:
-    """`inputs` of :func:`task_inputs` as the family's diffusers pipeline of `task` takes them."""
-    inputs = dict(inputs)
-    if "control_image" in inputs:
-        inputs.update(family_of(pipe).control_arguments(task, inputs.pop("control_image")))
-    return inputs
 
 
 def _bound(c: OutputParity) -> str:

@@ -251,3 +251,33 @@ def save_with_weights(model: onnx.ModelProto, tensors: Mapping[str, torch.Tensor
 
 def input_value_info(weight: GraphWeight) -> onnx.ValueInfoProto:
     return helper.make_tensor_value_info(weight.name, weight.elem_type, list(weight.shape))
+
+
+# ---- self-contained files: a graph with its weights written in ----------------------------------------
+
+# A protobuf cannot exceed 2 GiB, so larger models keep their weights in a side file.
+PROTO_LIMIT = 2 * 1024**3
+
+
+def onnx_files(path: Path) -> list[Path]:
+    """The ONNX file and its external-data side files."""
+    files = [path]
+    files += sorted(p for p in path.parent.glob(path.name + ".data*") if p.is_file())
+    return files
+
+
+def module_weights(module: torch.nn.Module, graph: onnx.ModelProto, input_names: Iterable[str],
+                   component: str) -> dict[str, torch.Tensor]:
+    """`module`'s weights for `graph`'s weight inputs (every graph input not in `input_names`), in the graph's
+    dtypes."""
+    return weights_for(graph_weights(graph, input_names), bindable_tensors(module), component)
+
+
+def materialize(graph_path: Path, tensors: Mapping[str, torch.Tensor], path: Path) -> Path:
+    """A self-contained ONNX file at `path`: the architecture graph at `graph_path` with `tensors` (its weights by
+    graph name) as initializers; the weights in `path`.data when they pass protobuf's 2 GB."""
+    graph = onnx.load(str(graph_path))
+    external = sum(t.numel() * t.element_size() for t in tensors.values()) > PROTO_LIMIT
+    path.parent.mkdir(parents=True, exist_ok=True)
+    save_with_weights(graph, tensors, path, external=external)
+    return path

@@ -254,12 +254,13 @@ class Engine(ABC):
         axis, rng = self._axes[axis_name]
         if rng.min <= value <= rng.max and value % rng.step == 0:
             return
-        image_range = self.spec.profile.range_text(axis.of)
+        profile = self.spec.profile
+        image = ", ".join(f"{dim} {profile.range_text(dim)}" for dim in axis.dims)
+        flags = " ".join(f"--{dim} MIN:MAX" for dim in axis.dims)
         raise ShapeOutOfProfile(
             f"{self.spec.name} input {input_name!r} dimension {index} ({axis_name}) is {value}, outside the "
-            f"engine's profile: {rng.min}..{rng.max} in steps of {rng.step} (image {axis.of} {image_range}). "
-            f"Compile a wider profile, e.g. `kasoku compile MODEL --{axis.of} MIN:MAX`, or "
-            f"`ShapeProfile` in Python."
+            f"engine's profile: {rng.min}..{rng.max} in steps of {rng.step} (image {image}). "
+            f"Compile a wider profile, e.g. `kasoku compile MODEL {flags}`, or `ShapeProfile` in Python."
         )
 
 
@@ -292,6 +293,8 @@ class Backend(ABC):
     refused: ClassVar[Mapping[Precision, str]] = {}
     # bumped when what build() writes changes: part of the engine key, so old entries are never misread
     entry_format: ClassVar[int] = 1
+    # the backend settings of CompileOptions this backend reads (each backend checks its own, see check_options)
+    reads: ClassVar[tuple[str, ...]] = ("threads",)
 
     def __init__(self, options: CompileOptions | None = None, shared_dir: Path | None = None):
         self.options = options or CompileOptions()
@@ -305,11 +308,16 @@ class Backend(ABC):
     def require(self) -> Availability:
         """Raise :class:`BackendUnavailable` unless the backend can run here, and
         :class:`~kasoku.options.InvalidOptions` for options it cannot honour (both before any work)."""
+        self.check_options()
         info = self.availability()
         if not info.available:
             raise BackendUnavailable(f"the {self.name} backend is unavailable: {info.reason}.{self.install_hint()}")
-        self.check_cuda_graph()
         return info
+
+    def check_options(self) -> None:
+        """Raise :class:`~kasoku.options.InvalidOptions` for a setting this backend cannot honour (a subclass
+        checks the settings it reads)."""
+        self.check_cuda_graph()
 
     def check_cuda_graph(self, asked: bool | None = None) -> None:
         """Raise :class:`~kasoku.options.InvalidOptions` when CUDA graphs are asked (default: by the options)
@@ -372,6 +380,11 @@ class Backend(ABC):
     def needs_calibration(self, spec: ComponentSpec, precision: Precision) -> bool:
         """Whether building `spec` in `precision` needs calibration samples (recorded inputs)."""
         return False
+
+    def calibration_recording(self) -> dict[str, str]:
+        """Where this backend's calibration samples are recorded: {"backend": name, "precision": value} (the
+        engines the pipeline runs on while its inputs are recorded; part of the calibration's key)."""
+        return {"backend": self.name, "precision": Precision.FP32.value}
 
     def check_run_time_weights(self, precision: Precision) -> None:
         """Raise for a precision whose engines cannot keep weights as run-time inputs (LoRA targets)."""

@@ -31,7 +31,8 @@ from typing import Any
 
 import torch
 
-from ..components import ComponentSpec, Precision
+from ..attention import exportable_attention
+from ..components import ComponentSpec, Precision, export_shape, torch_dynamic_shapes
 from .base import Availability, Backend, Engine, Source, UnsupportedPrecision, cpu_flags, cpu_name, gpu_identity
 
 PACKAGE_FILE = "model.pt2"
@@ -85,16 +86,13 @@ def compute_input(tensor_spec, value: torch.Tensor, dtype: torch.dtype) -> torch
 def export_program(spec: ComponentSpec, device: torch.device, dtype: torch.dtype):
     """`torch.export` of the component in `dtype` on `device`, with the spec's dynamic dims (static dims
     where the profile holds one value), traced under exportable_attention as the ONNX export is."""
-    from ..attention import exportable_attention
-    from ..export import _dynamo_dynamic_shapes, _export_shape
-
     module = spec.module
     if device.type != "cpu" or dtype != torch.float32:  # the spec's module stays the fp32 CPU reference
         module = copy.deepcopy(module).to(device=device, dtype=dtype)
-    example = spec.sample_inputs(_export_shape(spec.profile))
+    example = spec.sample_inputs(export_shape(spec.profile))
     args = tuple(compute_input(t, example[t.name], dtype).to(device) for t in spec.inputs)
     with exportable_attention(), torch.no_grad():
-        return torch.export.export(module, args, dynamic_shapes=_dynamo_dynamic_shapes(spec))
+        return torch.export.export(module, args, dynamic_shapes=torch_dynamic_shapes(spec))
 
 
 def compile_package(program, path: Path, configs: dict[str, Any]) -> None:

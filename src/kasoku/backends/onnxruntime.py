@@ -32,10 +32,8 @@ import onnx
 import torch
 
 from ..components import ComponentSpec, Precision
-from ..export import onnx_files
 from ..extras import ORT_CHOICE, MissingOnnxRuntime, import_onnxruntime, installed_ort_distributions, ort_conflict
-from ..optimize import PROTO_LIMIT
-from ..weights import as_numpy, save_with_weights, with_initializers
+from ..weights import PROTO_LIMIT, as_numpy, onnx_files, save_with_weights, with_initializers
 from .base import Availability, Backend, BackendUnavailable, Engine, cpu_name, gpu_identity, load_bound, save_bound
 from .tensorrt import installed_trt_version, trt_precision_plan
 
@@ -222,6 +220,7 @@ NO_BF16 = ("ONNX Runtime's CPU execution provider has no bfloat16 kernels (bf16 
 
 class OnnxRuntimeBackend(Backend):
     name = "onnxruntime"
+    reads = ("threads", "cuda_graph")
     extra = "cpu"  # or `gpu` (onnxruntime-gpu) for the CUDA and TensorRT providers; never both
     precisions = (Precision.FP32, Precision.FP16)
     refused = {Precision.BF16: NO_BF16,

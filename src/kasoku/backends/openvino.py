@@ -148,6 +148,10 @@ class OpenVinoBackend(Backend):
     def needs_calibration(self, spec: ComponentSpec, precision: Precision) -> bool:
         return Precision(precision) == Precision.INT8 and spec.int8 == "hybrid"
 
+    def calibration_recording(self) -> dict[str, str]:
+        """Recorded on OpenVINO engines in bf16 where the CPU has it natively, else fp32."""
+        return {"backend": self.name, "precision": (Precision.BF16 if native_bf16() else Precision.FP32).value}
+
     def check_run_time_weights(self, precision: Precision) -> None:
         if Precision(precision) == Precision.INT8:
             raise UnsupportedPrecision("int8 engines quantize their weights, so none can stay a run-time input: "
@@ -169,7 +173,7 @@ class OpenVinoBackend(Backend):
         })
         meta: dict[str, Any] = {"static": not model.is_dynamic()}
         if Precision(precision) == Precision.INT8:
-            from ..quantize import quantize
+            from .int8 import quantize
 
             samples = calibration() if spec.int8 == "hybrid" and calibration is not None else None
             model = quantize(model, spec.int8, samples)

@@ -27,6 +27,8 @@ from pathlib import Path
 from typing import Any
 
 from ..components import ComponentSpec, Precision
+from ..options import InvalidOptions
+from ..weights import materialize
 from .base import (
     Availability,
     Backend,
@@ -297,6 +299,9 @@ class TensorRTEngine(Engine):
         self._graph, self._graph_shapes = graph, shapes
 
 
+TRT_OPT_LEVELS = range(0, 6)  # TensorRT's builder optimization levels
+
+
 class TensorRTBackend(Backend):
     name = "tensorrt"
     extra = "tensorrt"
@@ -318,9 +323,17 @@ class TensorRTBackend(Backend):
             return Availability(cls.name, False, trt.__version__, reason=reason)
         return Availability(cls.name, True, trt.__version__, gpu)
 
+    reads = ("trt_opt_level", "cuda_graph")
+
     @property
     def runs_cuda_graphs(self) -> bool:
         return True
+
+    def check_options(self) -> None:
+        super().check_options()
+        if self.options.trt_opt_level not in TRT_OPT_LEVELS:
+            raise InvalidOptions(f"`trt_opt_level` (--trt-opt-level) must be a TensorRT builder optimization level, "
+                                 f"0..5, but is {self.options.trt_opt_level!r}.")
 
     def option_key(self) -> dict[str, Any]:
         return {"builder_optimization_level": self.options.trt_opt_level}
@@ -366,8 +379,6 @@ class TensorRTBackend(Backend):
         import shutil
         import tempfile
 
-        from ..export import materialize
-
         plan = self.precision_plan(precision)
         timing_cache = self.timing_cache(out_dir)
         options = trt_build_options(spec, plan, self.options.trt_opt_level,
@@ -375,7 +386,7 @@ class TensorRTBackend(Backend):
         with tempfile.TemporaryDirectory(prefix="kasoku-trt-", dir=out_dir.parent) as folder:
             source = onnx_path
             if weights is not None:  # the parser reads weights from the file: the graph with them bound
-                source = materialize(spec, onnx_path, Path(folder) / "model.onnx", weights)
+                source = materialize(onnx_path, weights, Path(folder) / "model.onnx")
             engine = self._plan(source, options, timing_cache)
             shutil.rmtree(folder, ignore_errors=True)
         (out_dir / PLAN_FILE).write_bytes(engine)

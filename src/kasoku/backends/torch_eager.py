@@ -39,6 +39,7 @@ class TorchEngine(Engine):
 
 class TorchBackend(Backend):
     name = "torch"
+    reads = ()
     builds_from = Source.NOTHING
     passes = ()
     precisions = (Precision.FP32,)

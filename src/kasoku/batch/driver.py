@@ -45,8 +45,6 @@ def prepare(model, jobs: list[Job], out_dir: str | Path, *, batch_size: int = DE
     the profile the engines will serve, then the output folder (created last, so a bad job writes nothing).
     Reads the model's configs, not its weights nor the engines."""
     from ..cache import default_cache_dir
-    from ..components import native_size
-    from ..families import family_of
     from ..schedulers import most_steps
 
     options = CompileOptions.of(options, **fields)
@@ -55,11 +53,11 @@ def prepare(model, jobs: list[Job], out_dir: str | Path, *, batch_size: int = DE
                         (controlnet if isinstance(controlnet, (list, tuple)) else [controlnet] if controlnet else []))
     recipe = PipelineRecipe(model=model, options=options, controlnets=controlnets)
     reference = recipe.reference()
-    native = native_size(reference)
+    native = reference.native_size
     jobs = with_native_size(jobs, native, native)
     profile = batch_profile(reference, batch_size, height, width, jobs)
     check_jobs(jobs, profile, batch_size, max_steps=most_steps(reference.scheduler),
-               controlnets=len(family_of(reference).controlnet_paths(reference)))
+               controlnets=reference.controlnets)
     if any(job.cache_interval > 1 for job in jobs):  # the driver builds the step-cache engines before any worker
         options = options.replace(step_cache=True)
     out = check_output_dir(out_dir)

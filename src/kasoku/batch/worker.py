@@ -32,10 +32,10 @@ class PipelineRecipe:
     controlnets: tuple[str, ...] = ()  # ControlNet folders (absolute paths), in order
 
     def reference(self):
-        """The diffusers pipeline (with its ControlNets), its models on the meta device until needed."""
-        from ..loading import load_pipeline
+        """The model (with its ControlNets), its modules on the meta device until needed."""
+        from ..model import Model
 
-        return load_pipeline(self.model, lazy=True, controlnet=list(self.controlnets) or None)
+        return Model.load(self.model, lazy=True, controlnet=list(self.controlnets) or None, label=self.model)
 
     def load(self, reference=None, on_stage: StageHook | None = None):
         """A KasokuPipeline; from the cache when the engines are built (the usual case)."""
@@ -55,9 +55,9 @@ class PipelineRecipe:
 
 def txt2img_components(pipe) -> tuple[str, ...]:
     """The components text-to-image runs (never the VAE encoder)."""
-    from ..families import family_of
+    from ..model import Model
 
-    return family_of(pipe).task_components("txt2img", pipe)
+    return Model.of(pipe).task_components("txt2img")
 
 
 def batch_profile(pipe, batch_size: int, height: tuple[int, ...] | None = None,
@@ -68,9 +68,10 @@ def batch_profile(pipe, batch_size: int, height: tuple[int, ...] | None = None,
     guidance when every job uses it, none when no job does."""
     from dataclasses import replace
 
-    from ..components import default_profile, profile_with_ranges
+    from ..components import profile_with_ranges
+    from ..model import Model
 
-    base = default_profile(pipe)
+    base = Model.of(pipe).default_profile()
     sizes = {(job.height, job.width) for job in jobs}
     if len(sizes) == 1 and None not in next(iter(sizes)):
         (h, w), = sizes

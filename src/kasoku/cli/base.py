@@ -168,8 +168,9 @@ def add_backend_arguments(parser: argparse.ArgumentParser) -> None:
 
 def add_engine_arguments(parser: argparse.ArgumentParser, *, profile_flags: bool = True) -> None:
     """The options that say which engines to build (compile, generate, verify, bench)."""
+    from ..backends.tensorrt import TRT_OPT_LEVELS
     from ..families import component_names
-    from ..options import DEFAULT_EXPORTER, DEFAULT_OPSET, EXPORTERS, TRT_OPT_LEVELS
+    from ..options import DEFAULT_EXPORTER, DEFAULT_OPSET, EXPORTERS
 
     add_backend_arguments(parser)
     if profile_flags:
@@ -266,10 +267,10 @@ def profile_from_args(args: argparse.Namespace):
     """A ShapeProfile from --batch/--height/--width, the model's defaults for the rest (None: defaults)."""
     if not (getattr(args, "batch", None) or getattr(args, "height", None) or getattr(args, "width", None)):
         return None
-    from ..components import default_profile, profile_with_ranges
-    from ..loading import load_pipeline
+    from ..components import profile_with_ranges
+    from ..model import Model
 
-    return profile_with_ranges(default_profile(load_pipeline(args.model, lazy=True)), args.batch, args.height,
+    return profile_with_ranges(Model.load(args.model, lazy=True).default_profile(), args.batch, args.height,
                                args.width)
 
 

@@ -118,13 +118,13 @@ class Compile(Command):
         add_json(p)
 
     def run(self, args: argparse.Namespace) -> int:
-        from ..build import compile_components
+        from ..compiling import compile_components
         from ..console import console, table, write_json
         from ..families import FAMILIES
-        from ..loading import load_pipeline
+        from ..model import Model
 
         options = options_from_args(args, profile_from_args(args))
-        model = load_pipeline(args.model, lazy=True, controlnet=controlnets_from_args(args))
+        model = Model.load(args.model, lazy=True, controlnet=controlnets_from_args(args), label=str(args.model))
         _, report = compile_components(model, options, on_stage=show_stage, label=str(args.model))
         rows = [[s.component, s.stage, s.status, f"{s.seconds:.1f} s", s.key[:12]] for s in report.stages]
         console.print(table(f"compile {report.model} ({FAMILIES[report.family].title}, {report.precision})",

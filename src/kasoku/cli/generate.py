@@ -83,10 +83,9 @@ class Generate(Command):
     def run(self, args: argparse.Namespace) -> int:
         import torch
 
-        from ..components import native_size
         from ..console import console, steps_bar, table
-        from ..loading import load_pipeline
         from ..lora import check_adapter_file
+        from ..model import Model
         from ..pipeline import check_size, compile
 
         output = check_output_file(args.output)
@@ -102,8 +101,8 @@ class Generate(Command):
 
         start = time.perf_counter()
         # configs only: weights load only for what must be built
-        reference = load_pipeline(args.model, lazy=True, controlnet=controlnets_from_args(args))
-        native = native_size(reference)
+        reference = Model.load(args.model, lazy=True, controlnet=controlnets_from_args(args), label=str(args.model))
+        native = reference.native_size
         check_size(args.height or native, args.width or native)  # before a compile that could take minutes
         shape = _call_shape(args, image or (controls[0] if controls else None), reference)
         if controls:
@@ -187,9 +186,9 @@ def _control_images(args: argparse.Namespace) -> list:
 def _call_shape(args: argparse.Namespace, image, pipe):
     """The images, height and width this call generates: --height/--width, else the size of the input image
     (or of the first control image), else the model's native size."""
-    from ..components import ImageShape, default_profile
+    from ..components import ImageShape
 
-    base = default_profile(pipe)
+    base = pipe.default_profile()
     height = args.height or (image.size[1] if image else base.opt.height)
     width = args.width or (image.size[0] if image else base.opt.width)
     if height % base.multiple or width % base.multiple:
@@ -203,9 +202,9 @@ def _profile_for(args: argparse.Namespace, shape, pipe, options):
     exact shape, or for the model's default range), else exact-shape engines for this call's size,
     image count and guidance (static shapes: faster on CPU backends, see the README)."""
     from ..build import cached_profile
-    from ..components import ShapeProfile, default_profile
+    from ..components import ShapeProfile
 
-    base = default_profile(pipe)
+    base = pipe.default_profile()
     exact = ShapeProfile.exact(shape, guidance=args.guidance > 1, multiple=base.multiple)
     if args.cuda_graph:  # a CUDA graph replays one shape: exact-shape engines only
         return exact

@@ -12,7 +12,8 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from .base import CONTROLNET_COMPONENT, CONTROLNET_UNET, TASKS, Family, NotADiffusersPipeline
+from ..errors import NotADiffusersPipeline
+from .base import CONTROLNET_COMPONENT, CONTROLNET_UNET, TASKS, Family, UNetFamily
 from .sd import StableDiffusion1, StableDiffusion2
 from .sdxl import StableDiffusionXL
 
@@ -20,8 +21,9 @@ from .sdxl import StableDiffusionXL
 FAMILIES: dict[str, Family] = {f.name: f for f in (StableDiffusion1(), StableDiffusion2(), StableDiffusionXL())}
 SUPPORTED_PIPELINES = tuple(dict.fromkeys(c for f in FAMILIES.values() for c in f.class_names()))
 
-__all__ = ["FAMILIES", "SUPPORTED_PIPELINES", "TASKS", "Family", "NotADiffusersPipeline", "classify", "component_names",
-           "detect_family", "family_of", "family_only_arguments", "is_component_name", "read_model_index"]
+__all__ = ["FAMILIES", "SUPPORTED_PIPELINES", "TASKS", "Family", "NotADiffusersPipeline", "UNetFamily", "classify",
+           "component_names", "detect_family", "family_of", "family_only_arguments", "is_component_name",
+           "read_model_index"]
 
 
 def component_names() -> tuple[str, ...]:
@@ -55,29 +57,36 @@ def _unsupported(where: str, pipeline_class: Any) -> NotADiffusersPipeline:
 def classify(
     pipeline_class: str,
     components: Mapping[str, Any],
-    unet_config: Mapping[str, Any],
-    text_config: Mapping[str, Any],
+    configs: Mapping[str, Mapping[str, Any]],
     *,
     where: str = "the model",
 ) -> Family:
-    """The family from the pipeline class name, its component names and two configs."""
+    """The family from the pipeline class name, its component names and their configs (name -> config)."""
     for family in FAMILIES.values():
-        if family.matches(pipeline_class, components, unet_config, text_config):
+        if family.matches(pipeline_class, components, configs):
             family.check_layout(components, where)
             return family
     raise _unsupported(where, pipeline_class)
 
 
+def _config(module: Any) -> dict[str, Any]:
+    config = getattr(module, "config", None)
+    if config is None:
+        return {}
+    return config.to_dict() if hasattr(config, "to_dict") else dict(config)
+
+
 def family_of(pipe) -> Family:
     """The family of a live diffusers pipeline."""
-    text_encoder = getattr(pipe, "text_encoder", None)
-    return classify(
-        type(pipe).__name__,
-        pipe.components,
-        dict(pipe.unet.config),
-        text_encoder.config.to_dict() if text_encoder is not None else {},
-        where=type(pipe).__name__,
-    )
+    from diffusers import DiffusionPipeline
+
+    if not isinstance(pipe, DiffusionPipeline):
+        raise NotADiffusersPipeline(f"kasoku compiles diffusers pipelines; {pipe!r} is a {type(pipe).__name__}. Load "
+                                    "one with diffusers (`StableDiffusionPipeline.from_pretrained(DIR)`), or give "
+                                    "the folder to kasoku.KasokuPipeline.from_pretrained.")
+    components = pipe.components
+    return classify(type(pipe).__name__, components, {name: _config(module) for name, module in components.items()},
+                    where=type(pipe).__name__)
 
 
 def _read_json(path: Path) -> dict[str, Any]:
@@ -101,15 +110,10 @@ def read_model_index(folder: Path) -> dict[str, Any]:
 
 
 def detect_family(folder: str | Path) -> Family:
-    """The family of a diffusers folder, from model_index.json and the configs (no weights read)."""
+    """The family of a diffusers folder, from model_index.json and the components' configs (no weights read)."""
     folder = Path(folder)
     index = read_model_index(folder)
     # model_index.json lists a component as [library, class], or [null, null] when absent.
     components = {k: v for k, v in index.items() if isinstance(v, list) and v and v[0] is not None}
-    return classify(
-        index.get("_class_name"),
-        components,
-        _read_json(folder / "unet" / "config.json"),
-        _read_json(folder / "text_encoder" / "config.json"),
-        where=str(folder),
-    )
+    configs = {name: _read_json(folder / name / "config.json") for name in components}
+    return classify(index.get("_class_name"), components, configs, where=str(folder))

@@ -10,7 +10,16 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from .base import Family
+from ..architectures.tiny import (
+    SCHEDULER_COMMON,
+    TINY_SIZES,
+    seeded,
+    tiny_text_encoder,
+    tiny_tokenizer,
+    tiny_unet_common,
+    tiny_vae,
+)
+from .base import UNetFamily
 
 PIPELINES = {
     "txt2img": "StableDiffusionPipeline",
@@ -29,7 +38,7 @@ def _is_sd2(unet_config: Mapping[str, Any], text_config: Mapping[str, Any]) -> b
     return bool(unet_config.get("use_linear_projection")) or text_config.get("hidden_act") == "gelu"
 
 
-class StableDiffusion1(Family):
+class StableDiffusion1(UNetFamily):
     name = "sd1"
     title = "Stable Diffusion 1.x"
     pipelines = PIPELINES
@@ -37,13 +46,12 @@ class StableDiffusion1(Family):
     # diffusers' safety checker runs a torch model on the images: the engines replace it too.
     replaced_attributes = {"safety_checker": None, "feature_extractor": None, "requires_safety_checker": False}
 
-    def matches(self, pipeline_class, components, unet_config, text_config) -> bool:
-        return pipeline_class in self.class_names() and not _is_sd2(unet_config, text_config)
+    def matches(self, pipeline_class, components, configs) -> bool:
+        return pipeline_class in self.class_names() and not _is_sd2(configs.get("unet", {}),
+                                                                     configs.get("text_encoder", {}))
 
     def tiny_unet(self, in_channels: int):
         from diffusers import UNet2DConditionModel
-
-        from ..tiny import TINY_SIZES, tiny_unet_common
 
         return UNet2DConditionModel(
             down_block_types=("CrossAttnDownBlock2D", "DownBlock2D"),
@@ -56,14 +64,10 @@ class StableDiffusion1(Family):
     def tiny_scheduler(self, prediction: str):
         from diffusers import PNDMScheduler
 
-        from ..tiny import SCHEDULER_COMMON
-
         return PNDMScheduler(set_alpha_to_one=False, skip_prk_steps=True, prediction_type=prediction,
                              **SCHEDULER_COMMON)
 
     def tiny_pipeline(self, *, inpainting: bool = False, prediction: str = "epsilon", seed: int = 0):
-        from ..tiny import seeded, tiny_text_encoder, tiny_tokenizer, tiny_vae
-
         tokenizer = tiny_tokenizer(self.tiny_pad_token)
         components = dict(
             vae=seeded(seed, 1, tiny_vae),
@@ -85,13 +89,12 @@ class StableDiffusion2(StableDiffusion1):
     tiny_pad_token = "!"  # OpenCLIP's tokenizer pads with "!"
     tiny_openclip = True
 
-    def matches(self, pipeline_class, components, unet_config, text_config) -> bool:
-        return pipeline_class in self.class_names() and _is_sd2(unet_config, text_config)
+    def matches(self, pipeline_class, components, configs) -> bool:
+        return pipeline_class in self.class_names() and _is_sd2(configs.get("unet", {}),
+                                                                 configs.get("text_encoder", {}))
 
     def tiny_unet(self, in_channels: int):
         from diffusers import UNet2DConditionModel
-
-        from ..tiny import TINY_SIZES, tiny_unet_common
 
         return UNet2DConditionModel(
             down_block_types=("CrossAttnDownBlock2D", "CrossAttnDownBlock2D"),
@@ -104,8 +107,6 @@ class StableDiffusion2(StableDiffusion1):
 
     def tiny_scheduler(self, prediction: str):
         from diffusers import DDIMScheduler
-
-        from ..tiny import SCHEDULER_COMMON
 
         return DDIMScheduler(set_alpha_to_one=False, clip_sample=False, prediction_type=prediction,
                              **SCHEDULER_COMMON)

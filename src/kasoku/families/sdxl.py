@@ -2,7 +2,8 @@
 
 The pipeline reads the penultimate hidden state of both encoders and the projected pooled
 embedding of the second; the U-Net takes that pooled embedding and six size/crop ids as added
-conditioning (two more engine inputs). SDXL's VAE overflows in fp16 unless it is a fp16-safe one.
+conditioning (``text_time``: two more engine inputs). SDXL's VAE overflows in fp16 unless it is a
+fp16-safe one.
 """
 
 from __future__ import annotations
@@ -10,12 +11,21 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-import torch
-
-from ..components import Precision, TensorSpec, UNetModule
-from ..standins import EngineTextEncoder, InvalidInput
-from ..step_cache import Branch, StepCacheFullModule, StepCacheShallowModule
-from .base import Axes, Family, NotADiffusersPipeline
+from ..architectures import clip, unet
+from ..architectures.base import Axes
+from ..architectures.tiny import (
+    SCHEDULER_COMMON,
+    TINY_SIZES,
+    seeded,
+    tiny_text_encoder,
+    tiny_tokenizer,
+    tiny_unet_common,
+    tiny_vae,
+)
+from ..components import Precision, TensorSpec
+from ..errors import NotADiffusersPipeline
+from ..standins import InvalidInput
+from .base import ModelView, TextEncoderSlot, UNetFamily
 
 # SDXL's size/crop conditioning: (height, width) or (top, left) pairs in pixels.
 SIZE_IDS = ("original_size", "target_size", "crops_coords_top_left", "negative_original_size",
@@ -27,58 +37,7 @@ VAE_FP32 = (
 TIME_IDS = 6  # original size, crop top-left, target size
 
 
-class _PenultimateOnly(tuple):
-    """The hidden states an SDXL pipeline reads: only the penultimate layer (index -2) is there."""
-
-    def __getitem__(self, index):
-        if index != -2:
-            raise InvalidInput("`clip_skip` needs more hidden states than the compiled text encoders return "
-                               "(the penultimate layer only); call without clip_skip.")
-        return tuple.__getitem__(self, 0)
-
-
-class _TextEncoderOutput(tuple):
-    """What diffusers indexes: out[0] (the second encoder's projected pooled embedding) and .hidden_states."""
-
-    hidden_states = None
-
-
-class PenultimateTextEncoder(EngineTextEncoder):
-    """SDXL calls both encoders with output_hidden_states and reads hidden_states[-2]."""
-
-    def forward(self, input_ids, attention_mask=None, output_hidden_states=None, return_dict=None, **kwargs):
-        out = self._run(self._component, input_ids=input_ids.to(torch.int64))
-        first = out["text_embeds"] if "text_embeds" in out else out["penultimate_hidden_state"]
-        result = _TextEncoderOutput((first,))
-        result.hidden_states = _PenultimateOnly((out["penultimate_hidden_state"],))
-        return result
-
-
-class SDXLUNetModule(UNetModule):
-    """SDXL's U-Net: the pooled text embedding and the size/crop ids as two more inputs."""
-
-    def forward(self, sample, timestep, encoder_hidden_states, text_embeds, time_ids):
-        added = {"text_embeds": text_embeds, "time_ids": time_ids}
-        return (self.unet(sample, timestep, encoder_hidden_states, added_cond_kwargs=added, return_dict=False)[0],)
-
-
-class SDXLStepCacheFullModule(StepCacheFullModule):
-    """unet_full with SDXL's added conditioning as two more inputs."""
-
-    def forward(self, sample, timestep, encoder_hidden_states, text_embeds, time_ids):
-        added = {"text_embeds": text_embeds, "time_ids": time_ids}
-        return self.layers.full(sample, timestep, encoder_hidden_states, added)
-
-
-class SDXLStepCacheShallowModule(StepCacheShallowModule):
-    """unet_shallow with SDXL's added conditioning before the deep feature."""
-
-    def forward(self, sample, timestep, encoder_hidden_states, text_embeds, time_ids, deep_feature):
-        added = {"text_embeds": text_embeds, "time_ids": time_ids}
-        return (self.layers.shallow(sample, timestep, encoder_hidden_states, added, deep_feature),)
-
-
-class StableDiffusionXL(Family):
+class StableDiffusionXL(UNetFamily):
     name = "sdxl"
     title = "Stable Diffusion XL"
     pipelines = {
@@ -91,9 +50,11 @@ class StableDiffusionXL(Family):
         "img2img": "StableDiffusionXLControlNetImg2ImgPipeline",
         "inpaint": "StableDiffusionXLControlNetInpaintPipeline",
     }
-    text_encoders = ("text_encoder", "text_encoder_2")
+    text_encoder_slots = (TextEncoderSlot("text_encoder", "tokenizer", clip.PENULTIMATE),
+                          TextEncoderSlot("text_encoder_2", "tokenizer_2", clip.PROJECTED_PENULTIMATE))
     call_arguments = ("prompt_2", "negative_prompt_2", "pooled_prompt_embeds", "negative_pooled_prompt_embeds",
                       *SIZE_IDS, "aesthetic_score", "negative_aesthetic_score")
+    default_guidance = 5.0
 
     def check_layout(self, components: Mapping[str, Any], where: str) -> None:
         missing = [name for name in self.text_encoders if components.get(name) is None]
@@ -103,35 +64,13 @@ class StableDiffusionXL(Family):
                 "SDXL base pipelines with both text encoders."
             )
 
-    def text_encoder_outputs(self, pipe, name: str, axes: Axes) -> tuple[TensorSpec, ...]:
-        config = getattr(pipe, name).config
-        hidden = TensorSpec("penultimate_hidden_state", (axes.images, pipe.tokenizer.model_max_length,
-                                                         config.hidden_size))
-        if name == "text_encoder_2":
-            return (TensorSpec("text_embeds", (axes.images, config.projection_dim)), hidden)
-        return (hidden,)
+    def unet_added_inputs(self, model: ModelView, axes: Axes) -> tuple[TensorSpec, ...]:
+        pooled = model.ref("text_encoder_2").config.projection_dim
+        return unet.text_time_inputs(model.ref(self.denoiser).config, pooled, axes)
 
-    def unet_added_inputs(self, pipe, axes: Axes) -> tuple[TensorSpec, ...]:
-        config = pipe.unet.config
-        pooled = pipe.text_encoder_2.config.projection_dim
-        time_ids = (config.projection_class_embeddings_input_dim - pooled) // config.addition_time_embed_dim
-        return (TensorSpec("text_embeds", (axes.guided, pooled)), TensorSpec("time_ids", (axes.guided, time_ids)))
-
-    def unet_module(self, unet: torch.nn.Module) -> torch.nn.Module:
-        return SDXLUNetModule(unet)
-
-    def unet_full_module(self, unet: torch.nn.Module, branch: Branch) -> torch.nn.Module:
-        return SDXLStepCacheFullModule(unet, branch)
-
-    def unet_shallow_module(self, unet: torch.nn.Module, branch: Branch) -> torch.nn.Module:
-        return SDXLStepCacheShallowModule(unet, branch)
-
-    def vae_fp32_for(self, pipe) -> dict[Precision, str]:
+    def vae_fp32_for(self, model: ModelView) -> dict[Precision, str]:
         # fp16's range is what overflows; bf16 and int8 (which computes in bf16 or fp32) keep fp32's range.
-        return {Precision.FP16: VAE_FP32} if pipe.vae.config.get("force_upcast", True) else {}
-
-    def text_encoder_stand_in(self, pipe, name: str, engines, times):
-        return PenultimateTextEncoder(getattr(pipe, name), engines, times, name)
+        return {Precision.FP16: VAE_FP32} if model.ref(self.vae).config.get("force_upcast", True) else {}
 
     def check_arguments(self, kwargs: Mapping[str, Any]) -> None:
         for name in SIZE_IDS:
@@ -146,8 +85,6 @@ class StableDiffusionXL(Family):
         # Attention only in the deeper blocks, several transformer layers there, and the pooled text
         # embedding plus the six size/crop ids added to the time embedding.
         from diffusers import UNet2DConditionModel
-
-        from ..tiny import TINY_SIZES, tiny_unet_common
 
         sizes = TINY_SIZES
         return UNet2DConditionModel(
@@ -166,14 +103,10 @@ class StableDiffusionXL(Family):
     def tiny_scheduler(self, prediction: str):
         from diffusers import EulerDiscreteScheduler
 
-        from ..tiny import SCHEDULER_COMMON
-
         return EulerDiscreteScheduler(timestep_spacing="leading", interpolation_type="linear",
                                       prediction_type=prediction, **SCHEDULER_COMMON)
 
     def tiny_pipeline(self, *, inpainting: bool = False, prediction: str = "epsilon", seed: int = 0):
-        from ..tiny import seeded, tiny_text_encoder, tiny_tokenizer, tiny_vae
-
         tokenizer, tokenizer_2 = tiny_tokenizer("<|endoftext|>"), tiny_tokenizer("!")
         components = dict(
             vae=seeded(seed, 1, lambda: tiny_vae(scaling_factor=0.13025, force_upcast=True)),  # SDXL's VAE config

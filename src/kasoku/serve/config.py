@@ -131,8 +131,7 @@ def prepare_serving(model, options: CompileOptions | None = None, *, sizes: tupl
     range), else the serving profile (built when the server starts)."""
     from ..build import cached_profile
     from ..cache import default_cache_dir
-    from ..components import default_profile, model_components, native_size
-    from ..loading import load_pipeline
+    from ..model import Model
 
     for name, value, least in (("--max-batch", max_batch, 1), ("--max-queue", max_queue, 1)):
         if value < least:
@@ -143,9 +142,9 @@ def prepare_serving(model, options: CompileOptions | None = None, *, sizes: tupl
         raise KasokuError(f"--batch-window-ms must be 0 or more but is {batch_window_ms}.")
     options = options or CompileOptions()
     model = _portable_model(model)
-    reference = load_pipeline(model, lazy=True)
-    base = default_profile(reference)
-    native = native_size(reference)
+    reference = Model.load(model, lazy=True)
+    base = reference.default_profile()
+    native = reference.native_size
     sizes = tuple(dict.fromkeys(sizes)) or (Size(native, native),)
     bad = [str(s) for s in sizes if s.width % base.multiple or s.height % base.multiple]
     if bad:
@@ -153,7 +152,7 @@ def prepare_serving(model, options: CompileOptions | None = None, *, sizes: tupl
                           f"8x times the U-Net's downsampling) but {', '.join(bad)} "
                           f"{'is' if len(bad) == 1 else 'are'} not.")
     cache = (options.cache_dir or default_cache_dir()).absolute()
-    options = options.replace(cache_dir=cache, components=options.components or model_components(reference))
+    options = options.replace(cache_dir=cache, components=options.components or reference.components)
     wanted = serving_profile(base, sizes, max_batch)
     candidates = [p for p in (wanted, base) if serves_every_request(p, sizes, max_batch)]
     profile = cached_profile(model, options, candidates) or wanted

@@ -21,7 +21,7 @@ import logging
 from collections.abc import Sequence
 from typing import Any
 
-from .errors import KasokuError
+from ..errors import KasokuError
 
 NNCF_EXTRA = "pip install 'kasoku[openvino]'"
 RECIPES = ("weights", "hybrid")

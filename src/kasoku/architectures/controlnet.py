@@ -1,0 +1,185 @@
+"""diffusers' ControlNetModel: a copy of a U-Net's encoder that adds scaled residuals to the U-Net's features.
+
+One graph per distinct ControlNet model (``controlnet_<i>``): the latents, timestep, text embeddings, the
+control image at the image's size and one scale per residual (plus the U-Net's added conditioning) in; its
+scaled residuals out. One engine serves every scale and guess mode: the scale is an input (diffusers'
+scale, or in guess mode its logspace(-1, 0) ramp, per residual). The stand-ins look like a ControlNetModel
+to diffusers, one alone or several in diffusers' own MultiControlNetModel (which sums their residuals).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+
+from ..components import ComponentSpec, ShapeProfile, TensorSpec
+from ..errors import NotADiffusersPipeline
+from ..standins import EngineModule, InvalidInput, timesteps_for
+from .base import Axes, ModuleRef
+from .unet import controlnet_residuals, denoiser_inputs, residual_specs
+
+# What a ControlNet must share with the U-Net it steers (their residuals are added to its features).
+FITS = ("cross_attention_dim", "addition_embed_type", "addition_time_embed_dim",
+        "projection_class_embeddings_input_dim")
+
+
+class UnfitControlNet(NotADiffusersPipeline):
+    """A ControlNet kasoku cannot run with this pipeline."""
+
+
+def check_fits(controlnet_config: Mapping[str, Any], unet_config: Mapping[str, Any], latent_channels: int,
+               where: str, model: str) -> None:
+    """Raise :class:`UnfitControlNet` for a ControlNet that cannot steer a U-Net of `unet_config` on engines."""
+    config, unet = controlnet_config, unet_config
+    if config.get("global_pool_conditions"):
+        raise UnfitControlNet(f"{where} pools its residuals to 1x1 (global_pool_conditions, the shuffle "
+                              "ControlNet); kasoku compiles ControlNets whose residuals have the U-Net's sizes.")
+    differ = [key for key in FITS if config.get(key) != unet.get(key)]
+    if controlnet_residuals(config) != controlnet_residuals(unet):
+        differ.append("residuals (block_out_channels, layers_per_block)")
+    if config.get("in_channels") != latent_channels:
+        differ.append("in_channels (the latent channels)")
+    if differ:
+        raise UnfitControlNet(f"{where} does not fit this {model} model's U-Net: its {', '.join(differ)} "
+                              "differ; give a ControlNet trained for this model.")
+
+
+class ControlNetModule(torch.nn.Module):
+    """A diffusers ControlNetModel on (sample, timestep, encoder_hidden_states, controlnet_cond,
+    conditioning_scale, *added conditioning) returning each residual times its scale.
+
+    `conditioning_scale` holds one scale per residual, so one engine serves every scale and guess
+    mode alike: diffusers multiplies every residual by the scale, or in guess mode by
+    logspace(-1, 0) times it (ControlNetModel.forward, step 6); the stand-in computes that vector."""
+
+    def __init__(self, controlnet: torch.nn.Module, added: tuple[str, ...] = ()):
+        super().__init__()
+        self.controlnet = controlnet
+        self.added = added
+
+    def forward(self, sample, timestep, encoder_hidden_states, controlnet_cond, conditioning_scale, *added):
+        added_cond_kwargs = dict(zip(self.added, added)) or None
+        down, mid = self.controlnet(sample, timestep, encoder_hidden_states, controlnet_cond, conditioning_scale=1.0,
+                                    added_cond_kwargs=added_cond_kwargs, return_dict=False)
+        return (*(residual * conditioning_scale[i] for i, residual in enumerate(down)),
+                mid * conditioning_scale[len(down)])
+
+
+def controlnet_profile(profile: ShapeProfile) -> ShapeProfile:
+    """The ControlNet's profile: in guess mode with guidance, diffusers runs it on the conditional half
+    of the batch only, so a profile for calls with guidance serves both batch sizes."""
+    return dataclasses.replace(profile, guidance=None) if profile.guidance else profile
+
+
+def controlnet_spec(name: str, ref: ModuleRef, profile: ShapeProfile, axes: Axes, *, text_length: int,
+                    added: tuple[TensorSpec, ...] = ()) -> ComponentSpec:
+    """The ControlNet at `ref`: see the module docstring; `added` the U-Net's added conditioning inputs."""
+    config = ref.config
+    residuals = residual_specs(config, axes)
+    added_names = tuple(t.name for t in added)
+    return ComponentSpec(
+        name=name,
+        inputs=(
+            *denoiser_inputs(config, axes, text_length),
+            TensorSpec("controlnet_cond", (axes.guided, config.conditioning_channels, axes.pixel_h, axes.pixel_w)),
+            TensorSpec("conditioning_scale", (len(residuals),)),
+            *added,
+        ),
+        outputs=residuals,
+        profile=controlnet_profile(profile),
+        load_module=lambda: ControlNetModule(ref.load(), added_names),
+        weights=ref.digest,
+        config=dict(config),
+        graph_kind="unet",
+        modules=(ref.path,),
+    )
+
+
+def residual_scales(count: int, conditioning_scale: float, guess_mode: bool, device) -> torch.Tensor:
+    """The scale of each of a ControlNet's `count` residuals, as diffusers' ControlNetModel.forward applies
+    them (step 6): `conditioning_scale` for all; in guess mode logspace(-1, 0) times it, from 0.1 for the
+    first residual to 1 for the mid block's."""
+    if guess_mode:
+        return torch.logspace(-1, 0, count, device=device) * conditioning_scale
+    return torch.full((count,), float(conditioning_scale), dtype=torch.float32, device=device)
+
+
+class EngineControlNet(EngineModule):
+    """A ControlNet engine as diffusers' pipelines call a ControlNetModel (one of them, or each net of a
+    MultiControlNetModel). diffusers branches on `isinstance(controlnet, ControlNetModel)`, so the stand-in
+    is made a subclass of it by :func:`engine_controlnet`; it builds no layers of its own."""
+
+    def __init__(self, original: torch.nn.Module, engines, times, component: str):
+        torch.nn.Module.__init__(self)  # not ControlNetModel's __init__, which builds the network
+        self._internal_dict = original.config  # where diffusers' ConfigMixin keeps `config`
+        self._engines = engines
+        self._times = times
+        self._component = component
+
+    def forward(self, sample, timestep, encoder_hidden_states, controlnet_cond, conditioning_scale=1.0,
+                class_labels=None, timestep_cond=None, attention_mask=None, added_cond_kwargs=None,
+                cross_attention_kwargs=None, guess_mode=False, return_dict=True):
+        if class_labels is not None or timestep_cond is not None or attention_mask is not None or \
+                cross_attention_kwargs:
+            raise InvalidInput("the compiled ControlNet takes sample, timestep, encoder_hidden_states, the control "
+                               "image and its scale only (no class labels, timestep conditioning, attention mask or "
+                               "attention kwargs).")
+        spec = self.engine.spec
+        added_names = spec.input_names[spec.input_names.index("conditioning_scale") + 1:]
+        missing = [name for name in added_names if name not in (added_cond_kwargs or {})]
+        if missing:
+            raise InvalidInput(f"the compiled ControlNet needs {', '.join(missing)} in added_cond_kwargs.")
+        feeds = dict(sample=sample, timestep=timesteps_for(timestep, sample.shape[0]),
+                     encoder_hidden_states=encoder_hidden_states, controlnet_cond=controlnet_cond,
+                     conditioning_scale=residual_scales(len(spec.outputs), conditioning_scale, guess_mode,
+                                                        sample.device),
+                     **{name: added_cond_kwargs[name].to(torch.float32) for name in added_names})
+        if float(conditioning_scale) == 0.0:
+            # Outside the control-guidance window diffusers multiplies every residual by 0: zeros, without the call.
+            shapes = spec.output_shapes({name: tuple(value.shape) for name, value in feeds.items()})
+            out = {name: torch.zeros(shape, dtype=self.dtype, device=sample.device) for name, shape in shapes.items()}
+        else:
+            out = self._run(self._component, **feeds)
+        down = [out[name] for name in spec.output_names[:-1]]
+        mid = out[spec.output_names[-1]]
+        if not return_dict:
+            return down, mid
+        from diffusers.models.controlnets.controlnet import ControlNetOutput
+
+        return ControlNetOutput(down_block_res_samples=down, mid_block_res_sample=mid)
+
+
+@functools.cache
+def _controlnet_classes() -> tuple[type, type]:
+    """The stand-ins as subclasses of diffusers' ControlNetModel and MultiControlNetModel (made on first
+    use, so that importing kasoku does not import diffusers)."""
+    from diffusers import ControlNetModel, MultiControlNetModel
+
+    class EngineMultiControlNet(MultiControlNetModel):
+        """diffusers' own MultiControlNetModel (it sums the residuals) over ControlNet stand-ins; dtype and
+        device are the engines'."""
+
+        @property
+        def dtype(self) -> torch.dtype:
+            return self.nets[0].dtype
+
+        @property
+        def device(self) -> torch.device:
+            return self.nets[0].device
+
+    single = type("EngineControlNetModel", (EngineControlNet, ControlNetModel), {"__module__": __name__})
+    return single, EngineMultiControlNet
+
+
+def engine_controlnet(original: torch.nn.Module, engines, times, component: str) -> torch.nn.Module:
+    """An engine-backed stand-in that diffusers takes for a ControlNetModel."""
+    return _controlnet_classes()[0](original, engines, times, component)
+
+
+def engine_multi_controlnet(nets: list[torch.nn.Module]) -> torch.nn.Module:
+    """diffusers' MultiControlNetModel over ControlNet stand-ins."""
+    return _controlnet_classes()[1](nets)

@@ -1,0 +1,211 @@
+"""diffusers' UNet2DConditionModel: the denoiser of SD 1.x, 2.x and XL.
+
+Graphs:
+
+- ``unet``: (sample, timestep, encoder_hidden_states, *added conditioning) -> out_sample. The added
+  conditioning is what the U-Net's config embeds besides the time: SDXL's ``text_time`` (the pooled text
+  embedding and the size/crop ids), named by :func:`text_time_inputs`;
+- ``unet_controlnet``: the same with a ControlNet's residuals as more inputs (:func:`residual_unet_spec`).
+
+The step-cache graphs of the same weights are in :mod:`.deepcache`. Both the residuals a U-Net takes and
+those a ControlNet makes follow :func:`controlnet_residuals`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from types import SimpleNamespace
+from typing import Any
+
+import torch
+
+from ..components import ComponentSpec, ShapeProfile, TensorSpec
+from ..standins import EngineModule, InvalidInput, call_state, timesteps_for
+from .base import Axes, ModuleRef
+
+BASE_INPUTS = ("sample", "timestep", "encoder_hidden_states")
+# A ControlNet's outputs and the residual-taking U-Net's extra inputs: one name per down-block residual
+# (in diffusers' order), then the mid-block residual.
+DOWN_RESIDUAL = "down_block_res_{}"
+MID_RESIDUAL = "mid_block_res"
+
+
+def levels(config: Mapping[str, Any]) -> int:
+    """How many times the U-Net halves the latent (one fewer than its blocks)."""
+    return len(config["block_out_channels"]) - 1
+
+
+def residual_names(down: int) -> tuple[str, ...]:
+    """The names of `down` down-block residuals and the mid-block residual."""
+    return (*(DOWN_RESIDUAL.format(i) for i in range(down)), MID_RESIDUAL)
+
+
+def controlnet_residuals(config: Mapping[str, Any]) -> tuple[tuple[int, int], ...]:
+    """(channels, downsamplings) of each residual a ControlNet adds to a U-Net of this config, in
+    diffusers' order (ControlNetModel.forward, step 3): the input convolution's output, each down
+    block's resnet outputs and its downsampler's (all but the last block), then the mid block's.
+    A U-Net's config gives the residuals it takes, a ControlNet's those it makes."""
+    channels = tuple(config["block_out_channels"])
+    layers = config["layers_per_block"]
+    per_block = [layers] * len(channels) if isinstance(layers, int) else list(layers)
+    residuals = [(channels[0], 0)]
+    for level, (width, count) in enumerate(zip(channels, per_block)):
+        residuals += [(width, level)] * count
+        if level < len(channels) - 1:
+            residuals.append((width, level + 1))
+    return (*residuals, (channels[-1], len(channels) - 1))
+
+
+def residual_specs(config: Mapping[str, Any], axes: Axes) -> tuple[TensorSpec, ...]:
+    """The residuals a ControlNet makes and the U-Net takes, one per down-block output and the mid block's."""
+    residuals = controlnet_residuals(config)
+    return tuple(TensorSpec(name, (axes.guided, channels, *axes.latent_at(level)))
+                 for name, (channels, level) in zip(residual_names(len(residuals) - 1), residuals))
+
+
+def denoiser_inputs(config, axes: Axes, text_length: int, *, fp32_timestep: bool = False) -> tuple[TensorSpec, ...]:
+    """The inputs every U-Net-shaped denoiser takes first (a U-Net, a ControlNet): the latent sample, the
+    timestep and the text embeddings, shaped by its config."""
+    return (
+        TensorSpec("sample", (axes.guided, config.in_channels, axes.latent_h, axes.latent_w)),
+        TensorSpec("timestep", (axes.guided,), always_fp32=fp32_timestep),
+        TensorSpec("encoder_hidden_states", (axes.guided, text_length, config.cross_attention_dim)),
+    )
+
+
+def text_time_inputs(config, pooled: int, axes: Axes) -> tuple[TensorSpec, ...]:
+    """SDXL's added conditioning (``addition_embed_type="text_time"``): the pooled text embedding (`pooled`
+    wide) and the size/crop ids, as many as the rest of the embedding's input holds."""
+    time_ids = (config.projection_class_embeddings_input_dim - pooled) // config.addition_time_embed_dim
+    return (TensorSpec("text_embeds", (axes.guided, pooled)), TensorSpec("time_ids", (axes.guided, time_ids)))
+
+
+def out_sample(config, axes: Axes) -> TensorSpec:
+    return TensorSpec("out_sample", (axes.guided, config.out_channels, axes.latent_h, axes.latent_w))
+
+
+class UNetModule(torch.nn.Module):
+    """The U-Net on (sample, timestep, encoder_hidden_states, *added conditioning named `added`)."""
+
+    def __init__(self, unet: torch.nn.Module, added: tuple[str, ...] = ()):
+        super().__init__()
+        self.unet = unet
+        self.added = added
+
+    def forward(self, sample, timestep, encoder_hidden_states, *added):
+        added_cond_kwargs = dict(zip(self.added, added)) or None
+        return (self.unet(sample, timestep, encoder_hidden_states, added_cond_kwargs=added_cond_kwargs,
+                          return_dict=False)[0],)
+
+
+class ResidualUNetModule(UNetModule):
+    """The U-Net with a ControlNet's residuals as inputs: (sample, timestep, encoder_hidden_states,
+    *added conditioning, *down-block residuals, mid-block residual)."""
+
+    def forward(self, sample, timestep, encoder_hidden_states, *rest):
+        added, residuals = dict(zip(self.added, rest)) or None, rest[len(self.added):]
+        return (self.unet(sample, timestep, encoder_hidden_states, added_cond_kwargs=added,
+                          down_block_additional_residuals=residuals[:-1], mid_block_additional_residual=residuals[-1],
+                          return_dict=False)[0],)
+
+
+def unet_spec(ref: ModuleRef, profile: ShapeProfile, axes: Axes, *, text_length: int,
+              added: tuple[TensorSpec, ...] = (), name: str = "unet") -> ComponentSpec:
+    """The U-Net at `ref`; `added` its added conditioning inputs (see :func:`text_time_inputs`)."""
+    config = ref.config
+    added_names = tuple(t.name for t in added)
+    return ComponentSpec(
+        name=name,
+        inputs=(*denoiser_inputs(config, axes, text_length, fp32_timestep=True), *added),
+        outputs=(out_sample(config, axes),),
+        profile=profile,
+        load_module=lambda: UNetModule(ref.load(), added_names),
+        weights=ref.digest,
+        config=dict(config),
+        graph_kind="unet",
+        modules=(ref.path,),
+        int8="hybrid",
+        takes_lora=True,
+    )
+
+
+def residual_unet_spec(ref: ModuleRef, profile: ShapeProfile, axes: Axes, *, text_length: int,
+                       added: tuple[TensorSpec, ...] = (), name: str = "unet_controlnet") -> ComponentSpec:
+    """The U-Net that takes a ControlNet's residuals as inputs (after its own and its added conditioning).
+    int8 quantizes its weights only: the calibration recipe records plain text-to-image runs."""
+    config = ref.config
+    added_names = tuple(t.name for t in added)
+    return ComponentSpec(
+        name=name,
+        inputs=(*denoiser_inputs(config, axes, text_length), *added, *residual_specs(config, axes)),
+        outputs=(out_sample(config, axes),),
+        profile=profile,
+        load_module=lambda: ResidualUNetModule(ref.load(), added_names),
+        weights=ref.digest,
+        config=dict(config),
+        graph_kind="unet",
+        modules=(ref.path,),
+    )
+
+
+class EngineUNet(EngineModule):
+    """The U-Net; inputs after sample, timestep and encoder_hidden_states come from added_cond_kwargs,
+    and, for the U-Net of a ControlNet pipeline (unet_controlnet), the ControlNet's residuals.
+
+    Within :meth:`step_cache` (one pipeline call with step caching) each call is one denoising step, and
+    the call's `run` (a :class:`kasoku.step_cache.StepCacheRun`) says which engine runs it and
+    keeps what it caches; outside it, every call runs the plain U-Net engine."""
+
+    def __init__(self, original: torch.nn.Module, engines, times, component: str = "unet"):
+        super().__init__(original, engines, times, component)
+        names = self.engine.spec.input_names
+        residuals = set(residual_names(len(names)))
+        self._residuals = tuple(name for name in names if name in residuals)  # down blocks' in order, then the mid's
+        self._added = [name for name in names if name not in BASE_INPUTS and name not in self._residuals]
+        self._step_cache = None
+        if getattr(original, "add_embedding", None) is not None:
+            # SDXL pipelines check the ids' width against the embedding's input size.
+            self.add_embedding = SimpleNamespace(linear_1=SimpleNamespace(
+                in_features=original.add_embedding.linear_1.in_features))
+
+    def forward(self, sample, timestep, encoder_hidden_states, timestep_cond=None, cross_attention_kwargs=None,
+                added_cond_kwargs=None, down_block_additional_residuals=None, mid_block_additional_residual=None,
+                down_intrablock_additional_residuals=None, return_dict=True, **kwargs):
+        added_cond_kwargs = dict(added_cond_kwargs or {})
+        extra = sorted(set(added_cond_kwargs) - set(self._added))
+        if timestep_cond is not None or cross_attention_kwargs or extra or down_intrablock_additional_residuals:
+            raise InvalidInput("the compiled U-Net takes sample, timestep, encoder_hidden_states"
+                               + (f" and {', '.join(self._added)}" if self._added else "")
+                               + " only (no IP-Adapter, T2I-Adapter, LoRA scale or guidance embedding).")
+        missing = [name for name in self._added if name not in added_cond_kwargs]
+        if missing:
+            raise InvalidInput(f"the compiled U-Net needs {', '.join(missing)} in added_cond_kwargs.")
+        residuals = self._residual_feeds(down_block_additional_residuals, mid_block_additional_residual)
+        added = {name: added_cond_kwargs[name].to(torch.float32) for name in self._added}
+        inputs = dict(sample=sample, timestep=timesteps_for(timestep, sample.shape[0]),
+                      encoder_hidden_states=encoder_hidden_states, **added, **residuals)
+        run = self._step_cache
+        out = self._run(self._component, **inputs)["out_sample"] if run is None else run.denoise(self._run, inputs)
+        if not return_dict:
+            return (out,)
+        from diffusers.models.unets.unet_2d_condition import UNet2DConditionOutput
+
+        return UNet2DConditionOutput(sample=out)
+
+    def step_cache(self, run):
+        """Step caching for one pipeline call (None: none); its state goes with the call."""
+        return call_state(self, "_step_cache", run)
+
+    def _residual_feeds(self, down, mid) -> dict[str, torch.Tensor]:
+        """A ControlNet's residuals as the engine's inputs (its U-Net must take them; a plain one must not)."""
+        if not self._residuals:
+            if down is not None or mid is not None:
+                raise InvalidInput("this U-Net engine takes no ControlNet residuals; compile the pipeline with its "
+                                   "ControlNet (`controlnet=`) so that kasoku builds the unet_controlnet engine.")
+            return {}
+        given = [*(down or ()), *([mid] if mid is not None else [])]
+        if down is None or mid is None or len(given) != len(self._residuals):
+            raise InvalidInput(f"the {self._component} engine takes {len(self._residuals) - 1} down-block residuals "
+                               f"and a mid-block residual from the ControlNet but got {len(down or ())} and "
+                               f"{'one' if mid is not None else 'none'}.")
+        return dict(zip(self._residuals, given))

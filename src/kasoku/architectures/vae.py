@@ -1,0 +1,106 @@
+"""diffusers' AutoencoderKL: its decoder (latents to pixels) and encoder (pixels to the latent distribution).
+
+The encoder's graph returns the distribution's parameters (mean and log-variance, stacked on channels),
+so that sampling with the caller's generator happens outside the engine, as in diffusers.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+
+from ..components import ComponentSpec, Precision, ShapeProfile, TensorSpec
+from ..standins import EngineModule, InvalidInput
+from .base import Axes, ModuleRef
+
+# Ops that overflow fp16 in a VAE (kept fp32 by the fp16 pass).
+FP16_KEEP = ("GroupNormalization", "InstanceNormalization", "ReduceMean", "Pow", "Sqrt", "Div", "Softmax")
+
+
+def scale_factor(config: Mapping[str, Any]) -> int:
+    """How many pixels one latent cell covers per side (8 for SD's four-level VAE)."""
+    return 2 ** (len(config["block_out_channels"]) - 1)
+
+
+class VaeDecoderModule(torch.nn.Module):
+    def __init__(self, vae: torch.nn.Module):
+        super().__init__()
+        self.vae = vae
+
+    def forward(self, latent_sample):
+        return (self.vae.decode(latent_sample, return_dict=False)[0],)
+
+
+class VaeEncoderModule(torch.nn.Module):
+    """Returns the latent distribution's parameters (mean and log-variance, stacked on channels)."""
+
+    def __init__(self, vae: torch.nn.Module):
+        super().__init__()
+        self.vae = vae
+
+    def forward(self, sample):
+        return (self.vae.encode(sample, return_dict=False)[0].parameters,)
+
+
+def decoder_spec(ref: ModuleRef, profile: ShapeProfile, axes: Axes, *,
+                 fp32_for: Mapping[Precision, str] | None = None) -> ComponentSpec:
+    """`fp32_for`: precision -> why the decoder is built in fp32 when that precision is asked for."""
+    config = ref.config
+    return ComponentSpec(
+        name="vae_decoder",
+        inputs=(TensorSpec("latent_sample", (axes.images, config.latent_channels, axes.latent_h, axes.latent_w)),),
+        outputs=(TensorSpec("sample", (axes.images, config.out_channels, axes.pixel_h, axes.pixel_w)),),
+        profile=profile,
+        load_module=lambda: VaeDecoderModule(ref.load()),
+        weights=ref.digest,
+        config=dict(config),
+        fp32_for=dict(fp32_for or {}),
+        graph_kind="vae",
+        fp16_keep_ops=(*FP16_KEEP, "Resize"),  # the decoder's upsampling activations too
+        modules=(ref.path,),
+    )
+
+
+def encoder_spec(ref: ModuleRef, profile: ShapeProfile, axes: Axes, *,
+                 fp32_for: Mapping[Precision, str] | None = None) -> ComponentSpec:
+    config = ref.config
+    return ComponentSpec(
+        name="vae_encoder",
+        inputs=(TensorSpec("sample", (axes.images, config.in_channels, axes.pixel_h, axes.pixel_w)),),
+        outputs=(TensorSpec("latent_parameters",
+                            (axes.images, 2 * config.latent_channels, axes.latent_h, axes.latent_w)),),
+        profile=profile,
+        load_module=lambda: VaeEncoderModule(ref.load()),
+        weights=ref.digest,
+        config=dict(config),
+        fp32_for=dict(fp32_for or {}),
+        graph_kind="vae",
+        fp16_keep_ops=FP16_KEEP,
+        modules=(ref.path,),
+    )
+
+
+class EngineVAE(EngineModule):
+    def __init__(self, original: torch.nn.Module, engines, times, component: str = "vae_decoder"):
+        super().__init__(original, engines, times, component)
+
+    def decode(self, z, return_dict=True, generator=None, **kwargs):
+        image = self._run("vae_decoder", latent_sample=z)["sample"]
+        if not return_dict:
+            return (image,)
+        from diffusers.models.autoencoders.vae import DecoderOutput
+
+        return DecoderOutput(sample=image)
+
+    def encode(self, x, return_dict=True):
+        from diffusers.models.autoencoders.autoencoder_kl import AutoencoderKLOutput
+        from diffusers.models.autoencoders.vae import DiagonalGaussianDistribution
+
+        if "vae_encoder" not in self._engines:
+            raise InvalidInput("img2img and inpaint need the vae_encoder engine; compile it "
+                               "(`components` including 'vae_encoder').")
+        moments = self._run("vae_encoder", sample=x)["latent_parameters"]
+        distribution = DiagonalGaussianDistribution(moments)  # sampled with the caller's generator
+        return AutoencoderKLOutput(latent_dist=distribution) if return_dict else (distribution,)

@@ -1,0 +1,109 @@
+"""`compile_components`: resolve the policies, then build: every component's engine, through the cache.
+
+The order is the point. What the options leave open is decided first, by the policies, each handing the
+builder data: ``precision="fastest"`` measures and chooses a precision per component
+(:mod:`kasoku.fastest`), and int8 components whose engines are not in the cache yet get their calibration
+inputs recorded (:mod:`kasoku.calibration`). Then the builder (:class:`kasoku.build.Compiler`) builds or
+loads each engine, and torch weights kasoku loaded itself are released once no later component needs them.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Any
+
+from . import calibration
+from .backends import Engine
+from .build import Compiler, CompileReport, StageHook, _no_hook, requested_components
+from .cache import Cache, default_cache_dir
+from .components import ComponentSpec
+from .fastest import choose_precisions
+from .model import Model
+from .options import FASTEST, CompileOptions
+
+__all__ = ["compile_components", "precision_notes"]
+
+
+def compile_components(
+    model,
+    options: CompileOptions | None = None,
+    *,
+    cache: Cache | str | Path | None = None,
+    specs: dict[str, ComponentSpec] | None = None,
+    on_stage: StageHook = _no_hook,
+    label: str | None = None,
+    **fields: Any,
+) -> tuple[dict[str, Engine], CompileReport]:
+    """Fill the cache for the components of `model` and load their engines.
+
+    `model` is a folder, a hub id, a live diffusers pipeline or a :class:`~kasoku.model.Model`. `options`
+    (or its fields as keywords: backend, precision, profile, components, ...) says what to build; `cache`
+    is a :class:`Cache` or its folder (default: the options' cache_dir). `specs` (from the model's
+    `specs`) lets a caller that compiles repeatedly reuse them. A model given as a folder is loaded
+    lazily: torch weights are read only for the components that must be built."""
+    start = time.perf_counter()
+    options = CompileOptions.of(options, **fields)
+    model = Model.load(model, lazy=True, label=label)
+    root = cache.root if isinstance(cache, Cache) else Path(cache or options.cache_dir or default_cache_dir())
+    model.remember_digests_under(root)
+    specs = specs or model.specs(options.profile, requested_components(model, options),
+                                 cache_branch=options.cache_branch)
+    if not isinstance(cache, Cache):  # created only once the model and its components are known to be fine
+        cache = Cache(root)
+    label = label or model.label
+    notes: list[str] = []
+    asked = options.precision_label
+    if options.precision == FASTEST:
+        options, notes = _fastest(model, specs, options, cache, on_stage)
+    compiler = Compiler(cache, options, on_stage=on_stage, label=label)
+    calibration.provide(compiler, model, specs)
+    order = list(specs)
+    model.prefetch_digests(attr for name in order for attr in specs[name].modules)
+
+    def release_unneeded(done: str) -> None:
+        # Free torch weights kasoku loaded itself once no later component needs them.
+        later = {attr for name in order[order.index(done) + 1:] for attr in specs[name].modules}
+        for attr in set(specs[done].modules) - later:
+            for spec in specs.values():
+                if attr in spec.modules:
+                    spec.forget_module()
+            model.release(attr)
+
+    engines, chosen = compiler.compile(specs, on_done=release_unneeded)
+    compiler.finish()
+    report = CompileReport(
+        model=label,
+        precision=asked,
+        profile=next(iter(specs.values())).profile.to_dict(),
+        backends=chosen,
+        stages=compiler.records,
+        seconds=time.perf_counter() - start,
+        family=model.family.name,
+        precisions={name: compiler.precision(spec).value for name, spec in specs.items()},
+        notes=notes + precision_notes(specs, options),
+        load_seconds=compiler.load_seconds,
+    )
+    return engines, report
+
+
+def _fastest(model: Model, specs: dict[str, ComponentSpec], options: CompileOptions, cache: Cache,
+             on_stage: StageHook) -> tuple[CompileOptions, list[str]]:
+    """The options with `fastest` resolved to a precision per component, and the notes that say why."""
+    step_cache = model.family.step_cache_components
+    measured = {name: spec for name, spec in specs.items() if name not in step_cache}
+    chosen, notes = choose_precisions(model, measured, options, cache, on_stage=on_stage)
+    # the step-cache graphs are the denoiser's: they take its precision (their drift is measured as caching's)
+    denoiser = model.family.denoiser
+    chosen.update({name: chosen[denoiser] for name in specs if name in step_cache and denoiser in chosen})
+    return options.replace(precision=chosen), notes
+
+
+def precision_notes(specs: dict[str, ComponentSpec], options: CompileOptions) -> list[str]:
+    """One line per component built in another precision than asked, saying why."""
+    notes = []
+    for name, spec in specs.items():
+        asked = options.precision_of(name)
+        if spec.precision_for(asked) != asked:
+            notes.append(f"{name}: {spec.fp32_for[asked]}.")
+    return notes
