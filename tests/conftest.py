@@ -9,6 +9,7 @@ import os
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
+import onnx  # noqa: E402
 import pytest  # noqa: E402
 
 from kasoku.components import ImageShape  # noqa: E402
@@ -64,15 +65,28 @@ def tiny_specs(tiny_pipe):
 
 
 @pytest.fixture(scope="session")
-def tiny_onnx(tiny_specs, tmp_path_factory):
-    """Every tiny component exported once with the dynamo exporter (parity checked inside)."""
-    from kasoku.export import export_component
+def tiny_onnx(tiny_specs, tiny_cache, tmp_path_factory):
+    """Every tiny component as a self-contained ONNX file (what `export_component` writes: the architecture graph
+    the session's first compile exported, with the weights written in), parity checked at two shapes.
+    tests/test_export.py exports through `export_component` itself."""
+    from kasoku.build import ONNX_FILE, Compiler
+    from kasoku.export import ExportedComponent, check_onnx_parity, module_weights
+    from kasoku.options import CompileOptions
+    from kasoku.weights import materialize, onnx_files
 
     root = tmp_path_factory.mktemp("onnx")
-    return {
-        name: export_component(spec, root / name / "model.onnx", check_shapes=TINY_CHECK_SHAPES)
-        for name, spec in tiny_specs.items()
-    }
+    compiler = Compiler(tiny_cache, CompileOptions(backend="onnxruntime"))
+    exported = {}
+    for name, spec in tiny_specs.items():
+        graph = tiny_cache.lookup(compiler.export_parts(spec)).file(ONNX_FILE)
+        path = materialize(graph, module_weights(spec, onnx.load(str(graph))), root / name / ONNX_FILE)
+        exported[name] = ExportedComponent(
+            name=name, path=path, exporter="dynamo", opset=18,
+            inputs={t.name: [d if isinstance(d, int) else d.name for d in t.dims] for t in spec.inputs},
+            outputs=list(spec.output_names), external_data=False,
+            size_bytes=sum(f.stat().st_size for f in onnx_files(path)), seconds=0.0,
+            parity=check_onnx_parity(spec, path, TINY_CHECK_SHAPES))
+    return exported
 
 
 @pytest.fixture(scope="session")

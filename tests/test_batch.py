@@ -101,7 +101,8 @@ def test_jobs_default_their_id_and_seed_to_the_line_number(tmp_path):
     path.write_text('{"prompt": "a"}\n\n{"prompt": "b", "id": 7, "seed": 3, "negative_prompt": null, '
                     '"guidance": 2, "height": 32, "width": 48}\n')
     first, second = read_jobs(path)
-    assert (first.id, first.seed, first.steps, first.height, first.source) == ("000001", 1, 30, None, f"{path}:1")
+    # steps and guidance the model family's (prepare fills them in, as the native size)
+    assert (first.id, first.seed, first.steps, first.height, first.source) == ("000001", 1, None, None, f"{path}:1")
     assert (second.id, second.seed, second.guidance, second.height, second.width) == ("7", 3, 2.0, 32, 48)
     assert first.file == "000001.png" and first.key != second.key
 

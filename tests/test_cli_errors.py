@@ -17,7 +17,9 @@ from kasoku.pipeline import InvalidInput
 BAD = {
     "tiny": [
         ["tiny", "{full}"],  # a folder that is not empty
-        ["tiny", "{new}", "--family", "sd3"],
+        ["tiny", "{new}", "--family", "sd4"],
+        ["tiny", "{new}", "--family", "flux", "--inpainting"],  # the tiny variants are the U-Net families'
+        ["tiny", "{new}", "--family", "sd3", "--controlnet"],
         ["tiny", "{new}", "--seed", "-1"],
         ["tiny", "{file}"],
     ],
@@ -213,7 +215,9 @@ def torch_pipeline(tiny_pipe, tmp_path_factory):
     ({"height": 60}, "have to be divisible by 8 but are 60 and 64"),
     ({"num_images_per_prompt": 0}, "`num_images_per_prompt` must be a positive int"),
     ({"guidance_scale": float("nan")}, "`guidance_scale` must be a finite number"),
-    ({"prompt_2": "a dog"}, "`prompt_2`: only Stable Diffusion XL pipelines take this argument"),
+    ({"prompt_2": "a dog"}, "`prompt_2`: only Stable Diffusion XL, Stable Diffusion 3 and Flux.1 pipelines take this "
+                            "argument"),
+    ({"max_sequence_length": 77}, "`max_sequence_length`: only Stable Diffusion 3 and Flux.1 pipelines take this"),
     ({"cache_interval": 0}, "`cache_interval` must be a positive int (1: every step runs the whole U-Net, no "
                             "caching) but is 0"),
     ({"cache_interval": -2}, "`cache_interval` must be a positive int"),

@@ -55,9 +55,12 @@ def test_mismatch_fails_naming_component_and_shape(tiny_onnx, tiny_specs, tiny_p
 
 
 def test_external_data_path(tiny_specs, tmp_path):
-    path = tmp_path / "vae_decoder" / "model.onnx"
-    exported = export_component(tiny_specs["vae_decoder"], path, external_data_threshold=0)
-    assert exported.external_data
+    """export_component end to end (the dynamo exporter, its weights written in beside the graph, parity at the
+    profile's two default shapes); the session's other ONNX files come from the cache's graphs."""
+    path = tmp_path / "text_encoder" / "model.onnx"
+    exported = export_component(tiny_specs["text_encoder"], path, external_data_threshold=0)
+    assert exported.external_data and len(exported.parity) == 2 * len(tiny_specs["text_encoder"].outputs)
+    assert onnx.load(str(path), load_external_data=False).graph.input[0].type.tensor_type.shape.dim[0].dim_param
     side_files = list(path.parent.glob("model.onnx.data*"))
     assert side_files and side_files[0].stat().st_size > path.stat().st_size
     assert all(p.passed for p in exported.parity)
@@ -111,6 +114,13 @@ def test_bad_model_folders(tmp_path, make, error, message, capsys):
 
 
 def test_unsupported_pipeline_class(tmp_path):
-    (tmp_path / "model_index.json").write_text(json.dumps({"_class_name": "FluxPipeline"}))
+    (tmp_path / "model_index.json").write_text(json.dumps({"_class_name": "KandinskyV22Pipeline"}))
     with pytest.raises(NotADiffusersPipeline, match="StableDiffusionPipeline"):
+        export_pipeline(tmp_path, tmp_path / "out")
+
+
+def test_a_supported_class_without_its_components_is_refused_first(tmp_path):
+    (tmp_path / "model_index.json").write_text(json.dumps({"_class_name": "FluxPipeline"}))
+    with pytest.raises(NotADiffusersPipeline, match=r"Flux.1 pipeline without text_encoder, text_encoder_2, "
+                                                    r"transformer, vae"):
         export_pipeline(tmp_path, tmp_path / "out")

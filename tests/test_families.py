@@ -78,21 +78,22 @@ def test_tiny_sdxl_folder_loads_in_diffusers_sdxl_pipeline(family_dirs):
 
 def test_tiny_cli_refuses_an_unknown_family(tmp_path, capsys):
     with pytest.raises(SystemExit):
-        main(["tiny", str(tmp_path / "x"), "--family", "sd3"])
-    assert "invalid choice: 'sd3'" in capsys.readouterr().err
+        main(["tiny", str(tmp_path / "x"), "--family", "sd4"])
+    assert "invalid choice: 'sd4'" in capsys.readouterr().err
 
 
 def test_unsupported_pipeline_class_lists_the_supported_ones(family_dirs, tmp_path):
     import shutil
 
-    folder = tmp_path / "sd3"
+    folder = tmp_path / "pixart"
     shutil.copytree(family_dirs["sd2"], folder)
     index = json.loads((folder / "model_index.json").read_text())
-    index["_class_name"] = "StableDiffusion3Pipeline"
+    index["_class_name"] = "PixArtSigmaPipeline"
     (folder / "model_index.json").write_text(json.dumps(index))
-    with pytest.raises(NotADiffusersPipeline, match="StableDiffusion3Pipeline") as error:
+    with pytest.raises(NotADiffusersPipeline, match="PixArtSigmaPipeline") as error:
         load_pipeline(folder)
-    for supported in ("StableDiffusionPipeline", "StableDiffusionXLPipeline", "StableDiffusionXLInpaintPipeline"):
+    for supported in ("StableDiffusionPipeline", "StableDiffusionXLPipeline", "StableDiffusionXLInpaintPipeline",
+                      "StableDiffusion3Pipeline", "FluxPipeline"):
         assert supported in str(error.value)
     assert main(["compile", str(folder), "--backend", "onnxruntime"]) == 1  # a clear error, no traceback
 
@@ -178,7 +179,8 @@ def test_compile_takes_sdxl_img2img_and_inpaint_pipelines(family_pipes, family_k
 def test_family_arguments_are_checked_first(family_kasoku):
     sd2, sdxl = family_kasoku["sd2"], family_kasoku["sdxl"]
     sd2.times.reset()
-    with pytest.raises(InvalidInput, match="only Stable Diffusion XL pipelines take this argument"):
+    with pytest.raises(InvalidInput, match="only Stable Diffusion XL, Stable Diffusion 3 and Flux.1 pipelines take "
+                                           "this argument"):
         sd2("a cat", prompt_2="a dog", num_inference_steps=1)
     with pytest.raises(InvalidInput, match="one text per prompt"):
         sdxl(["a cat", "a dog"], prompt_2="a bird", num_inference_steps=1)

@@ -71,8 +71,8 @@ def test_bad_intervals_and_schedules_are_refused():
 
 @pytest.fixture(scope="module")
 def family_pipes():
-    """The tiny pipelines of every family (4-channel), and SDXL's 9-channel inpainting one."""
-    cases = [(name, False) for name in FAMILIES] + [("sdxl", True)]
+    """The tiny pipelines of every U-Net family (4-channel), and SDXL's 9-channel inpainting one."""
+    cases = [(name, False) for name, family in FAMILIES.items() if family.step_cache_components] + [("sdxl", True)]
     return {(name, inpainting): FAMILIES[name].tiny_pipeline(inpainting=inpainting) for name, inpainting in cases}
 
 
@@ -194,13 +194,14 @@ def test_jobs_take_step_caching_fields_checked_like_every_field(tmp_path):
 
 
 def test_step_caching_is_in_the_job_key_and_the_call_key_and_old_keys_stay():
-    plain = Job("a", "p", 1, height=64, width=64)
+    plain = Job("a", "p", 1, height=64, width=64, steps=30, guidance=7.5)  # as `prepare` fills in SD's defaults
     # the key of a job without step caching is what it was before the fields existed (a re-run skips it)
     before = {"id": "a", "prompt": "p", "negative_prompt": None, "seed": 1, "steps": 30, "guidance": 7.5,
               "height": 64, "width": 64}
     assert plain.key == hashlib.sha256(json.dumps(before, sort_keys=True).encode()).hexdigest()[:16]
-    cached = Job("a", "p", 1, height=64, width=64, cache_interval=3)
-    nonuniform = Job("a", "p", 1, height=64, width=64, cache_interval=3, cache_schedule="nonuniform")
+    cached = Job("a", "p", 1, height=64, width=64, steps=30, guidance=7.5, cache_interval=3)
+    nonuniform = Job("a", "p", 1, height=64, width=64, steps=30, guidance=7.5, cache_interval=3,
+                     cache_schedule="nonuniform")
     assert len({plain.key, cached.key, nonuniform.key}) == 3
     jobs = [Job(str(i), "p", i, height=64, width=64, cache_interval=1 + i % 2) for i in range(4)]
     assert [[j.id for j in b] for b in plan_batches(jobs, 4)] == [["0", "2"], ["1", "3"]]

@@ -85,7 +85,7 @@ def recorded_samples(compiler: Compiler, model: Model, spec: ComponentSpec) -> l
     parts = chain.calibration
 
     def build(tmp: Path) -> dict:
-        names = model.family.calibration_components(spec.name)
+        names = model.family.calibration_components(spec.name, model)
         specs = model.specs(spec.profile, [n for n in names if n != spec.name])
         specs[spec.name] = spec
         recording = compiler.options.replace(precision=Precision(parts["precision"]), backend=parts["backend"])

@@ -78,6 +78,9 @@ class ShapeProfile:
     # True: every call uses classifier-free guidance (the U-Net and text encoder see 2x the images);
     # False: no call does; None: either (their batch ranges from 1x to 2x).
     guidance: bool | None = None
+    # The tokens a long-prompt text encoder (T5) reads: the pipelines' `max_sequence_length`. None: the
+    # family's default (and for families without such an encoder, nothing).
+    text_tokens: int | None = None
 
     def __post_init__(self) -> None:
         for dim in IMAGE_DIMS:
@@ -88,6 +91,8 @@ class ShapeProfile:
                 raise InvalidProfile(
                     f"profile {dim} values must be multiples of {self.multiple} but are {lo}, {mid}, {hi}."
                 )
+        if self.text_tokens is not None and (not isinstance(self.text_tokens, int) or self.text_tokens < 1):
+            raise InvalidProfile(f"profile text_tokens must be a positive int but is {self.text_tokens!r}.")
 
     @property
     def is_static(self) -> bool:
@@ -102,9 +107,9 @@ class ShapeProfile:
         return self.guidance in (None, guidance)
 
     @classmethod
-    def exact(cls, shape: ImageShape, guidance: bool, multiple: int) -> ShapeProfile:
+    def exact(cls, shape: ImageShape, guidance: bool, multiple: int, text_tokens: int | None = None) -> ShapeProfile:
         """The profile of one shape: engines built for it are exact-shape (static) engines."""
-        return cls(shape, shape, shape, multiple, guidance)
+        return cls(shape, shape, shape, multiple, guidance, text_tokens)
 
     def range_text(self, dim: str) -> str:
         return f"{getattr(self.min, dim)}..{getattr(self.max, dim)}"
@@ -134,12 +139,14 @@ class ShapeProfile:
         }
         if self.guidance is not None:  # absent for a profile that serves both (keys stay as they were)
             data["guidance"] = self.guidance
+        if self.text_tokens is not None:  # absent unless given (keys stay as they were)
+            data["text_tokens"] = self.text_tokens
         return data
 
     @classmethod
     def from_dict(cls, data: Mapping) -> ShapeProfile:
         return cls(*(ImageShape(**data[k]) for k in ("min", "opt", "max")), multiple=int(data["multiple"]),
-                   guidance=data.get("guidance"))
+                   guidance=data.get("guidance"), text_tokens=data.get("text_tokens"))
 
     @classmethod
     def from_ranges(
@@ -149,9 +156,10 @@ class ShapeProfile:
         width: tuple[int, int, int],
         multiple: int,
         guidance: bool | None = None,
+        text_tokens: int | None = None,
     ) -> ShapeProfile:
         return cls(*(ImageShape(b, h, w) for b, h, w in zip(batch, height, width)), multiple=multiple,
-                   guidance=guidance)
+                   guidance=guidance, text_tokens=text_tokens)
 
 
 @dataclass(frozen=True)
@@ -222,7 +230,8 @@ class AxisRange:
     step: int
 
 
-def _sample_input(tensor: TensorSpec, shape: tuple[int, ...], generator: torch.Generator) -> torch.Tensor:
+def default_sample_input(tensor: TensorSpec, shape: tuple[int, ...], generator: torch.Generator) -> torch.Tensor:
+    """A random input of the spec's kind (the parity and timing inputs; an architecture may give its own)."""
     if tensor.dtype in (torch.int64, torch.int32):
         return torch.randint(0, tensor.high or 2, shape, generator=generator, dtype=tensor.dtype)
     if tensor.name == "timestep":
@@ -253,7 +262,7 @@ class ComponentSpec:
     weights: Callable[[], str] = field(repr=False, compare=False)
     config: Mapping = field(default_factory=dict, repr=False, compare=False)
     sample_input: Callable[[TensorSpec, tuple[int, ...], torch.Generator], torch.Tensor] = field(
-        default=_sample_input, repr=False, compare=False
+        default=default_sample_input, repr=False, compare=False
     )
     # precision -> why this component is built in fp32 when that precision is asked for (SDXL's VAE in fp16)
     fp32_for: Mapping[Precision, str] = field(default_factory=dict, compare=False)
@@ -408,14 +417,15 @@ def profile_with_ranges(base: ShapeProfile, batch: tuple[int, ...] | None = None
             low, high = given[0], given[-1]
             opt = given[1] if len(given) == 3 else min(max(opt, low), high)
         ranges[dim] = (low, opt, high)
-    return ShapeProfile.from_ranges(ranges["batch"], ranges["height"], ranges["width"], base.multiple, base.guidance)
+    return ShapeProfile.from_ranges(ranges["batch"], ranges["height"], ranges["width"], base.multiple, base.guidance,
+                                    base.text_tokens)
 
 
 def profile_serving(base: ShapeProfile, shape: ImageShape) -> ShapeProfile:
     """`base` widened just enough to serve `shape`."""
     low = ImageShape(*(min(getattr(base.min, d), getattr(shape, d)) for d in IMAGE_DIMS))
     high = ImageShape(*(max(getattr(base.max, d), getattr(shape, d)) for d in IMAGE_DIMS))
-    return ShapeProfile(low, base.opt, high, base.multiple, base.guidance)
+    return ShapeProfile(low, base.opt, high, base.multiple, base.guidance, base.text_tokens)
 
 
 # ---- torch.export's view of a spec (the ONNX exporter and AOTInductor both trace through it) ------------

@@ -115,6 +115,27 @@ class WeightsFingerprints:
             self._pending[id(module)] = pool.submit(module_fingerprint, module)
         pool.shutdown(wait=False)
 
+    def _memo(self, module) -> Path | None:
+        """Where the digest of a module kasoku loaded lazily from a folder is remembered (None: nowhere)."""
+        from .loading import lazy_source
+
+        source = lazy_source(module)
+        if source is None or self.root is None:
+            return None
+        files = weights_files(source)
+        return self.root / f"{_files_key(files, config_dict(module))}.json" if files else None
+
+    def known_without_loading(self, pipe, attribute: str) -> bool:
+        """Whether the digest can be had without reading weights from disk (computed, remembered, or of a live
+        module, which is hashed in memory)."""
+        from .loading import lazy_source, module_at
+
+        module = module_at(pipe, attribute)
+        if id(module) in self._computed or id(module) in self._pending or lazy_source(module) is None:
+            return True
+        memo = self._memo(module)
+        return memo is not None and memo.is_file()
+
     def of(self, pipe, attribute: str) -> str:
         """The digest of the torch module at `attribute` of `pipe` (a dotted path such as
         "controlnet.nets.0"), loading it only when it must."""
@@ -126,16 +147,12 @@ class WeightsFingerprints:
         if id(module) in self._pending:
             return self._remember(digest=self._pending.pop(id(module)).result(), modules=[module])
         source = lazy_source(module)
-        memo = None
-        if source is not None and self.root is not None:
-            files = weights_files(source)
-            if files:
-                memo = self.root / f"{_files_key(files, config_dict(module))}.json"
-                if memo.is_file():
-                    try:
-                        return self._remember(digest=json.loads(memo.read_text())["fingerprint"], modules=[module])
-                    except (ValueError, KeyError):
-                        pass  # a damaged memo: compute it again
+        memo = self._memo(module)
+        if memo is not None and memo.is_file():
+            try:
+                return self._remember(digest=json.loads(memo.read_text())["fingerprint"], modules=[module])
+            except (ValueError, KeyError):
+                pass  # a damaged memo: compute it again
         real = real_module(pipe, attribute)
         digest = module_fingerprint(real)
         if memo is not None:

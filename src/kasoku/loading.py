@@ -50,6 +50,7 @@ def _source(model: Any) -> str:
         if not path.is_dir():
             raise NotADiffusersPipeline(f"{path} is a file; give the folder of a diffusers pipeline.")
         detect_family(path)  # fails fast, before any weight is read, on an unsupported model
+        check_component_folders(path)
         return str(path)
     if _looks_like_hub_id(str(model)):
         if _hub_offline():
@@ -62,6 +63,17 @@ def _source(model: Any) -> str:
         f"model {str(model)!r} does not exist: give a diffusers pipeline folder or a hub id "
         "such as 'stable-diffusion-v1-5/stable-diffusion-v1-5'."
     )
+
+
+def check_component_folders(folder: Path) -> None:
+    """Every component model_index.json lists has its folder (diffusers would otherwise look for it on the hub and
+    report a connection error)."""
+    for name, value in read_model_index(folder).items():
+        listed = isinstance(value, list) and len(value) == 2 and value[0] in ("diffusers", "transformers")
+        if listed and not (folder / name).is_dir():
+            raise ModelNotFound(f"{folder} is incomplete: model_index.json lists {name} ({value[1]}) but there is no "
+                                f"{folder / name} folder. This is not a network problem: copy the whole pipeline "
+                                "folder again, or save it with `pipe.save_pretrained(DIR)`.")
 
 
 def load_pipeline(model: Any, *, torch_dtype: torch.dtype = torch.float32, lazy: bool = False, controlnet=None):

@@ -122,7 +122,10 @@ def _graph_name(module: str, names: Mapping[str, GraphWeight], component: str) -
     """The graph weight of an adapted module (its dotted path, matched as a suffix; CLIP's old `text_model.`
     prefix dropped where the encoder has none, as diffusers does)."""
     for path in (module, module.removeprefix("text_model.")):
-        found = [n for n in names if n == f"{path}.weight" or n.endswith(f".{path}.weight")]
+        # the graph names a weight by the wrapper's attribute and the module's own path ("transformer.proj_out");
+        # that exact name first, where a suffix would also match a deeper module's ("...blocks.0.proj_out")
+        exact = [n for n in names if n.split(".", 1)[-1] == f"{path}.weight" or n == f"{path}.weight"]
+        found = exact or [n for n in names if n.endswith(f".{path}.weight")]
         if len(found) == 1:
             return found[0]
     raise LoraError(f"the adapter changes {component} module {module!r}, which the {component} does not have; the "
@@ -137,8 +140,7 @@ def read_adapter(source: str | Path | Mapping[str, torch.Tensor], name: str, mod
     given = dict(source) if isinstance(source, Mapping) else str(source)
     denoiser = model.family.denoiser
     try:
-        state_dict, alphas, metadata = model.family.lora_state_dict(given, model, return_lora_metadata=True,
-                                                                    **kwargs)
+        state_dict, alphas, metadata = model.family.lora_state_dict(given, model, **kwargs)
     except Exception as error:  # safetensors, torch.load and diffusers' converters raise many kinds
         raise LoraError(f"cannot read the LoRA adapter {source if not isinstance(source, Mapping) else '(dict)'}: "
                         f"{error}") from None
@@ -177,7 +179,7 @@ def check_adapter_file(path: str | Path, model: Model, flag: str = "adapter") ->
     if not path.exists():
         raise LoraError(f"{flag} {path} does not exist; give a LoRA .safetensors file or the folder holding one.")
     try:
-        state_dict, _ = model.family.lora_state_dict(str(path), model)
+        state_dict, _, _ = model.family.lora_state_dict(str(path), model)
     except Exception as error:  # safetensors, torch.load and diffusers' converters raise many kinds
         raise LoraError(f"{flag} {path} is not a LoRA adapter diffusers can read: {error}") from None
     if not state_dict or not all("lora" in key for key in state_dict):

@@ -18,7 +18,7 @@ from .architectures.base import ModuleRef, module_at
 from .components import ComponentSpec, ShapeProfile
 from .families import Family, family_of
 from .fingerprint import WeightsFingerprints
-from .loading import load_pipeline, model_label, real_module, release_module
+from .loading import lazy_source, load_pipeline, model_label, real_module, release_module
 from .step_cache import DEFAULT_BRANCH
 
 __all__ = ["Model", "component_specs"]
@@ -65,6 +65,19 @@ class Model:
             raise KeyError(f"the {self.family.title} pipeline has no {path}")
         return ModuleRef(path, module, load=lambda: real_module(self.pipe, path),
                          digest=lambda: self.weights.of(self.pipe, path))
+
+    def weight_bytes(self, path: str) -> int:
+        """The bytes of the module's weights in fp32 (counted on the meta device too: nothing is read)."""
+        module = module_at(self.pipe, path)
+        return sum(t.numel() for t in (*module.parameters(), *module.buffers())) * 4
+
+    def digest_known(self, path: str) -> bool:
+        """Whether the module's weight digest can be had without reading its weights from disk."""
+        return self.weights.known_without_loading(self.pipe, path)
+
+    def is_loaded(self, path: str) -> bool:
+        """Whether the module's weights are in memory now (a lazily loaded module is not until it is built)."""
+        return lazy_source(module_at(self.pipe, path)) is None
 
     def release(self, path: str) -> None:
         """Drop the weights of a module kasoku loaded lazily (its engines are built)."""

@@ -30,7 +30,7 @@ from .lora import AdapterWeight, LoraError, LoraState, read_adapter, weight_bind
 from .model import Model
 from .options import CompileOptions
 from .runtime import EnginePipelines
-from .schedulers import SCHEDULERS, most_steps
+from .schedulers import SCHEDULERS, most_steps, schedulers_for
 from .standins import EngineTimes, InvalidInput
 from .step_cache import DEFAULT_SCHEDULE, InvalidStepCache, check_interval, check_schedule
 
@@ -164,8 +164,12 @@ class KasokuPipeline:
         """Swap the scheduler by short name (see SCHEDULERS), keeping the model's config."""
         import diffusers
 
+        fitting = schedulers_for(self.scheduler)
         if name not in SCHEDULERS:
-            raise InvalidInput(f"unknown scheduler {name!r}; choose from {', '.join(SCHEDULERS)}.")
+            raise InvalidInput(f"unknown scheduler {name!r}; choose from {', '.join(fitting)}.")
+        if name not in fitting:
+            raise InvalidInput(f"scheduler {name!r} does not fit a model trained for {type(self.scheduler).__name__}'s "
+                               f"kind of noise; choose from {', '.join(fitting)}.")
         self.scheduler = getattr(diffusers, SCHEDULERS[name]).from_config(self.scheduler.config)
 
     @property
@@ -204,6 +208,7 @@ class KasokuPipeline:
         if self.controlnets:
             kwargs.update(self.family.control_arguments(task, control_image))
             kwargs.update(self._control_scales(kwargs))
+        kwargs.update(self._family_defaults(kwargs))
         run = None
         if cache_interval > 1:
             self.enable_step_cache()
@@ -265,7 +270,7 @@ class KasokuPipeline:
         height, width = self._output_size(task, sized_by, kwargs.get("height"), kwargs.get("width"))
         prompts = 1 if isinstance(prompt, str) or prompt is None else len(prompt)
         self._check_control(per_net, prompts, height, width, kwargs)
-        for name in ("prompt_2", "negative_prompt_2"):
+        for name in ("prompt_2", "negative_prompt_2", "prompt_3", "negative_prompt_3"):
             second = kwargs.get(name)
             count = 1 if isinstance(second, str) else len(second or ())
             if second is not None and count != prompts:
@@ -275,13 +280,15 @@ class KasokuPipeline:
         if per_prompt is not None and (not _is_count(per_prompt) or per_prompt < 1):
             raise InvalidInput(f"`num_images_per_prompt` must be a positive int but is {per_prompt!r}.")
         self.profile.check(ImageShape(batch=prompts * (per_prompt or 1), height=height, width=width))
-        guided = float(kwargs.get("guidance_scale", 7.5)) > 1  # diffusers' rule for classifier-free guidance
+        guided = self.family.doubles_batch(kwargs)  # classifier-free guidance: the family's rule
         if self.profile.guidance is not None and self.profile.guidance != guided:
             compiled = "with" if self.profile.guidance else "without"
+            given = kwargs.get("guidance_scale", self.family.call_default("guidance_scale"))
             raise InvalidInput(f"these engines were compiled for calls {compiled} classifier-free guidance "
-                               f"(exact-shape engines) but `guidance_scale` is {kwargs.get('guidance_scale', 7.5)}; "
+                               f"(exact-shape engines) but `guidance_scale` is {given}; "
                                "compile for this call (kasoku generate does) or a profile with guidance=None.")
         self._check_family_arguments(kwargs)
+        self._check_text_tokens(kwargs)
         missing = [name for name in self.model.task_components(task) if name not in self.engines]
         if missing:
             raise InvalidInput(f"{task} needs the {', '.join(missing)} engine{'s' if len(missing) > 1 else ''}; "
@@ -402,10 +409,33 @@ class KasokuPipeline:
         check_size(height, width)
         return int(height), int(width)
 
+    def _check_text_tokens(self, kwargs) -> None:
+        """A long-prompt encoder's engines read the profile's text tokens: `max_sequence_length` must be that."""
+        compiled = self.family.text_tokens(self.profile)
+        given = kwargs.get("max_sequence_length")
+        if compiled is None or given is None or given == compiled:
+            return
+        raise InvalidInput(f"`max_sequence_length` is {given!r} but the engines were compiled for {compiled} T5 "
+                           f"tokens; compile with that many (`ShapeProfile(..., text_tokens={given})`, "
+                           f"`kasoku compile --text-tokens {given}`) or call without it.")
+
+    @property
+    def fixed_arguments(self) -> dict[str, Any]:
+        """The call arguments the engines fix, with their values: the T5 tokens they were compiled for
+        (`max_sequence_length`; diffusers' default may be another). A diffusers pipeline compared with this one
+        takes them too."""
+        compiled = self.family.text_tokens(self.profile)
+        return {} if compiled is None else {"max_sequence_length": compiled}
+
+    def _family_defaults(self, kwargs) -> dict[str, Any]:
+        """What a call omits that the engines fix (see :attr:`fixed_arguments`)."""
+        return {name: value for name, value in self.fixed_arguments.items() if name not in kwargs}
+
     def _check_family_arguments(self, kwargs) -> None:
         for name, owners in family_only_arguments().items():
             if kwargs.get(name) is not None and self.family not in owners:
-                titles = " and ".join(f.title for f in owners)
+                titles = ", ".join(f.title for f in owners[:-1]) + (" and " if len(owners) > 1 else "") + \
+                    owners[-1].title
                 raise InvalidInput(f"`{name}`: only {titles} pipelines take this argument; "
                                    f"this is a {self.family.title} model.")
         self.family.check_arguments(kwargs)

@@ -65,6 +65,11 @@ class EngineModule(torch.nn.Module):
     def device(self) -> torch.device:
         return self.engine.device
 
+    def cache_context(self, name: str) -> contextlib.AbstractContextManager:
+        """diffusers' CacheMixin names the branch of a step it runs (cond, uncond); the engines keep no torch
+        hooks, so there is nothing to switch."""
+        return contextlib.nullcontext()
+
     def _run(self, component: str, **inputs: torch.Tensor) -> dict[str, torch.Tensor]:
         start = time.perf_counter()
         outputs = self._engines[component].run(inputs)

@@ -13,13 +13,29 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import torch
+
 from .architectures.tiny import PREDICTION_TYPES
 from .errors import KasokuError
-from .families import FAMILIES
+from .families import FAMILIES, UNetFamily
 
 
 def family_names() -> tuple[str, ...]:
     return tuple(FAMILIES)
+
+
+def check_variant(family: str, *, inpainting: bool = False, prediction: str = "epsilon",
+                  controlnet: bool = False) -> None:
+    """The tiny variants are the U-Net families': an inpainting U-Net, v-prediction, a ControlNet."""
+    if isinstance(FAMILIES[family], UNetFamily):
+        return
+    asked = [flag for flag, given in (("--inpainting", inpainting), ("--prediction v_prediction",
+                                                                     prediction != "epsilon"),
+                                      ("--controlnet", controlnet)) if given]
+    if asked:
+        raise KasokuError(f"{asked[0]}: the tiny {FAMILIES[family].title} pipeline has no such variant "
+                                      "(they are the U-Net families': sd1, sd2, sdxl); every "
+                                      f"{FAMILIES[family].title} pipeline inpaints and runs img2img as it is.")
 
 
 def _check_choice(name: str, value: str, choices: tuple[str, ...]) -> None:
@@ -31,7 +47,11 @@ def tiny_pipeline(*, family: str = "sd1", inpainting: bool = False, prediction: 
     """A live diffusers pipeline of `family` (txt2img, or inpainting) with deterministic weights."""
     _check_choice("family", family, family_names())
     _check_choice("prediction type", prediction, PREDICTION_TYPES)
+    check_variant(family, inpainting=inpainting, prediction=prediction)
     pipe = FAMILIES[family].tiny_pipeline(inpainting=inpainting, prediction=prediction, seed=seed)
+    for module in pipe.components.values():
+        if isinstance(module, torch.nn.Module):
+            module.eval()  # as from_pretrained leaves them: no dropout (T5 trains with it)
     pipe.set_progress_bar_config(disable=True)
     return pipe
 
@@ -58,6 +78,7 @@ def write_tiny_pipeline(directory: str | Path, *, family: str = "sd1", inpaintin
     `controlnet`, a tiny ControlNet for it in DIR/controlnet (a ControlNetModel folder, which the
     pipeline's own loading ignores: give it as `controlnet=` or `--controlnet`)."""
     directory = check_tiny_folder(directory)
+    check_variant(family, inpainting=inpainting, prediction=prediction, controlnet=controlnet)
     pipe = tiny_pipeline(family=family, inpainting=inpainting, prediction=prediction, seed=seed)
     pipe.save_pretrained(directory, safe_serialization=True)
     if controlnet:

@@ -138,7 +138,7 @@ def image_parity(reference: Model, pipe: KasokuPipeline, precision: Precision, o
     extra = task_inputs(reference, task, shape)
     if tolerance.image_reference == "diffusers":
         expected_pipe, prompts = reference.task_pipeline(task), (VERIFY_PROMPT,)
-        expected_extra = diffusers_inputs(reference, task, extra)
+        expected_extra = {**diffusers_inputs(reference, task, extra), **pipe.fixed_arguments}
     else:
         kwargs = {"on_stage": on_stage} if on_stage else {}
         fp32 = (options or CompileOptions()).replace(precision=Precision.FP32, profile=pipe.profile)

@@ -20,7 +20,8 @@ from .base import Axes, ModuleRef
 
 LAST_HIDDEN = ("last_hidden_state", "pooler_output")  # SD 1.x / 2.x
 PENULTIMATE = ("penultimate_hidden_state",)  # SDXL's first encoder
-PROJECTED_PENULTIMATE = ("text_embeds", "penultimate_hidden_state")  # SDXL's second encoder
+PROJECTED_PENULTIMATE = ("text_embeds", "penultimate_hidden_state")  # SDXL's second encoder, SD3's both
+POOLED = ("pooler_output",)  # Flux's CLIP: the pooled embedding only
 
 
 class TextEncoderModule(torch.nn.Module):
@@ -106,6 +107,21 @@ class PenultimateTextEncoder(EngineTextEncoder):
         return result
 
 
+class PooledTextEncoder(EngineTextEncoder):
+    """Flux reads `.pooler_output` of its CLIP encoder's output."""
+
+    def forward(self, input_ids, attention_mask=None, output_hidden_states=None, return_dict=None, **kwargs):
+        from transformers.modeling_outputs import BaseModelOutputWithPooling
+
+        if output_hidden_states:
+            raise InvalidInput("`clip_skip` needs the text encoder's hidden states, which compiled engines do not "
+                               "return; call without clip_skip.")
+        out = self._run(self._component, input_ids=input_ids.to(torch.int64))
+        return BaseModelOutputWithPooling(pooler_output=out["pooler_output"])
+
+
 def stand_in_for(outputs: tuple[str, ...]) -> type[EngineTextEncoder]:
     """The stand-in that returns `outputs` as the family's pipeline reads them."""
-    return PenultimateTextEncoder if "penultimate_hidden_state" in outputs else EngineTextEncoder
+    if "penultimate_hidden_state" in outputs:
+        return PenultimateTextEncoder
+    return PooledTextEncoder if outputs == POOLED else EngineTextEncoder

@@ -94,6 +94,11 @@ class TinySizes:
     time_ids_embed_dim: int = 8
     # ControlNet: the conditioning image's embedding, one level per halving down to the 8x latent.
     controlnet_embedding: tuple[int, ...] = (8, 8, 16, 16)
+    # T5 (SD3, Flux): its width, heads and vocabulary's words; the diffusion transformers' heads and layers.
+    t5_hidden: int = 32
+    t5_heads: int = 4
+    transformer_heads: int = 2
+    transformer_head_dim: int = 8
 
 
 TINY_SIZES = TinySizes()
@@ -109,9 +114,11 @@ def seeded(seed: int, offset: int, build: Callable[[], T]) -> T:
         return build()
 
 
-def tiny_text_encoder(tokenizer, sizes: TinySizes = TINY_SIZES, *, openclip: bool = False, second: bool = False):
+def tiny_text_encoder(tokenizer, sizes: TinySizes = TINY_SIZES, *, openclip: bool = False, second: bool = False,
+                      projected: bool = False):
     """A CLIP text encoder; `openclip` gives OpenCLIP's gelu (SD 2, SDXL's second), else quick_gelu;
-    `second` the wider SDXL second encoder with a projection."""
+    `second` the wider SDXL second encoder with a projection; `projected` the first one with a projection of
+    its own width (SD3's CLIP-L)."""
     from transformers import CLIPTextConfig, CLIPTextModel, CLIPTextModelWithProjection
 
     hidden = sizes.text_hidden_2 if second else sizes.text_hidden
@@ -128,7 +135,7 @@ def tiny_text_encoder(tokenizer, sizes: TinySizes = TINY_SIZES, *, openclip: boo
         eos_token_id=tokenizer.eos_token_id,
         pad_token_id=tokenizer.pad_token_id,
     )
-    return CLIPTextModelWithProjection(config) if second else CLIPTextModel(config)
+    return CLIPTextModelWithProjection(config) if second or projected else CLIPTextModel(config)
 
 
 def tiny_unet_common(in_channels: int, sizes: TinySizes = TINY_SIZES) -> dict:
@@ -143,8 +150,9 @@ def tiny_unet_common(in_channels: int, sizes: TinySizes = TINY_SIZES) -> dict:
     )
 
 
-def tiny_vae(sizes: TinySizes = TINY_SIZES, **config):
-    """An AutoencoderKL with four levels (SD's 8x latent); `config` adds family settings (SDXL's)."""
+def tiny_vae(sizes: TinySizes = TINY_SIZES, *, latent_channels: int = 4, **config):
+    """An AutoencoderKL with four levels (SD's 8x latent) and `latent_channels` (16 for SD3 and Flux); `config`
+    adds family settings (SDXL's, SD3's shift factor)."""
     from diffusers import AutoencoderKL
 
     levels = len(sizes.vae_channels)
@@ -155,7 +163,7 @@ def tiny_vae(sizes: TinySizes = TINY_SIZES, **config):
         up_block_types=("UpDecoderBlock2D",) * levels,
         block_out_channels=sizes.vae_channels,
         layers_per_block=1,
-        latent_channels=4,
+        latent_channels=latent_channels,
         norm_num_groups=sizes.groups,
         sample_size=TINY_IMAGE_SIZE,
         **config,
@@ -182,3 +190,46 @@ def random_controlnet(unet, conditioning_channels: tuple[int, ...] = (16, 32, 96
 def tiny_controlnet(unet, sizes: TinySizes = TINY_SIZES):
     """A tiny ControlNet for a tiny U-Net (see :func:`random_controlnet`)."""
     return random_controlnet(unet, sizes.controlnet_embedding)
+
+
+# The width of the text states the tiny diffusion transformers attend to: SD3's two CLIP encoders side by side,
+# and T5 (SD3's and Flux's) as wide.
+TINY_JOINT_WIDTH = TINY_SIZES.text_hidden + TINY_SIZES.text_hidden_2
+
+
+def tiny_flow_vae():
+    """The tiny SD3 and Flux VAE: 16 latent channels, a shift factor (SD3's values), no quant convolutions."""
+    return tiny_vae(latent_channels=16, scaling_factor=1.5305, shift_factor=0.0609, use_quant_conv=False,
+                    use_post_quant_conv=False)
+
+
+def tiny_t5_tokenizer(max_length: int = 512):
+    """A T5 tokenizer (SentencePiece Unigram, as T5's is) over the tiny vocabulary: each known word is one
+    piece, anything else spells out in letters; eos "</s>", pad "<pad>", no sentinel tokens."""
+    from transformers import T5Tokenizer
+
+    letters = sorted(set("".join(_WORDS)) | set("abcdefghijklmnopqrstuvwxyz0123456789"))
+    vocab = [("<pad>", 0.0), ("</s>", 0.0), ("<unk>", 0.0)]
+    vocab += [("\u2581" + word, -1.0 - index * 0.01) for index, word in enumerate(dict.fromkeys(_WORDS))]
+    vocab += [("\u2581", -3.0)] + [(letter, -5.0) for letter in letters]
+    tokenizer = T5Tokenizer(vocab=vocab, extra_ids=0)
+    tokenizer.model_max_length = max_length
+    return tokenizer
+
+
+def tiny_t5_encoder(tokenizer, hidden: int | None = None, sizes: TinySizes = TINY_SIZES):
+    """A T5 encoder (T5 v1.1's gated GELU) `hidden` wide (default: TINY_SIZES.t5_hidden)."""
+    from transformers import T5Config, T5EncoderModel
+
+    return T5EncoderModel(T5Config(vocab_size=len(tokenizer), d_model=hidden or sizes.t5_hidden, d_kv=8,
+                                   d_ff=2 * (hidden or sizes.t5_hidden), num_layers=2, num_heads=sizes.t5_heads,
+                                   relative_attention_num_buckets=8, feed_forward_proj="gated-gelu", dropout_rate=0.0,
+                                   is_encoder_decoder=False, use_cache=False, pad_token_id=tokenizer.pad_token_id,
+                                   eos_token_id=tokenizer.eos_token_id))
+
+
+def flow_match_scheduler(**config):
+    """diffusers' FlowMatchEulerDiscreteScheduler (SD3's and Flux's), with `config` (shift, dynamic shifting)."""
+    from diffusers import FlowMatchEulerDiscreteScheduler
+
+    return FlowMatchEulerDiscreteScheduler(**config)

@@ -54,7 +54,8 @@ def prepare(model, jobs: list[Job], out_dir: str | Path, *, batch_size: int = DE
     recipe = PipelineRecipe(model=model, options=options, controlnets=controlnets)
     reference = recipe.reference()
     native = reference.native_size
-    jobs = with_native_size(jobs, native, native)
+    family = reference.family
+    jobs = with_native_size(jobs, native, native, family.default_steps, family.default_guidance)
     profile = batch_profile(reference, batch_size, height, width, jobs)
     check_jobs(jobs, profile, batch_size, max_steps=most_steps(reference.scheduler),
                controlnets=reference.controlnets)

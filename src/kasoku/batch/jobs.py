@@ -47,8 +47,8 @@ class Job:
     prompt: str
     seed: int
     negative_prompt: str | None = None
-    steps: int = DEFAULT_STEPS
-    guidance: float = DEFAULT_GUIDANCE
+    steps: int | None = None  # None: the model family's default (`prepare` fills it in; 30 for SD 1.x/2.x/XL)
+    guidance: float | None = None  # None: likewise (7.5 for SD 1.x/2.x/XL)
     height: int | None = None  # None: the model's native size (`prepare` fills it in)
     width: int | None = None
     control_image: tuple[str, ...] = ()  # one image file per ControlNet (absolute paths)
@@ -224,8 +224,8 @@ def parse_job(line: str, number: int, source: str, folder: Path = Path(".")) -> 
                                "a string or null", None),
         seed=_field(record, "seed", lambda v: _is_int(v) and 0 <= v <= MAX_SEED,
                     f"an integer in 0..{MAX_SEED}", number),
-        steps=_field(record, "steps", lambda v: _is_int(v) and v >= 1, "an integer >= 1", DEFAULT_STEPS),
-        guidance=float(_field(record, "guidance", _is_number, "a number", DEFAULT_GUIDANCE)),
+        steps=_field(record, "steps", lambda v: _is_int(v) and v >= 1, "an integer >= 1", None),
+        guidance=_float_or_none(_field(record, "guidance", _is_number, "a number", None)),
         height=_field(record, "height", _is_size, "a positive integer (pixels)", None),
         width=_field(record, "width", _is_size, "a positive integer (pixels)", None),
         control_image=_control_images(record["control_image"], folder) if "control_image" in record else (),
@@ -285,9 +285,17 @@ def read_jobs(path: str | Path) -> list[Job]:
     return jobs
 
 
-def with_native_size(jobs: list[Job], height: int, width: int) -> list[Job]:
-    """Jobs without a size get the model's native size (before their keys are used)."""
-    return [replace(job, height=job.height or height, width=job.width or width) for job in jobs]
+def with_native_size(jobs: list[Job], height: int, width: int, steps: int = DEFAULT_STEPS,
+                     guidance: float = DEFAULT_GUIDANCE) -> list[Job]:
+    """Jobs without a size get the model's native size, and without steps or guidance its family's defaults
+    (before their keys are used)."""
+    return [replace(job, height=job.height or height, width=job.width or width,
+                    steps=job.steps if job.steps is not None else steps,
+                    guidance=job.guidance if job.guidance is not None else guidance) for job in jobs]
+
+
+def _float_or_none(value: Any) -> float | None:
+    return None if value is None else float(value)
 
 
 def _control_errors(job: Job, controlnets: int) -> list[str]:

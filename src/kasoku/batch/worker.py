@@ -76,7 +76,8 @@ def batch_profile(pipe, batch_size: int, height: tuple[int, ...] | None = None,
     if len(sizes) == 1 and None not in next(iter(sizes)):
         (h, w), = sizes
         height, width = height or (h, h, h), width or (w, w, w)
-    guided = {job.guidance > 1 for job in jobs}
+    family = Model.of(pipe).family
+    guided = {family.doubles_batch({"guidance_scale": job.guidance}) for job in jobs}
     batch = (1, 1, max(base.max.batch, batch_size)) if jobs else \
         (base.min.batch, base.opt.batch, max(base.max.batch, batch_size))
     profile = profile_with_ranges(base, batch, height, width)

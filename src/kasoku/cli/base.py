@@ -177,6 +177,9 @@ def add_engine_arguments(parser: argparse.ArgumentParser, *, profile_flags: bool
         parser.add_argument("--batch", type=size_range, metavar="MIN:MAX", help="images per call the engines serve")
         parser.add_argument("--height", type=size_range, metavar="MIN:MAX", help="image heights in pixels")
         parser.add_argument("--width", type=size_range, metavar="MIN:MAX", help="image widths in pixels")
+    parser.add_argument("--text-tokens", type=positive_int, default=None, metavar="N",
+                        help="SD3 and Flux: the T5 tokens the engines read, diffusers' max_sequence_length "
+                             "(default: the family's, 256 for SD3, 512 for Flux)")
     parser.add_argument("--components", nargs="+", type=component_name, default=None, metavar="NAME",
                         help=f"which of {' '.join(component_names())} (default: all the model has)")
     parser.add_argument("--exporter", choices=EXPORTERS, default=DEFAULT_EXPORTER, help=argparse.SUPPRESS)
@@ -265,13 +268,18 @@ def check_backend(options, *, cuda_graph: bool = False) -> None:
 
 def profile_from_args(args: argparse.Namespace):
     """A ShapeProfile from --batch/--height/--width, the model's defaults for the rest (None: defaults)."""
-    if not (getattr(args, "batch", None) or getattr(args, "height", None) or getattr(args, "width", None)):
+    text_tokens = getattr(args, "text_tokens", None)
+    if not (getattr(args, "batch", None) or getattr(args, "height", None) or getattr(args, "width", None)
+            or text_tokens):
         return None
+    from dataclasses import replace
+
     from ..components import profile_with_ranges
     from ..model import Model
 
-    return profile_with_ranges(Model.load(args.model, lazy=True).default_profile(), args.batch, args.height,
-                               args.width)
+    base = replace(Model.load(args.model, lazy=True).default_profile(), text_tokens=text_tokens)
+    return profile_with_ranges(base, getattr(args, "batch", None), getattr(args, "height", None),
+                               getattr(args, "width", None))
 
 
 def show_stage(component: str, name: str):

@@ -23,7 +23,7 @@ from .base import (
 
 
 class Tiny(Command):
-    """Write a built-in tiny Stable Diffusion pipeline (SD 1.x, 2.x or XL) as a diffusers folder."""
+    """Write a built-in tiny pipeline (SD 1.x, 2.x, XL, SD3 or Flux.1) as a diffusers folder."""
 
     name = "tiny"
 
@@ -38,7 +38,8 @@ class Tiny(Command):
         p.add_argument("--prediction", choices=PREDICTION_TYPES, default="epsilon",
                        help="the scheduler's prediction type: epsilon (default; SD 2 base at 512) or v_prediction "
                             "(SD 2 at 768)")
-        p.add_argument("--inpainting", action="store_true", help="the 9-input-channel inpainting U-Net variant")
+        p.add_argument("--inpainting", action="store_true",
+                       help="the 9-input-channel inpainting U-Net variant (U-Net families)")
         p.add_argument("--controlnet", action="store_true",
                        help="also write a tiny ControlNet for it in DIR/controlnet (use it with --controlnet "
                             "DIR/controlnet)")
@@ -46,15 +47,17 @@ class Tiny(Command):
 
     def run(self, args: argparse.Namespace) -> int:
         from ..console import console
-        from ..families import FAMILIES
-        from ..tiny import CONTROLNET_FOLDER, check_tiny_folder, write_tiny_pipeline
+        from ..families import FAMILIES, UNetFamily
+        from ..tiny import CONTROLNET_FOLDER, check_tiny_folder, check_variant, write_tiny_pipeline
 
         check_tiny_folder(args.dir)
+        check_variant(args.family, inpainting=args.inpainting, prediction=args.prediction, controlnet=args.controlnet)
         path = write_tiny_pipeline(args.dir, family=args.family, inpainting=args.inpainting,
                                    prediction=args.prediction, seed=args.seed, controlnet=args.controlnet)
         kind = "inpainting " if args.inpainting else ""
-        console.print(f"wrote the tiny {FAMILIES[args.family].title} {kind}pipeline ({args.prediction}, "
-                      f"seed {args.seed}) to {path}")
+        prediction = f"{args.prediction}, " if isinstance(FAMILIES[args.family], UNetFamily) else ""
+        console.print(f"wrote the tiny {FAMILIES[args.family].title} {kind}pipeline ({prediction}seed {args.seed}) "
+                      f"to {path}")
         if args.controlnet:
             console.print(f"wrote its tiny ControlNet to {path / CONTROLNET_FOLDER}")
         return 0

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import time
 from pathlib import Path
 
@@ -48,11 +49,16 @@ class Generate(Command):
                        help="image file (default out.png; out-0.png, out-1.png, ... for several)")
         p.add_argument("--negative", default=None, help="negative prompt")
         p.add_argument("--prompt-2", default=None,
-                       help="SDXL: the prompt for the second text encoder (default: PROMPT)")
-        p.add_argument("--negative-2", default=None, help="SDXL: the negative prompt for the second text encoder")
-        p.add_argument("--steps", type=positive_int, default=30, help="denoising steps (default 30)")
-        p.add_argument("--guidance", type=finite_float, default=7.5,
-                       help="classifier-free guidance scale (default 7.5)")
+                       help="SDXL, SD3, Flux: the prompt for the second text encoder (default: PROMPT)")
+        p.add_argument("--negative-2", default=None, help="SDXL, SD3: the negative prompt for the second text encoder")
+        p.add_argument("--prompt-3", default=None, help="SD3: the prompt for T5 (default: PROMPT)")
+        p.add_argument("--steps", type=positive_int, default=None,
+                       help="denoising steps (default: the family's, 30 for SD 1.x/2.x/XL, 28 for SD3 and Flux)")
+        p.add_argument("--guidance", type=finite_float, default=None,
+                       help="guidance scale (default: the family's, 7.5 for SD 1.x/2.x/XL, 7.0 for SD3; Flux "
+                            "embeds 3.5, which is no classifier-free guidance)")
+        p.add_argument("--true-cfg", type=finite_float, default=None, metavar="S",
+                       help="Flux: classifier-free guidance at scale S with --negative (two transformer calls a step)")
         p.add_argument("--seed", type=non_negative_int, default=0, help="generator seed (default 0)")
         p.add_argument("--num-images", type=positive_int, default=1, help="images per prompt (default 1)")
         p.add_argument("--height", type=positive_int, default=None,
@@ -119,13 +125,16 @@ class Generate(Command):
                 pipe.load_lora_weights(str(path), adapter_name=name)
             pipe.set_adapters(names, [scale for _path, scale in args.lora])
         load_seconds = time.perf_counter() - start
+        steps = args.steps or reference.family.default_steps
+        guidance = guidance_of(args, reference)
         if args.scheduler:
             pipe.set_scheduler(args.scheduler)
-        kwargs = dict(negative_prompt=args.negative, num_inference_steps=args.steps, guidance_scale=args.guidance,
+        kwargs = dict(negative_prompt=args.negative, num_inference_steps=steps, guidance_scale=guidance,
                       num_images_per_prompt=args.num_images, height=args.height, width=args.width,
                       generator=torch.Generator().manual_seed(args.seed), cache_interval=args.cache_interval,
                       cache_schedule=args.cache_schedule)
-        kwargs.update({k: v for k, v in (("prompt_2", args.prompt_2), ("negative_prompt_2", args.negative_2)) if v})
+        kwargs.update({k: v for k, v in (("prompt_2", args.prompt_2), ("negative_prompt_2", args.negative_2),
+                                         ("prompt_3", args.prompt_3), ("true_cfg_scale", args.true_cfg)) if v})
         if image is not None:
             kwargs.update(image=image, strength=args.strength)
         if mask is not None:
@@ -160,6 +169,11 @@ class Generate(Command):
             console.print(f"note: {note}", markup=False)
         console.print("wrote " + ", ".join(str(p) for p in paths))
         return 0
+
+
+def guidance_of(args: argparse.Namespace, model) -> float:
+    """--guidance, else the model family's default."""
+    return model.family.default_guidance if args.guidance is None else args.guidance
 
 
 def _control_images(args: argparse.Namespace) -> list:
@@ -204,11 +218,12 @@ def _profile_for(args: argparse.Namespace, shape, pipe, options):
     from ..build import cached_profile
     from ..components import ShapeProfile
 
-    base = pipe.default_profile()
-    exact = ShapeProfile.exact(shape, guidance=args.guidance > 1, multiple=base.multiple)
+    base = dataclasses.replace(pipe.default_profile(), text_tokens=args.text_tokens)
+    guided = pipe.family.doubles_batch({"guidance_scale": guidance_of(args, pipe)})
+    exact = ShapeProfile.exact(shape, guidance=guided, multiple=base.multiple, text_tokens=args.text_tokens)
     if args.cuda_graph:  # a CUDA graph replays one shape: exact-shape engines only
         return exact
-    served = [p for p in (exact, base) if p.serves(shape, args.guidance > 1)]
+    served = [p for p in (exact, base) if p.serves(shape, guided)]
     return cached_profile(pipe, options, served) or exact
 
 

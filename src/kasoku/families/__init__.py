@@ -13,17 +13,20 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import NotADiffusersPipeline
-from .base import CONTROLNET_COMPONENT, CONTROLNET_UNET, TASKS, Family, UNetFamily
+from .base import CONTROLNET_COMPONENT, CONTROLNET_UNET, TASKS, Family, TransformerFamily, UNetFamily
+from .flux import Flux
 from .sd import StableDiffusion1, StableDiffusion2
+from .sd3 import StableDiffusion3
 from .sdxl import StableDiffusionXL
 
 # The registry: adding a family is a module beside these and one entry here.
-FAMILIES: dict[str, Family] = {f.name: f for f in (StableDiffusion1(), StableDiffusion2(), StableDiffusionXL())}
+FAMILIES: dict[str, Family] = {f.name: f for f in (StableDiffusion1(), StableDiffusion2(), StableDiffusionXL(),
+                                                     StableDiffusion3(), Flux())}
 SUPPORTED_PIPELINES = tuple(dict.fromkeys(c for f in FAMILIES.values() for c in f.class_names()))
 
-__all__ = ["FAMILIES", "SUPPORTED_PIPELINES", "TASKS", "Family", "NotADiffusersPipeline", "UNetFamily", "classify",
-           "component_names", "detect_family", "family_of", "family_only_arguments", "is_component_name",
-           "read_model_index"]
+__all__ = ["FAMILIES", "SUPPORTED_PIPELINES", "TASKS", "Family", "NotADiffusersPipeline", "TransformerFamily",
+           "UNetFamily", "classify", "component_names", "detect_family", "family_of", "family_only_arguments",
+           "is_component_name", "read_model_index"]
 
 
 def component_names() -> tuple[str, ...]:

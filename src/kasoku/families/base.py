@@ -17,11 +17,13 @@ with its tiny builder), one line in the registry (kasoku/families/__init__.py), 
 
 from __future__ import annotations
 
+import functools
+import inspect
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any, ClassVar, Protocol
 
-from ..architectures import clip, controlnet, deepcache, unet, vae
+from ..architectures import clip, controlnet, deepcache, t5, unet, vae
 from ..architectures.base import Axes, ModuleRef, module_at
 from ..components import ComponentSpec, Precision, ShapeProfile, TensorSpec, default_profile
 from ..errors import KasokuError, NotADiffusersPipeline
@@ -52,12 +54,16 @@ class ModelView(Protocol):
 
 @dataclass(frozen=True)
 class TextEncoderSlot:
-    """A text encoder of the family's pipelines: its attribute (also its component name), its tokenizer's, and
-    the outputs the pipeline reads of it (see :mod:`kasoku.architectures.clip`)."""
+    """A text encoder of the family's pipelines: its attribute (also its component name), its tokenizer's, the
+    outputs the pipeline reads of it (see :mod:`kasoku.architectures.clip`), its architecture ("clip", or "t5":
+    it reads the profile's text tokens), and whether a pipeline may leave it out (SD3's T5, as diffusers
+    allows: `text_encoder_3=None`)."""
 
     name: str
     tokenizer: str = "tokenizer"
     outputs: tuple[str, ...] = clip.LAST_HIDDEN
+    kind: str = "clip"
+    optional: bool = False
 
 
 class Family:
@@ -74,11 +80,14 @@ class Family:
     call_arguments: ClassVar[tuple[str, ...]] = ()
     # Pipeline attributes the engines replace besides the torch modules (a safety checker on torch images).
     replaced_attributes: ClassVar[Mapping[str, Any]] = {}
-    # diffusers' defaults for a call of this family's pipelines
-    default_steps: ClassVar[int] = 50
+    # kasoku's defaults for the commands (generate, batch, serve); a Python call keeps diffusers' own
+    default_steps: ClassVar[int] = 30
     default_guidance: ClassVar[float] = 7.5
     # capabilities: the step-cache graphs of the denoiser (empty: no step caching)
     step_cache_components: ClassVar[tuple[str, ...]] = ()
+    # the tokens its long-prompt encoder reads when the profile does not say (diffusers' max_sequence_length
+    # default); None: it has no such encoder
+    default_text_tokens: ClassVar[int | None] = None
 
     # ---- recognising it --------------------------------------------------------------------
 
@@ -91,8 +100,20 @@ class Family:
         """Whether a pipeline of this class, components and component configs (name -> config) is of this family."""
         return pipeline_class in self.class_names()
 
+    def required_components(self) -> tuple[str, ...]:
+        """The pipeline attributes a model of this family must have (its text encoders but optional ones, its
+        denoiser, its VAE)."""
+        encoders = tuple(slot.name for slot in self.text_encoder_slots if not slot.optional)
+        return (*encoders, self.denoiser, self.vae)
+
     def check_layout(self, components: Mapping[str, Any], where: str) -> None:
-        """Raise :class:`NotADiffusersPipeline` for a layout of this family kasoku cannot compile."""
+        """Raise :class:`NotADiffusersPipeline` for a layout of this family kasoku cannot compile: one without a
+        component the family's pipelines need."""
+        missing = [name for name in self.required_components() if components.get(name) is None]
+        if missing:
+            raise NotADiffusersPipeline(
+                f"{where} is a {self.title} pipeline without {', '.join(missing)}; kasoku compiles whole pipelines "
+                "(save one with `pipe.save_pretrained(DIR)`).")
 
     # ---- components and their specs --------------------------------------------------------
 
@@ -100,18 +121,41 @@ class Family:
     def text_encoders(self) -> tuple[str, ...]:
         return tuple(slot.name for slot in self.text_encoder_slots)
 
+    def present_text_encoders(self, model: ModelView | None = None) -> tuple[TextEncoderSlot, ...]:
+        """The text encoder slots `model` fills (an optional one may be None); every slot without a model."""
+        if model is None:
+            return self.text_encoder_slots
+        return tuple(s for s in self.text_encoder_slots if not s.optional or getattr(model.pipe, s.name, None)
+                     is not None)
+
+    def text_tokens(self, profile: ShapeProfile) -> int | None:
+        """The tokens the long-prompt encoder reads: the profile's, else the family's default."""
+        return profile.text_tokens or self.default_text_tokens
+
+    def call_default(self, name: str, task: str = "txt2img") -> Any:
+        """diffusers' default of a call argument of this family's pipeline for `task` (inspect.Parameter.empty
+        where it has none)."""
+        return _call_defaults(self.pipeline_class(task)).get(name, inspect.Parameter.empty)
+
+    def doubles_batch(self, kwargs: Mapping[str, Any]) -> bool:
+        """Whether a call with these arguments runs the denoiser on twice the images (classifier-free guidance,
+        diffusers' rule: a guidance scale above 1; diffusers' default where the call gives none)."""
+        guidance = kwargs.get("guidance_scale")
+        return float(self.call_default("guidance_scale") if guidance is None else guidance) > 1
+
     def denoiser_components(self, model: ModelView | None = None) -> tuple[str, ...]:
         """The denoiser's components (what runs in the loop) for this model."""
         return (self.denoiser,)
 
     def component_names(self, model: ModelView | None = None) -> tuple[str, ...]:
         """The components of this family's pipelines (of `model`'s, when given), in build order."""
-        return (*self.text_encoders, *self.denoiser_components(model), *VAE_COMPONENTS)
+        encoders = tuple(slot.name for slot in self.present_text_encoders(model))
+        return (*encoders, *self.denoiser_components(model), *VAE_COMPONENTS)
 
-    def calibration_components(self, component: str) -> tuple[str, ...]:
+    def calibration_components(self, component: str, model: ModelView | None = None) -> tuple[str, ...]:
         """What a text-to-image run needs to reach `component` (its calibration records its inputs
         with the latents left undecoded): the text encoders and the component."""
-        return (*self.text_encoders, component)
+        return (*(slot.name for slot in self.present_text_encoders(model)), component)
 
     def tasks(self, model: ModelView) -> tuple[str, ...]:
         """The tasks this model runs."""
@@ -144,7 +188,7 @@ class Family:
         axes = self.axes(model)
         builders: dict[str, Callable[[], ComponentSpec]] = {
             slot.name: (lambda slot=slot: self.text_encoder_spec(model, slot, profile, axes))
-            for slot in self.text_encoder_slots
+            for slot in self.present_text_encoders(model)
         }
         builders.update(self.denoiser_builders(model, profile, axes, cache_branch))
         fp32_for = self.vae_fp32_for(model)
@@ -164,6 +208,8 @@ class Family:
 
     def text_encoder_spec(self, model: ModelView, slot: TextEncoderSlot, profile: ShapeProfile,
                           axes: Axes) -> ComponentSpec:
+        if slot.kind == "t5":
+            return t5.t5_spec(slot.name, model.ref(slot.name), profile, axes, length=self.text_tokens(profile))
         return clip.text_encoder_spec(slot.name, model.ref(slot.name), profile, axes,
                                       length=self.text_length(model, slot), outputs=slot.outputs)
 
@@ -199,6 +245,14 @@ class Family:
         """Where each ControlNet the pipeline runs is (empty: none; families without ControlNets have none)."""
         return ()
 
+    def with_controlnet(self, pipe, net):
+        """Families without ControlNets refuse one (the U-Net families take them)."""
+        raise UnfitControlNet(f"kasoku runs ControlNets on the U-Net families (SD 1.x, 2.x, XL); {self.title} "
+                              "pipelines take none here. Compile without `controlnet`.")
+
+    def tiny_controlnet(self, *, seed: int = 0):
+        raise UnfitControlNet(f"{self.title} has no tiny ControlNet: kasoku runs ControlNets on the U-Net families.")
+
     def task_pipeline(self, pipe, task: str, **overrides):
         """A diffusers pipeline of this family for `task`, sharing `pipe`'s components (a ControlNet
         pipeline where `pipe` has ControlNets)."""
@@ -211,8 +265,9 @@ class Family:
         """The pipeline attributes that engines replace: its torch modules, and what ran on their output."""
         pipe = model.pipe
         replaced: dict[str, Any] = {self.vae: vae.EngineVAE(getattr(pipe, self.vae), engines, times)}
-        for slot in self.text_encoder_slots:
-            replaced[slot.name] = clip.stand_in_for(slot.outputs)(getattr(pipe, slot.name), engines, times, slot.name)
+        for slot in self.present_text_encoders(model):
+            stand_in = t5.EngineT5Encoder if slot.kind == "t5" else clip.stand_in_for(slot.outputs)
+            replaced[slot.name] = stand_in(getattr(pipe, slot.name), engines, times, slot.name)
         replaced.update(self.denoiser_stand_ins(model, engines, times))
         return {**replaced, **self.replaced_attributes}
 
@@ -228,9 +283,14 @@ class Family:
     def check_arguments(self, kwargs: Mapping[str, Any]) -> None:
         """Family-specific checks of a call's arguments (raise InvalidInput)."""
 
-    def lora_state_dict(self, source, model: ModelView, **kwargs):
-        """diffusers' reading of a LoRA file for this family's pipelines: (state dict, network alphas[, metadata])."""
-        return self.pipeline_class("txt2img").lora_state_dict(source, **kwargs)
+    def lora_state_dict(self, source, model: ModelView, **kwargs) -> tuple[dict, dict | None, dict | None]:
+        """diffusers' reading of a LoRA file for this family's pipelines: (state dict, network alphas, metadata).
+        The families' loader mixins answer in different shapes; this is the one kasoku reads."""
+        read = self.pipeline_class("txt2img").lora_state_dict
+        if "return_alphas" in inspect.signature(read).parameters:  # Flux's
+            return read(source, return_alphas=True, return_lora_metadata=True, **kwargs)
+        state_dict, metadata = read(source, return_lora_metadata=True, **kwargs)  # SD3's: no alphas
+        return state_dict, None, metadata
 
     # ---- the built-in tiny model -----------------------------------------------------------
 
@@ -379,9 +439,9 @@ class UNetFamily(Family):
 
     # ---- LoRA and the tiny model -------------------------------------------------------------------
 
-    def lora_state_dict(self, source, model: ModelView, **kwargs):
+    def lora_state_dict(self, source, model: ModelView, **kwargs) -> tuple[dict, dict | None, dict | None]:
         return self.pipeline_class("txt2img").lora_state_dict(source, unet_config=model.ref(self.denoiser).config,
-                                                              **kwargs)
+                                                              return_lora_metadata=True, **kwargs)
 
     def tiny_unet(self, in_channels: int):
         """This family's tiny U-Net (subclasses)."""
@@ -392,3 +452,28 @@ class UNetFamily(Family):
         from ..architectures.tiny import seeded, tiny_controlnet
 
         return seeded(seed, 5, lambda: tiny_controlnet(self.tiny_unet(4)))
+
+
+class TransformerFamily(Family):
+    """A family whose denoiser is a diffusion transformer (`transformer`: SD3, Flux), with a T5 encoder for
+    long prompts. Subclasses give the transformer's spec and stand-in."""
+
+    denoiser = "transformer"
+    patch = 2  # latent cells per token side
+
+    def native_size(self, model: ModelView) -> int:
+        config = model.ref(self.denoiser).config
+        return int(config.get("sample_size") or self.default_sample_size) * super().pixel_multiple(model)
+
+    default_sample_size: ClassVar[int] = 128  # diffusers' default when the transformer's config has none
+
+    def pixel_multiple(self, model: ModelView) -> int:
+        """The VAE's 8x times the transformer's patch."""
+        return super().pixel_multiple(model) * self.patch
+
+
+@functools.cache
+def _call_defaults(pipeline_class: type) -> dict[str, Any]:
+    """The defaults of a diffusers pipeline class's `__call__`."""
+    parameters = inspect.signature(pipeline_class.__call__).parameters
+    return {name: parameter.default for name, parameter in parameters.items()}

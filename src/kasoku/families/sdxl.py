@@ -54,7 +54,6 @@ class StableDiffusionXL(UNetFamily):
                           TextEncoderSlot("text_encoder_2", "tokenizer_2", clip.PROJECTED_PENULTIMATE))
     call_arguments = ("prompt_2", "negative_prompt_2", "pooled_prompt_embeds", "negative_pooled_prompt_embeds",
                       *SIZE_IDS, "aesthetic_score", "negative_aesthetic_score")
-    default_guidance = 5.0
 
     def check_layout(self, components: Mapping[str, Any], where: str) -> None:
         missing = [name for name in self.text_encoders if components.get(name) is None]
@@ -63,6 +62,7 @@ class StableDiffusionXL(UNetFamily):
                 f"{where} is an SDXL pipeline without {', '.join(missing)} (an SDXL refiner?); kasoku supports "
                 "SDXL base pipelines with both text encoders."
             )
+        super().check_layout(components, where)
 
     def unet_added_inputs(self, model: ModelView, axes: Axes) -> tuple[TensorSpec, ...]:
         pooled = model.ref("text_encoder_2").config.projection_dim

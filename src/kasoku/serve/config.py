@@ -9,7 +9,7 @@ import re
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
-from ..batch.jobs import DEFAULT_BATCH_SIZE
+from ..batch.jobs import DEFAULT_BATCH_SIZE, DEFAULT_GUIDANCE, DEFAULT_STEPS
 from ..components import ImageShape, ShapeProfile
 from ..errors import KasokuError
 from ..options import CompileOptions
@@ -71,6 +71,8 @@ class ServeConfig:
     timeout: float = DEFAULT_TIMEOUT
     api_key: str | None = field(default=None, repr=False)
     max_steps: int = 1000  # the scheduler's training steps
+    default_steps: int = DEFAULT_STEPS  # a request without `steps` or `guidance` gets the model family's
+    default_guidance: float = DEFAULT_GUIDANCE
 
     def replace(self, **changes) -> ServeConfig:
         return replace(self, **changes)
@@ -159,7 +161,8 @@ def prepare_serving(model, options: CompileOptions | None = None, *, sizes: tupl
     config = ServeConfig(model=model, model_name=model_name or Path(model).name,
                          options=options.replace(profile=profile), sizes=sizes, max_batch=max_batch,
                          batch_window_ms=batch_window_ms, max_queue=max_queue, timeout=timeout, api_key=api_key,
-                         max_steps=most_steps(reference.scheduler))
+                         max_steps=most_steps(reference.scheduler), default_steps=reference.family.default_steps,
+                         default_guidance=reference.family.default_guidance)
     return config, reference
 
 

@@ -14,7 +14,7 @@ import secrets
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..batch.jobs import DEFAULT_GUIDANCE, DEFAULT_STEPS, MAX_SEED, call_key
+from ..batch.jobs import MAX_SEED, call_key
 from .config import ServeConfig, Size
 from .errors import InvalidRequest
 
@@ -192,8 +192,9 @@ def _common(body: dict, config: ServeConfig, form: bool) -> dict[str, Any]:
         prompt=_text("prompt", body.get("prompt"), required=True),
         negative_prompt=_text("negative_prompt", body.get("negative_prompt")),
         n=n, size=_size(body.get("size"), config), seed=seed,
-        steps=_integer("steps", body.get("steps", DEFAULT_STEPS), 1, config.max_steps, form),
-        guidance=_number("guidance", body.get("guidance", DEFAULT_GUIDANCE), "a finite number", lambda v: True, form),
+        steps=_integer("steps", body.get("steps", config.default_steps), 1, config.max_steps, form),
+        guidance=_number("guidance", body.get("guidance", config.default_guidance), "a finite number", lambda v: True,
+                         form),
     )
 
 

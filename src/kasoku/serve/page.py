@@ -8,7 +8,6 @@ import html
 import json
 from string import Template
 
-from ..batch.jobs import DEFAULT_STEPS
 from .config import ServeConfig
 
 PAGE = Template("""<!doctype html>
@@ -109,7 +108,7 @@ def render_page(config: ServeConfig, backends: str = "") -> str:
     return PAGE.substitute(
         model=html.escape(config.model_name), backends=html.escape(backends or "engines loading"),
         config=json.dumps(facts).replace("<", "\\u003c"), size_options=sizes, max_steps=config.max_steps,
-        steps=DEFAULT_STEPS, key_hidden="" if config.api_key is not None else "hidden",
+        steps=config.default_steps, key_hidden="" if config.api_key is not None else "hidden",
     )
 
 

@@ -1,0 +1,402 @@
+"""SD3.5-medium at full size with random weights: one transformer step (512x512 and 1024x1024, with guidance)
+and the VAE decoder, torch eager fp32 against kasoku's engines in fp32, bf16 and int8; and Flux.1's two block
+kinds at full width.
+
+    python benchmarks/full_sd35.py [--stages sd35,flux] [--components transformer@512,transformer@1024,vae_decoder@1024]
+                                   [--contenders onnxruntime:fp32,openvino:fp32,openvino:bf16,openvino:int8]
+                                   [--repeats 3] [--threads 2] [--smoke]
+
+SD3.5-medium's transformer (SD3Transformer2DModel: 24 MMDiT layers 1536 wide, dual attention in the first 13,
+QK RMS norm) is 2.5B parameters, 9.9 GB in fp32: torch's copy and a runtime's do not share 24 GiB comfortably,
+so each contender runs in its own process (as benchmarks/full_sdxl.py does): `torch` builds the component with
+seeded random weights, times torch eager (FLOPs counted on the warm-up call), saves its inputs and outputs and
+exports the ONNX file; then each `engine` stage compiles that file with every torch module on the meta device,
+times the engine after a warm-up and compares it with torch's saved outputs (max|Δ| and relative error). The
+engines are exact-shape (static, as `kasoku generate` builds them). T5-XXL (4.7B parameters, 19 GB in fp32)
+does not fit beside its own export here: kasoku refuses it before reading a weight (see the README), and this
+benchmark leaves it out. The text embeddings are the transformer's inputs: 77 CLIP + 256 T5 tokens.
+
+Flux.1 at full size is 12B parameters (48 GB in fp32) and cannot be built on this machine at all: the `flux`
+stage measures one full-width double-stream block (FluxTransformerBlock) and one single-stream block
+(FluxSingleTransformerBlock) at 1024x1024 (4096 image tokens, 512 text tokens) instead, per backend.
+
+Peer: `openvino-defaults`, OpenVINO through its own API on the same ONNX file with its defaults (bf16 on a CPU
+with AMX), static shapes: the runtime optimum-intel's OpenVINO pipeline drives for the transformer.
+optimum-intel's OVStableDiffusion3Pipeline itself is not run: its exporter converts a whole saved pipeline, T5-XXL
+included, which this 24 GiB machine cannot hold beside its conversion (not attempted).
+
+The matmul rate for the FLOP floor is measured once at the start. Each stage reports its peak resident memory.
+--smoke runs the same stages on kasoku's tiny SD3 pipeline at 64x64 and a narrow Flux block (a check of this
+script; results under /tmp/kasoku-full_sd35-smoke). Writes benchmarks/results/<date>-<host>-full_sd35.md/.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import shutil
+import socket
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+HERE = Path(__file__).resolve().parent
+WORK = HERE / ".models" / "sd35-work"
+RESULTS = HERE / "results"
+SMOKE_DIR = Path("/tmp/kasoku-full_sd35-smoke")
+SMOKE = False
+TEXT_TOKENS = 256
+DEFAULT_COMPONENTS = "transformer@512,transformer@1024,vae_decoder@1024"
+DEFAULT_CONTENDERS = "onnxruntime:fp32,openvino:fp32,openvino:bf16,openvino:int8,openvino-defaults:default"
+FLUX_BLOCKS = ("flux_double_block", "flux_single_block")
+
+# stabilityai/stable-diffusion-3.5-medium's configurations.
+TRANSFORMER = dict(sample_size=128, patch_size=2, in_channels=16, num_layers=24, attention_head_dim=64,
+                   num_attention_heads=24, joint_attention_dim=4096, caption_projection_dim=1536,
+                   pooled_projection_dim=2048, out_channels=16, pos_embed_max_size=384,
+                   dual_attention_layers=tuple(range(13)), qk_norm="rms_norm")
+VAE = dict(in_channels=3, out_channels=3, latent_channels=16, layers_per_block=2, sample_size=1024,
+           block_out_channels=(128, 256, 512, 512), down_block_types=("DownEncoderBlock2D",) * 4,
+           up_block_types=("UpDecoderBlock2D",) * 4, scaling_factor=1.5305, shift_factor=0.0609,
+           use_quant_conv=False, use_post_quant_conv=False)
+CLIP_L = dict(vocab_size=49408, hidden_size=768, intermediate_size=3072, num_hidden_layers=12, num_attention_heads=12,
+              max_position_embeddings=77, projection_dim=768, hidden_act="quick_gelu")
+CLIP_G = dict(vocab_size=49408, hidden_size=1280, intermediate_size=5120, num_hidden_layers=32,
+              num_attention_heads=20, max_position_embeddings=77, projection_dim=1280, hidden_act="gelu")
+T5_XXL = dict(vocab_size=32128, d_model=4096, d_kv=64, d_ff=10240, num_layers=24, num_heads=64,
+              feed_forward_proj="gated-gelu", is_encoder_decoder=False, use_cache=False)
+FLUX_WIDTH = dict(dim=3072, num_attention_heads=24, attention_head_dim=128)  # black-forest-labs/FLUX.1-dev
+FLUX_TOKENS = (4096, 512)  # 1024x1024 image tokens, T5 tokens
+SEEDS = {"transformer": 3, "vae": 4, "flux_double_block": 5, "flux_single_block": 6}
+
+
+def use_smoke_model() -> None:
+    global SMOKE, WORK, RESULTS, FLUX_WIDTH, FLUX_TOKENS
+    SMOKE, WORK, RESULTS = True, SMOKE_DIR / "work", SMOKE_DIR / "results"
+    FLUX_WIDTH, FLUX_TOKENS = dict(dim=64, num_attention_heads=2, attention_head_dim=32), (64, 16)
+
+
+def _module(name: str, real: bool, build):
+    """Seeded random weights when `real`, else the architecture on the meta device (no memory)."""
+    if not real:
+        with torch.device("meta"):
+            return build()
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(SEEDS[name])
+        return build().eval()
+
+
+def sd35_pipeline(real: tuple[str, ...] = ()):
+    """The SD3.5-medium pipeline at full size; only the modules named in `real` hold weights, the text encoders
+    never do (--smoke: the tiny SD3 pipeline)."""
+    from diffusers import AutoencoderKL, SD3Transformer2DModel, StableDiffusion3Pipeline
+    from transformers import CLIPTextConfig, CLIPTextModelWithProjection, T5Config, T5EncoderModel
+
+    from kasoku.architectures.tiny import flow_match_scheduler, tiny_t5_tokenizer, tiny_tokenizer
+    from kasoku.tiny import tiny_pipeline
+
+    if SMOKE:
+        return tiny_pipeline(family="sd3")
+    tokenizer, tokenizer_2, tokenizer_3 = tiny_tokenizer(), tiny_tokenizer("!"), tiny_t5_tokenizer()
+    with torch.device("meta"):
+        clip_l = CLIPTextModelWithProjection(CLIPTextConfig(**CLIP_L))
+        clip_g = CLIPTextModelWithProjection(CLIPTextConfig(**CLIP_G))
+        t5 = T5EncoderModel(T5Config(**T5_XXL))
+    return StableDiffusion3Pipeline(
+        transformer=_module("transformer", "transformer" in real, lambda: SD3Transformer2DModel(**TRANSFORMER)),
+        vae=_module("vae", "vae" in real, lambda: AutoencoderKL(**VAE)),
+        text_encoder=clip_l, tokenizer=tokenizer, text_encoder_2=clip_g, tokenizer_2=tokenizer_2,
+        text_encoder_3=t5, tokenizer_3=tokenizer_3, scheduler=flow_match_scheduler(shift=3.0))
+
+
+def parse_component(text: str) -> tuple[str, int]:
+    name, _, size = text.partition("@")
+    return name, int(size or 1024)
+
+
+def _size(size: int) -> int:
+    return 64 if SMOKE else size
+
+
+def _spec(pipe, component: str, size: int):
+    from kasoku.components import ImageShape, ShapeProfile
+    from kasoku.model import Model
+
+    profile = ShapeProfile.exact(ImageShape(1, size, size), guidance=True, multiple=16, text_tokens=TEXT_TOKENS)
+    return Model.of(pipe).specs(profile, [component])[component]
+
+
+# ---- Flux.1's blocks as components of their own -------------------------------------------------------------
+
+
+class FluxBlockModule(torch.nn.Module):
+    """One Flux.1 block on (hidden_states, encoder_hidden_states, temb, rotary cos, rotary sin)."""
+
+    def __init__(self, block):
+        super().__init__()
+        self.block = block
+
+    def forward(self, hidden_states, encoder_hidden_states, temb, cos, sin):
+        encoder, hidden = self.block(hidden_states=hidden_states, encoder_hidden_states=encoder_hidden_states,
+                                     temb=temb, image_rotary_emb=(cos, sin))
+        return hidden, encoder
+
+
+def flux_block_spec(name: str, real: bool):
+    """A full-width Flux.1 double- or single-stream block as a ComponentSpec (one image, 1024x1024; static)."""
+    from diffusers.models.transformers.transformer_flux import FluxSingleTransformerBlock, FluxTransformerBlock
+
+    from kasoku.components import ComponentSpec, ImageShape, ShapeProfile, TensorSpec
+
+    kind = FluxTransformerBlock if name == "flux_double_block" else FluxSingleTransformerBlock
+    module = FluxBlockModule(_module(name, real, lambda: kind(**FLUX_WIDTH)))
+    image, text = FLUX_TOKENS
+    dim, head = FLUX_WIDTH["dim"], FLUX_WIDTH["attention_head_dim"]
+    profile = ShapeProfile.exact(ImageShape(1, 1024, 1024), guidance=False, multiple=16)
+    return ComponentSpec(
+        name=name,
+        inputs=(TensorSpec("hidden_states", (1, image, dim)), TensorSpec("encoder_hidden_states", (1, text, dim)),
+                TensorSpec("temb", (1, dim)), TensorSpec("cos", (image + text, head)),
+                TensorSpec("sin", (image + text, head))),
+        outputs=(TensorSpec("out_hidden_states", (1, image, dim)),
+                 TensorSpec("out_encoder_hidden_states", (1, text, dim))),
+        profile=profile, load_module=lambda: module, weights=lambda: f"{name}-seed-{SEEDS[name]}",
+        config={"block": name, **FLUX_WIDTH}, graph_kind="mmdit")
+
+
+def _component_spec(component: str, size: int, real: bool):
+    if component in FLUX_BLOCKS:
+        return flux_block_spec(component, real)
+    pipe = sd35_pipeline(real=(("vae",) if component.startswith("vae") else (component,)) if real else ())
+    return _spec(pipe, component, _size(size))
+
+
+def _peak_mb() -> float:
+    from kasoku.benchmark import rss_mb
+
+    return rss_mb("VmHWM")
+
+
+def _repeat(fn, repeats: int) -> tuple[list[float], dict]:
+    samples, out = [], None
+    for _ in range(repeats):
+        start = time.perf_counter()
+        out = fn()
+        samples.append(time.perf_counter() - start)
+    return samples, out
+
+
+def _key(component: str, size: int) -> str:
+    return component if component in FLUX_BLOCKS else f"{component}@{size}"
+
+
+# ---- stages (each in its own process) ------------------------------------------------------------------------
+
+
+def stage_torch(component: str, size: int, repeats: int, work: Path) -> dict:
+    from kasoku.benchmark import count_flops
+    from kasoku.export import export_component
+
+    start = time.perf_counter()
+    spec = _component_spec(component, size, real=True)
+    build_s = time.perf_counter() - start
+    inputs = spec.sample_inputs(spec.profile.opt, seed=3)
+    start = time.perf_counter()
+    flops = count_flops(spec, inputs)  # runs the call: the torch warm-up
+    first = time.perf_counter() - start
+    samples, reference = _repeat(lambda: spec.run_torch(inputs), repeats)
+    key = _key(component, size)
+    np.savez(work / f"{key}-io.npz", **{f"in.{k}": v.numpy() for k, v in inputs.items()},
+             **{f"out.{k}": v for k, v in reference.items()})
+    peak_torch = _peak_mb()
+    exported = export_component(spec, work / "onnx" / spec.name / "model.onnx", check_shapes=[])
+    return {"stage": "torch", "component": key, "build_s": build_s, "gflop": flops / 1e9,
+            "shapes": {k: list(v.shape) for k, v in inputs.items()}, "first_call_s": first, "seconds": samples,
+            "export_s": exported.seconds, "onnx_bytes": exported.size_bytes, "peak_mb_torch": peak_torch,
+            "peak_mb": _peak_mb()}
+
+
+def _openvino_defaults(spec, onnx: Path, threads: int):
+    """OpenVINO through its own API on kasoku's exported ONNX file, its defaults (bf16 on a CPU with AMX), reshaped
+    to the static shape: a peer. (run, {} stages)"""
+    import openvino as ov
+
+    core = ov.Core()
+    model = core.read_model(str(onnx))
+    model.reshape({name: ov.PartialShape(list(low)) for name, (low, _opt, _high) in spec.profile_shapes().items()})
+    compiled = core.compile_model(model, "CPU", {"INFERENCE_NUM_THREADS": threads})
+    request = compiled.create_infer_request()
+
+    def run(inputs):
+        request.infer({k: np.asarray(v) for k, v in inputs.items()})
+        return {n: torch.from_numpy(request.get_tensor(n).data.copy()) for n in spec.output_names}
+
+    return run, {"inference_precision": str(compiled.get_property("INFERENCE_PRECISION_HINT"))}
+
+
+def stage_engine(component: str, size: int, backend: str, precision: str, repeats: int, threads: int,
+                 work: Path) -> dict:
+    from kasoku.compiling import compile_components
+    from kasoku.parity import compare_output
+
+    spec = _component_spec(component, size, real=False)  # every module on the meta device
+    key = _key(component, size)
+    io = np.load(work / f"{key}-io.npz")
+    inputs = {k[3:]: io[k] for k in io.files if k.startswith("in.")}
+    reference = {k[4:]: io[k] for k in io.files if k.startswith("out.")}
+    start = time.perf_counter()
+    if backend == "openvino-defaults":  # the peer
+        run, stages = _openvino_defaults(spec, work / "onnx" / spec.name / "model.onnx", threads)
+    else:
+        engines, report = compile_components(
+            sd35_pipeline(), backend=backend, precision=precision, specs={spec.name: spec}, cache=work / "cache",
+            onnx_dir=work / "onnx", check_parity=False, threads=threads, label="sd35-random")
+        run, stages = engines[spec.name].run, {s.stage: s.seconds for s in report.stages}
+    compile_s = time.perf_counter() - start
+    start = time.perf_counter()
+    run(inputs)
+    first = time.perf_counter() - start
+    samples, out = _repeat(lambda: run(inputs), repeats)
+    parity = [compare_output(spec.name, name, key, reference[name], out[name].float().numpy()) for name in reference]
+    worst = max(parity, key=lambda p: p.rel_error)
+    return {"stage": "engine", "component": key, "backend": backend, "precision": precision, "compile_s": compile_s,
+            "stages": stages, "first_call_s": first, "seconds": samples,
+            "max_abs_vs_torch": max(p.max_abs for p in parity), "rel_error_vs_torch": worst.rel_error,
+            "peak_mb": _peak_mb()}
+
+
+# ---- the run -------------------------------------------------------------------------------------------------
+
+
+def _run_stage(args_list: list[str], name: str, work: Path, log) -> dict:
+    """One stage in a fresh process, so that no two copies of the weights share the memory."""
+    out = work / f"stage-{name}.json"
+    log(f"stage {name}")
+    result = subprocess.run([sys.executable, __file__, "--stage-json", str(out), *args_list])
+    if result.returncode != 0:  # e.g. killed for memory: reported, and the run goes on
+        return {"failed": True, "returncode": result.returncode}
+    return json.loads(out.read_text())
+
+
+def markdown(report: dict) -> str:
+    lines = ["# kasoku full_sd35: SD3.5-medium architecture and Flux.1 blocks, random weights",
+             "", f"{report['date']} · {report['cpu']} ({', '.join(report['flags']) or 'no AVX-512/AMX'}) · "
+                 f"{report['threads']} threads · torch {report['torch']} · fp32 matmul {report['matmul_gflops']:.0f} "
+                 f"GFLOP/s · median of {report['repeats']} after a warm-up · each contender in its own process", "",
+             "| component | contender | median s | min–max s | speed-up vs torch fp32 | FLOP floor s | time ÷ floor | "
+             "max abs / rel. error vs torch | cold compile s | peak RSS MB |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+    for key, entry in report["components"].items():
+        torch_run = entry["torch"]
+        if torch_run.get("failed"):
+            lines.append(f"| {key} | torch | failed (exit {torch_run['returncode']}) | | | | | | | |")
+            continue
+        floor = torch_run["gflop"] / report["matmul_gflops"]
+        base = statistics.median(torch_run["seconds"])
+        for name, run in [("torch eager fp32", torch_run), *entry["engines"].items()]:
+            if run.get("failed"):
+                lines.append(f"| {key} | kasoku {name} | failed (exit {run['returncode']}) | | | | | | | |")
+                continue
+            median = statistics.median(run["seconds"])
+            check = "—" if name.startswith("torch") else \
+                f"{run['max_abs_vs_torch']:.1e} / {run['rel_error_vs_torch']:.1e}"
+            compile_s = f"{run['compile_s']:.0f}" if "compile_s" in run else f"export {run['export_s']:.0f}"
+            label = name if name.startswith("torch") or name.startswith("openvino-defaults") else f"kasoku {name}"
+            lines.append(f"| {key} | {label} | {median:.2f} | {min(run['seconds']):.2f}–{max(run['seconds']):.2f} | "
+                         f"{base / median:.2f}× | {floor:.2f} | {median / floor:.2f} | {check} | {compile_s} | "
+                         f"{run['peak_mb']:.0f} |")
+        lines.append(f"| {key} | shapes | {torch_run['shapes']} | {torch_run['gflop']:.0f} GFLOP | | | | | | |")
+    lines += ["", f"Peak resident memory of the run (largest stage): {report['peak_mb'] / 1024:.1f} GiB."]
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--stages", default="sd35,flux", help="sd35 (the transformer and VAE), flux (two blocks)")
+    parser.add_argument("--components", default=DEFAULT_COMPONENTS, help="NAME@SIZE, comma-separated")
+    parser.add_argument("--contenders", default=DEFAULT_CONTENDERS, help="BACKEND:PRECISION, comma-separated")
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--threads", type=int, default=torch.get_num_threads())
+    parser.add_argument("--work", type=Path, default=WORK, help="scratch folder (~25 GB free disk)")
+    parser.add_argument("--smoke", action="store_true", help=f"the tiny SD3 pipeline (results under {SMOKE_DIR})")
+    parser.add_argument("--stage", choices=("torch", "engine"), help=argparse.SUPPRESS)
+    parser.add_argument("--component", help=argparse.SUPPRESS)
+    parser.add_argument("--contender", help=argparse.SUPPRESS)
+    parser.add_argument("--stage-json", type=Path, help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.smoke:
+        default_work = args.work == WORK
+        use_smoke_model()
+        args.work = WORK if default_work else args.work
+
+    from kasoku.console import console, quiet_third_party_logs
+
+    quiet_third_party_logs()
+    torch.set_num_threads(args.threads)
+    if args.stage:
+        args.work.mkdir(parents=True, exist_ok=True)
+        component, size = parse_component(args.component)
+        if args.stage == "torch":
+            result = stage_torch(component, size, args.repeats, args.work)
+        else:
+            backend, precision = args.contender.split(":")
+            result = stage_engine(component, size, backend, precision, args.repeats, args.threads, args.work)
+        args.stage_json.write_text(json.dumps(result, indent=2))
+        return 0
+
+    from kasoku.backends.base import cpu_flags, cpu_name
+    from kasoku.benchmark import matmul_gflops
+
+    def log(message: str) -> None:
+        console.log(message, markup=False)
+
+    shutil.rmtree(args.work, ignore_errors=True)
+    args.work.mkdir(parents=True, exist_ok=True)
+    log(f"CPU: {cpu_name()} ({', '.join(cpu_flags()) or 'no AVX-512/AMX'}); measuring the fp32 matmul rate")
+    report = {"date": datetime.date.today().isoformat(), "host": socket.gethostname(), "cpu": cpu_name(),
+              "flags": cpu_flags(), "threads": args.threads, "torch": torch.__version__, "repeats": args.repeats,
+              "matmul_gflops": matmul_gflops(), "components": {}, "smoke": args.smoke}
+    common = ["--repeats", str(args.repeats), "--threads", str(args.threads), "--work", str(args.work),
+              *(["--smoke"] if args.smoke else [])]
+    stages = args.stages.split(",")
+    components = [c for c in args.components.split(",") if "sd35" in stages and c]
+    components += list(FLUX_BLOCKS) if "flux" in stages else []
+    for text in components:
+        component, size = parse_component(text)
+        key = _key(component, size)
+        entry = report["components"][key] = {"engines": {}}
+        entry["torch"] = _run_stage(["--stage", "torch", "--component", text, *common], f"torch-{key}", args.work,
+                                    log)
+        if not entry["torch"].get("failed"):
+            for contender in args.contenders.split(","):
+                entry["engines"][contender] = _run_stage(
+                    ["--stage", "engine", "--component", text, "--contender", contender, *common],
+                    f"engine-{key}-{contender.replace(':', '-')}", args.work, log)
+        shutil.rmtree(args.work / "onnx", ignore_errors=True)  # free the disk before the next component
+        shutil.rmtree(args.work / "cache", ignore_errors=True)
+        write_report(report)  # what is done so far, in case a later stage is stopped
+    write_report(report)
+    return 0
+
+
+def write_report(report: dict) -> None:
+    from kasoku.console import console
+
+    runs = [r for e in report["components"].values() for r in [e["torch"], *e["engines"].values()]]
+    report["peak_mb"] = max((r["peak_mb"] for r in runs if "peak_mb" in r), default=0.0)
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    stem = RESULTS / f"{report['date']}-{socket.gethostname()}-full_sd35"
+    stem.with_suffix(".md").write_text(markdown(report) + "\n")
+    stem.with_suffix(".json").write_text(json.dumps(report, indent=2))
+    console.print(markdown(report), markup=False)
+    console.print(f"wrote {stem}.md and .json")
+
+
+if __name__ == "__main__":
+    sys.exit(main())

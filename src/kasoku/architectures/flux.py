@@ -1,0 +1,112 @@
+"""diffusers' FluxTransformer2DModel: the denoiser of Flux.1 (schnell and dev).
+
+One graph, ``transformer``: (hidden_states, timestep, encoder_hidden_states, pooled_projections, img_ids,
+txt_ids[, guidance]) -> out_sample. Flux packs the latents in 2x2 patches before the transformer sees
+them: ``hidden_states`` is (images, height/16 x width/16 tokens, 64), its token count one axis of the
+product of the image's height and width, as are the image position ids (tokens, 3). The text ids are
+(text tokens, 3). dev embeds its guidance scale (``guidance``, one per image; ``guidance_embeds`` in its
+config), schnell has none. Classifier-free guidance, where asked (``true_cfg_scale``), runs the transformer
+twice, so every input has one row per image.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..components import Axis, ComponentSpec, ShapeProfile, TensorSpec, default_sample_input
+from ..standins import EngineModule, InvalidInput, timesteps_for
+from .base import Axes, ModuleRef
+
+PATCH = 2  # Flux packs 2x2 latent cells into one token
+
+
+def image_tokens(axes: Axes) -> Axis:
+    """The packed latents' token count: (height / (8 x 2)) x (width / (8 x 2))."""
+    return Axis("image_tokens", ("height", "width"), axes.vae_scale * axes.vae_scale / PATCH**2)
+
+
+class FluxTransformerModule(torch.nn.Module):
+    """The transformer on (hidden_states, timestep, encoder_hidden_states, pooled_projections, img_ids, txt_ids
+    [, guidance])."""
+
+    def __init__(self, transformer: torch.nn.Module):
+        super().__init__()
+        self.transformer = transformer
+
+    def forward(self, hidden_states, timestep, encoder_hidden_states, pooled_projections, img_ids, txt_ids,
+                *guidance):
+        return (self.transformer(hidden_states=hidden_states, timestep=timestep, guidance=guidance[0] if guidance
+                                 else None, encoder_hidden_states=encoder_hidden_states,
+                                 pooled_projections=pooled_projections, img_ids=img_ids, txt_ids=txt_ids,
+                                 return_dict=False)[0],)
+
+
+def transformer_spec(ref: ModuleRef, profile: ShapeProfile, axes: Axes, *, text_length: int,
+                     name: str = "transformer") -> ComponentSpec:
+    """The transformer at `ref` on `text_length` T5 tokens."""
+    config = ref.config
+    tokens = image_tokens(axes)
+    guidance = (TensorSpec("guidance", (axes.images,), always_fp32=True),) if config.guidance_embeds else ()
+    return ComponentSpec(
+        name=name,
+        inputs=(
+            TensorSpec("hidden_states", (axes.images, tokens, config.in_channels)),
+            TensorSpec("timestep", (axes.images,), always_fp32=True),
+            TensorSpec("encoder_hidden_states", (axes.images, text_length, config.joint_attention_dim)),
+            TensorSpec("pooled_projections", (axes.images, config.pooled_projection_dim)),
+            TensorSpec("img_ids", (tokens, 3), always_fp32=True),
+            TensorSpec("txt_ids", (text_length, 3), always_fp32=True),
+            *guidance,
+        ),
+        outputs=(TensorSpec("out_sample", (axes.images, tokens, config.out_channels or config.in_channels)),),
+        profile=profile,
+        load_module=lambda: FluxTransformerModule(ref.load()),
+        weights=ref.digest,
+        sample_input=sample_input,
+        config=dict(config),
+        graph_kind="mmdit",
+        modules=(ref.path,),
+        int8="weights",
+        takes_lora=True,
+    )
+
+
+def sample_input(tensor: TensorSpec, shape: tuple[int, ...], generator: torch.Generator) -> torch.Tensor:
+    """Flux's timesteps are fractions of the schedule (diffusers divides by 1000), its guidance a scale around
+    3.5 and its position ids small integers."""
+    if tensor.name == "timestep":
+        return torch.rand(shape, generator=generator)
+    if tensor.name == "guidance":
+        return 1.0 + torch.rand(shape, generator=generator) * 4.0
+    if tensor.name in ("img_ids", "txt_ids"):
+        return torch.randint(0, 16, shape, generator=generator).to(torch.float32)
+    return default_sample_input(tensor, shape, generator)
+
+
+class EngineFluxTransformer(EngineModule):
+    """The transformer as diffusers' Flux pipelines call it."""
+
+    def forward(self, hidden_states, encoder_hidden_states=None, pooled_projections=None, timestep=None,
+                img_ids=None, txt_ids=None, guidance=None, joint_attention_kwargs=None, controlnet_block_samples=None,
+                controlnet_single_block_samples=None, return_dict=True, controlnet_blocks_repeat=False):
+        if controlnet_block_samples is not None or controlnet_single_block_samples is not None or \
+                joint_attention_kwargs:
+            raise InvalidInput("the compiled Flux transformer takes the latents, timestep, text embeddings, pooled "
+                               "projections, ids and guidance only (no ControlNet, IP-Adapter or LoRA scale).")
+        names = self.engine.spec.input_names
+        if ("guidance" in names) != (guidance is not None):
+            raise InvalidInput("this Flux transformer " + ("embeds a guidance scale (Flux.1 dev): diffusers must pass "
+                                                           "`guidance`" if "guidance" in names else
+                                                           "has no guidance embedding (Flux.1 schnell)") + ".")
+        batch = hidden_states.shape[0]
+        feeds = dict(hidden_states=hidden_states, timestep=timesteps_for(timestep, batch),
+                     encoder_hidden_states=encoder_hidden_states, pooled_projections=pooled_projections,
+                     img_ids=img_ids.to(torch.float32), txt_ids=txt_ids.to(torch.float32))
+        if guidance is not None:
+            feeds["guidance"] = timesteps_for(guidance, batch)
+        out = self._run(self._component, **feeds)["out_sample"]
+        if not return_dict:
+            return (out,)
+        from diffusers.models.modeling_outputs import Transformer2DModelOutput
+
+        return Transformer2DModelOutput(sample=out)

@@ -1,0 +1,90 @@
+"""Flux.1 (schnell and dev): diffusers' Flux* pipelines on a rectified-flow transformer.
+
+Two text encoders: CLIP-L, read for its pooled embedding only, and T5 for the prompt itself (the profile's
+text tokens). The transformer (FluxTransformer2DModel) takes the latents packed in 2x2 patches, the image
+and text position ids, and in dev the guidance scale as an embedding (schnell has none). That guidance is
+no classifier-free guidance: the transformer sees one row per image; `true_cfg_scale` with a negative prompt
+runs it twice. The VAE has 16 latent channels and a shift factor.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from typing import Any
+
+from ..architectures import clip, flux
+from ..architectures.base import Axes
+from ..architectures.tiny import (
+    TINY_JOINT_WIDTH,
+    TINY_SIZES,
+    flow_match_scheduler,
+    seeded,
+    tiny_flow_vae,
+    tiny_t5_encoder,
+    tiny_t5_tokenizer,
+    tiny_text_encoder,
+    tiny_tokenizer,
+)
+from ..components import ComponentSpec, ShapeProfile
+from ..standins import EngineTimes
+from .base import ModelView, TextEncoderSlot, TransformerFamily
+
+
+class Flux(TransformerFamily):
+    name = "flux"
+    title = "Flux.1"
+    pipelines = {
+        "txt2img": "FluxPipeline",
+        "img2img": "FluxImg2ImgPipeline",
+        "inpaint": "FluxInpaintPipeline",
+    }
+    text_encoder_slots = (TextEncoderSlot("text_encoder", "tokenizer", clip.POOLED),
+                          TextEncoderSlot("text_encoder_2", "tokenizer_2", kind="t5"))
+    call_arguments = ("prompt_2", "negative_prompt_2", "true_cfg_scale", "pooled_prompt_embeds",
+                      "negative_pooled_prompt_embeds", "max_sequence_length", "sigmas")
+    default_steps = 28
+    default_guidance = 3.5
+    default_text_tokens = 512
+
+    def doubles_batch(self, kwargs: Mapping[str, Any]) -> bool:
+        return False  # embedded guidance; true CFG runs the transformer twice on the same batch
+
+    def denoiser_builders(self, model: ModelView, profile: ShapeProfile, axes: Axes,
+                          cache_branch: int) -> dict[str, Callable[[], ComponentSpec]]:
+        length = self.text_tokens(profile)
+        return {self.denoiser: lambda: flux.transformer_spec(model.ref(self.denoiser), profile, axes,
+                                                             text_length=length)}
+
+    def denoiser_stand_ins(self, model: ModelView, engines: Mapping[str, Any], times: EngineTimes) -> dict[str, Any]:
+        return {self.denoiser: flux.EngineFluxTransformer(getattr(model.pipe, self.denoiser), engines, times,
+                                                          self.denoiser)}
+
+    # ---- the built-in tiny model -----------------------------------------------------------
+
+    def tiny_transformer(self, guidance: bool = True):
+        from diffusers import FluxTransformer2DModel
+
+        sizes = TINY_SIZES
+        return FluxTransformer2DModel(
+            patch_size=1, in_channels=64, num_layers=1, num_single_layers=1,
+            attention_head_dim=sizes.transformer_head_dim, num_attention_heads=sizes.transformer_heads,
+            joint_attention_dim=TINY_JOINT_WIDTH, pooled_projection_dim=sizes.text_hidden,
+            guidance_embeds=guidance, axes_dims_rope=(2, 2, 4),
+        )
+
+    def tiny_pipeline(self, *, inpainting: bool = False, prediction: str = "epsilon", seed: int = 0,
+                      guidance: bool = True):
+        """A tiny Flux.1 pipeline: dev's layout (embedded guidance), or schnell's with `guidance` False."""
+        tokenizer, tokenizer_2 = tiny_tokenizer(), tiny_t5_tokenizer()
+        components = dict(
+            # the tiny SD3's VAE and T5 (the same configs and weights: their graphs and engines are shared)
+            vae=seeded(seed, 1, tiny_flow_vae),
+            text_encoder=seeded(seed, 2, lambda: tiny_text_encoder(tokenizer)),
+            tokenizer=tokenizer,
+            text_encoder_2=seeded(seed, 6, lambda: tiny_t5_encoder(tokenizer_2, TINY_JOINT_WIDTH)),
+            tokenizer_2=tokenizer_2,
+            transformer=seeded(seed, 3, lambda: self.tiny_transformer(guidance)),
+            scheduler=flow_match_scheduler(shift=3.0, use_dynamic_shifting=True, base_image_seq_len=256,
+                                           max_image_seq_len=4096, base_shift=0.5, max_shift=1.15),
+        )
+        return self.pipeline_class("inpaint" if inpainting else "txt2img")(**components)

@@ -1,0 +1,91 @@
+"""Stable Diffusion 3 and 3.5: diffusers' StableDiffusion3* pipelines on an MMDiT transformer.
+
+Three text encoders: CLIP-L and CLIP-G (both read for their penultimate hidden states and projected pooled
+embeddings) and T5 for long prompts, which a pipeline may leave out (`text_encoder_3=None`: diffusers then
+feeds the transformer zeros in its place). The transformer (SD3Transformer2DModel; SD3.5's dual-attention
+layers and QK norm included) reads the CLIP states beside T5's, 77 + the profile's text tokens long. The
+VAE has 16 latent channels and a shift factor (the pipelines apply it around the decoder and encoder).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from typing import Any
+
+from ..architectures import clip, sd3
+from ..architectures.base import Axes
+from ..architectures.tiny import (
+    TINY_IMAGE_SIZE,
+    TINY_JOINT_WIDTH,
+    TINY_SIZES,
+    flow_match_scheduler,
+    seeded,
+    tiny_flow_vae,
+    tiny_t5_encoder,
+    tiny_t5_tokenizer,
+    tiny_text_encoder,
+    tiny_tokenizer,
+)
+from ..components import ComponentSpec, ShapeProfile
+from ..standins import EngineTimes
+from .base import ModelView, TextEncoderSlot, TransformerFamily
+
+
+class StableDiffusion3(TransformerFamily):
+    name = "sd3"
+    title = "Stable Diffusion 3"
+    pipelines = {
+        "txt2img": "StableDiffusion3Pipeline",
+        "img2img": "StableDiffusion3Img2ImgPipeline",
+        "inpaint": "StableDiffusion3InpaintPipeline",
+    }
+    text_encoder_slots = (TextEncoderSlot("text_encoder", "tokenizer", clip.PROJECTED_PENULTIMATE),
+                          TextEncoderSlot("text_encoder_2", "tokenizer_2", clip.PROJECTED_PENULTIMATE),
+                          TextEncoderSlot("text_encoder_3", "tokenizer_3", kind="t5", optional=True))
+    call_arguments = ("prompt_2", "prompt_3", "negative_prompt_2", "negative_prompt_3", "pooled_prompt_embeds",
+                      "negative_pooled_prompt_embeds", "max_sequence_length", "skip_guidance_layers",
+                      "skip_layer_guidance_scale", "skip_layer_guidance_start", "skip_layer_guidance_stop", "mu")
+    default_steps = 28
+    default_guidance = 7.0
+    default_text_tokens = 256
+
+    def denoiser_builders(self, model: ModelView, profile: ShapeProfile, axes: Axes,
+                          cache_branch: int) -> dict[str, Callable[[], ComponentSpec]]:
+        # the CLIP states (77 tokens) and T5's side by side
+        length = self.text_length(model) + self.text_tokens(profile)
+        return {self.denoiser: lambda: sd3.transformer_spec(model.ref(self.denoiser), profile, axes,
+                                                            text_length=length)}
+
+    def denoiser_stand_ins(self, model: ModelView, engines: Mapping[str, Any], times: EngineTimes) -> dict[str, Any]:
+        return {self.denoiser: sd3.EngineSD3Transformer(getattr(model.pipe, self.denoiser), engines, times,
+                                                        self.denoiser)}
+
+    # ---- the built-in tiny model -----------------------------------------------------------
+
+    def tiny_transformer(self):
+        from diffusers import SD3Transformer2DModel
+
+        sizes = TINY_SIZES
+        return SD3Transformer2DModel(
+            sample_size=TINY_IMAGE_SIZE // 8, patch_size=self.patch, in_channels=16, out_channels=16, num_layers=2,
+            attention_head_dim=sizes.transformer_head_dim, num_attention_heads=sizes.transformer_heads,
+            joint_attention_dim=TINY_JOINT_WIDTH, caption_projection_dim=16,
+            pooled_projection_dim=sizes.text_hidden + sizes.text_projection_2, pos_embed_max_size=32,
+            dual_attention_layers=(0,), qk_norm="rms_norm",  # SD3.5's
+        )
+
+    def tiny_pipeline(self, *, inpainting: bool = False, prediction: str = "epsilon", seed: int = 0):
+        tokenizer, tokenizer_2, tokenizer_3 = tiny_tokenizer(), tiny_tokenizer("!"), tiny_t5_tokenizer()
+        components = dict(
+            vae=seeded(seed, 1, tiny_flow_vae),
+            text_encoder=seeded(seed, 2, lambda: tiny_text_encoder(tokenizer, projected=True)),
+            tokenizer=tokenizer,
+            text_encoder_2=seeded(seed, 4, lambda: tiny_text_encoder(tokenizer_2, openclip=True, second=True)),
+            tokenizer_2=tokenizer_2,
+            # T5 as wide as the CLIP states beside it (the transformer's joint attention width)
+            text_encoder_3=seeded(seed, 6, lambda: tiny_t5_encoder(tokenizer_3, TINY_JOINT_WIDTH)),
+            tokenizer_3=tokenizer_3,
+            transformer=seeded(seed, 3, self.tiny_transformer),
+            scheduler=flow_match_scheduler(shift=3.0),
+        )
+        return self.pipeline_class("inpaint" if inpainting else "txt2img")(**components)
