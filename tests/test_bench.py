@@ -41,9 +41,16 @@ def test_bench_reports_every_field(tiny_dir, tmp_path, capsys):
         assert r["max_abs_vs_diffusers"] < 1e-3, name
     assert chart.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     text = capsys.readouterr().out
-    assert "End to end" in text and "Peak resident memory" in text
+    assert "End to end" in text and "Peak resident memory" in text and "Columns: median s is the middle" in text
 
 
 def test_bench_refuses_fewer_than_three_repeats(tiny_dir, capsys):
     assert main(["bench", str(tiny_dir), "--repeats", "2"]) == 1
     assert "--repeats must be at least 3" in capsys.readouterr().out
+
+
+def test_a_wide_spread_is_said_to_be_unsteady():
+    from kasoku.benchmark import spread_warnings
+
+    (line,) = spread_warnings({"unet on openvino": (1.0, 2.4), "vae on openvino": (1.0, 1.2)})
+    assert line.startswith("unet on openvino's calls took 1–2.4 s (2.4x apart): the machine was busy")

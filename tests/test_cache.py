@@ -159,3 +159,70 @@ def test_cache_cli(tmp_path):
     out = subprocess.run([sys.executable, "-m", "kasoku.cli", "cache", "clear"], env=env, capture_output=True,
                          text=True, check=True).stdout
     assert "removed 1 entry" in out and cache.list() == []
+
+
+def _tree(path):
+    return sorted((str(p.relative_to(path)), p.stat().st_size, p.stat().st_mode) for p in path.rglob("*"))
+
+
+def test_listing_a_missing_cache_creates_nothing(tmp_path):
+    cache = Cache(tmp_path / "absent")
+    assert cache.list() == [] and cache.lookup({"kind": "a"}) is None and cache.clear() == 0
+    assert not (tmp_path / "absent").exists()
+
+
+def test_clear_names_a_model_by_its_folder_not_by_its_name(tmp_path, monkeypatch):
+    cache = Cache(tmp_path / "cache")
+    one, two = tmp_path / "a" / "tiny-sd", tmp_path / "b" / "tiny-sd"
+    for folder in (one, two):
+        folder.mkdir(parents=True)
+        cache.get_or_build({"kind": "e", "m": str(folder)}, write_files, describe={"model": str(folder)})
+    monkeypatch.chdir(tmp_path / "a")
+    assert cache.clear("./tiny-sd") == 1  # this folder's entries, not the other tiny-sd's
+    assert [e.model for e in cache.list()] == [str(two)]
+    cache.get_or_build({"kind": "e", "m": str(one)}, write_files, describe={"model": str(one)})
+    monkeypatch.chdir(tmp_path)
+    from kasoku.cache import CacheError
+
+    with pytest.raises(CacheError, match=r"'tiny-sd' names 2 models in the cache .* give the folder's path"):
+        cache.clear("tiny-sd")
+
+
+@pytest.mark.integration  # a generation in a fresh interpreter, as another user
+def test_a_warm_read_only_cache_serves_without_writing(tiny_dir, tiny_cache, tiny_compiled):
+    """A baked container image or a shared NFS cache: the engines are there and nothing may be written. The cache
+    copy is made read-only, and the generation runs as a user other than its owner (root bypasses file modes)."""
+    import shutil
+    import tempfile
+    from pathlib import Path
+
+    as_user: list[str] = []
+    if os.geteuid() == 0:
+        if shutil.which("setpriv") is None:
+            pytest.skip("running as root without setpriv: no other user to run the read-only generation as")
+        as_user = ["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups"]  # nobody
+    root = Path(tempfile.mkdtemp(prefix="kasoku-read-only-"))
+    try:
+        os.chmod(root, 0o755)
+        model, cache, out = root / "model", root / "cache", root / "out"
+        shutil.copytree(tiny_dir, model)
+        shutil.copytree(tiny_cache.root, cache, ignore=shutil.ignore_patterns(".*.lock"))
+        out.mkdir(mode=0o777)
+        os.chmod(out, 0o777)
+        for path in (*cache.rglob("*"), cache):
+            os.chmod(path, 0o555 if path.is_dir() else 0o444)
+        for path in (*model.rglob("*"), model):
+            os.chmod(path, 0o755 if path.is_dir() else 0o644)
+        before = _tree(cache)
+        env = {**os.environ, "HOME": str(out), "HF_HUB_OFFLINE": "1"}
+        result = subprocess.run([*as_user, sys.executable, "-m", "kasoku.cli", "generate", str(model), "a cat",
+                                 "--backend", "onnxruntime", "--steps", "2", "--cache-dir", str(cache),
+                                 "-o", str(out / "cat.png")], env=env, capture_output=True, text=True, timeout=600)
+        assert result.returncode == 0, result.stdout + result.stderr
+        assert (out / "cat.png").stat().st_size > 0
+        assert _tree(cache) == before  # not a lock file, not a touched manifest
+    finally:
+        for path in (root, *root.rglob("*")):
+            if path.is_dir():
+                os.chmod(path, 0o755)  # so that rmtree can empty it, whoever runs the tests
+        shutil.rmtree(root, ignore_errors=True)

@@ -6,6 +6,8 @@ an instant, so these are unit tests)."""
 from __future__ import annotations
 
 import json
+import shutil
+import time
 
 import pytest
 import torch
@@ -32,6 +34,7 @@ BAD = {
         ["generate", "{model}", "a cat", "-o", "{out}", "--num-images", "0"],
         ["generate", "{model}", "a cat", "-o", "{out}", "--guidance", "nan"],
         ["generate", "{model}", "a cat", "-o", "{out}", "--strength", "2", "--image", "{image}"],
+        ["generate", "{model}", "a cat", "-o", "{out}", "--strength", "0.5"],  # nothing to move from
         ["generate", "{model}", "a cat", "-o", "{out}", "--backend", "torch", "--precision", "fp16"],
         ["generate", "{model}", "a cat", "-o", "{out}", "--backend", "tensorrt"],
         ["generate", "{model}", "a cat", "-o", "{out}", "--backend", "openvino", "--cuda-graph"],  # CPU backend
@@ -64,6 +67,17 @@ BAD = {
         ["generate", "{model}", "a cat", "-o", "{out}", "--lora", "{file}:0.5"],
         ["generate", "{model}", "a cat", "-o", "{out}", "--lora", "{file}:inf"],
         ["generate", "{model}", "a cat", "-o", "{out}", "--lora-targets", "to q"],
+        ["generate", "{model}", "a cat", "-o", "{noext}"],  # no image format in the name
+        ["generate", "{model}", "a cat", "-o", "{file}/x.png"],  # a folder that is a file
+        ["generate", "{model}", "a cat", "-o", "{out}", "--image", "{truncated}"],
+        ["generate", "{model}", "a cat", "-o", "{out}", "--seed", str(2**64)],
+        ["generate", "{model}", "a \udcff cat", "-o", "{out}"],  # bytes that are not UTF-8, as argv carries them
+        ["generate", "{model}", "a cat", "-o", "{out}", "--width", "100000", "--height", "64"],
+        ["generate", "{model}", "a cat", "-o", "{out}", "--lora-targets", "nonsense"],
+        ["generate", "{partial}", "a cat", "-o", "{out}"],  # a component folder missing
+        ["generate", "{damaged}", "a cat", "-o", "{out}"],  # a truncated weights file
+        ["generate", "{model}", "a cat", "-o", "{out}", "--scheduler", "flow-euler"],  # another kind of noise
+        ["generate", "{model}", "a cat", "-o", "{out}", "--prompt-3", "a long prompt"],  # SD3's, not SD 1.x's
     ],
     "batch": [
         ["batch", "{model}", "{jobs}", "--out", "{new}", "--batch-size", "0"],
@@ -78,6 +92,7 @@ BAD = {
         ["batch", "{model}", "{lora_jobs}", "--out", "{new}"],
         ["batch", "{model}", "{bad_cache_jobs}", "--out", "{new}"],
         ["batch", "{model}", "{jobs}", "--out", "{new}", "--cache-branch", "-1"],
+        ["batch", "{model}", "{huge_jobs}", "--out", "{new}"],
     ],
     "serve": [
         ["serve", "{model}", "--port", "70000"],
@@ -130,6 +145,7 @@ BAD = {
     ],
     "bench": [
         ["bench", "{model}", "--repeats", "2"],
+        ["bench", "{model}", "--repeats", "1"],
         ["bench", "{model}", "--backends", "magic"],
         ["bench", "{model}", "--steps", "0"],
         ["bench", "{model}", "--controlnet", "{file}"],
@@ -141,6 +157,8 @@ BAD = {
         ["info", "--bogus"],
     ],
 }
+# everything here can be checked before any work: the answer comes at once (imports already warm)
+ANSWER_SECONDS = 5.0
 CASES = [(command, args) for command, cases in BAD.items() for args in cases]
 
 
@@ -166,13 +184,23 @@ def places(tmp_path, tiny_dir, controlnet_folder):
     (tmp_path / "bad.jsonl").write_text('{"prompt": "a cat", "steps": 0}\n')
     (tmp_path / "lora.jsonl").write_text(json.dumps({"prompt": "a cat", "loras": [str(tmp_path / "none")]}) + "\n")
     (tmp_path / "bad_cache.jsonl").write_text('{"prompt": "a cat", "cache_interval": 0}\n')
+    (tmp_path / "huge.jsonl").write_text('{"prompt": "a cat", "height": 64, "width": 100000}\n')
+    (tmp_path / "truncated.png").write_bytes((tmp_path / "in.png").read_bytes()[:60])
+    partial, damaged = tmp_path / "partial", tmp_path / "damaged"
+    shutil.copytree(tiny_dir, partial)
+    shutil.rmtree(partial / "vae")
+    shutil.copytree(tiny_dir, damaged)
+    weights = next((damaged / "unet").glob("*.safetensors"))
+    weights.write_bytes(weights.read_bytes()[:1000])
     return {"model": str(tiny_dir), "out": str(tmp_path / "out.png"), "new": str(tmp_path / "new"),
             "full": str(full), "file": str(tmp_path / "file.txt"), "image": str(tmp_path / "in.png"),
             "missing": str(tmp_path / "missing"), "jobs": str(tmp_path / "jobs.jsonl"),
             "bad_jobs": str(tmp_path / "bad.jsonl"), "bad_cache_jobs": str(tmp_path / "bad_cache.jsonl"),
             "cache": str(tmp_path / "cache"), "controlnet": str(controlnet_folder),
             "small": str(tmp_path / "small.png"),
-            "control_jobs": str(tmp_path / "control.jsonl"), "lora_jobs": str(tmp_path / "lora.jsonl")}
+            "control_jobs": str(tmp_path / "control.jsonl"), "lora_jobs": str(tmp_path / "lora.jsonl"),
+            "noext": str(tmp_path / "out"), "truncated": str(tmp_path / "truncated.png"),
+            "partial": str(partial), "damaged": str(damaged), "huge_jobs": str(tmp_path / "huge.jsonl")}
 
 
 def _tree(path):
@@ -186,10 +214,12 @@ def test_bad_arguments_end_in_one_line_and_write_nothing(command, args, places, 
     if argv[0] not in ("tiny", "info") and "--cache-dir" not in argv:
         argv += ["--cache-dir", places["cache"]]
     before = _tree(tmp_path)
+    start = time.perf_counter()
     try:
         code = main(argv)
     except SystemExit as exit_:  # argparse's parse errors
         code = exit_.code
+    seconds = time.perf_counter() - start
     out = capsys.readouterr()
     text = out.out + out.err
     assert code not in (0, None), f"{argv} succeeded:\n{text}"
@@ -197,6 +227,7 @@ def test_bad_arguments_end_in_one_line_and_write_nothing(command, args, places, 
     lines = [line for line in text.splitlines() if line.strip()]
     assert len(lines) == 1 and "error" in lines[0], f"{argv} printed:\n{text}"
     assert _tree(tmp_path) == before, f"{argv} wrote files"
+    assert seconds < ANSWER_SECONDS, f"{argv} took {seconds:.1f} s to refuse"
 
 
 @pytest.fixture(scope="module")

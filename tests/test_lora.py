@@ -274,6 +274,48 @@ def test_batch_jobs_with_loras_share_a_pipeline(tiny_dir, tiny_cache, adapters, 
     assert psnr(out["base"], out["a1"]) < MIN_PSNR
 
 
+def test_serve_requests_name_adapters_and_get_diffusers_images(tiny_dir, tiny_cache, adapters):
+    """`kasoku serve --lora a=FILE`: a request with `loras` runs that adapter set; the next one without, the base."""
+    pytest.importorskip("fastapi")
+    import base64
+    import io
+
+    from fastapi.testclient import TestClient
+    from PIL import Image
+
+    from kasoku.options import CompileOptions
+    from kasoku.serve import ImageService, prepare_serving
+    from kasoku.serve.app import create_app
+    from kasoku.serve.config import Size
+
+    # the `fast` engines (default profile, attention targets) serve it from the cache
+    config, model = prepare_serving(str(tiny_dir), CompileOptions(backend="onnxruntime", cache_dir=tiny_cache.root,
+                                                                  components=TXT2IMG),
+                                    sizes=(Size(64, 64),), max_batch=2, loras=(("a", str(adapters["a"])),))
+    assert config.options.lora_targets == ("attention",)
+    service = ImageService(config)
+    service.load(model)
+
+    def ask(client, **fields):
+        answer = client.post("/v1/images/generations", json={"prompt": "a photo of a cat", "steps": 3, "seed": 0,
+                                                              **fields})
+        assert answer.status_code == 200, answer.text
+        data = base64.b64decode(answer.json()["data"][0]["b64_json"])
+        return np.asarray(Image.open(io.BytesIO(data)), np.float32) / 255
+
+    with TestClient(create_app(service)) as client:
+        base, adapted, base_again = ask(client), ask(client, loras=["a:0.8"]), ask(client)
+        assert client.get("/readyz").json()["loras"] == ["a"]
+    assert service.startup["engines_built"] == 0
+    reference = tiny_pipeline()
+    reference.load_lora_weights(str(adapters["a"]), adapter_name="a")
+    reference.set_adapters("a", 0.8)
+    want = image(reference)
+    assert psnr(want, adapted) >= MIN_PSNR
+    np.testing.assert_array_equal(base, base_again)  # switched back to the base weights exactly
+    assert psnr(base, adapted) < MIN_PSNR
+
+
 def _tensorrt_reason() -> str:
     from kasoku.backends.tensorrt import TensorRTBackend
 

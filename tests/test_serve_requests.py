@@ -56,9 +56,14 @@ def test_a_generation_becomes_one_job_per_image_each_with_its_seed():
     ({"prompt": "x", "seed": 2**63 - 1, "n": 2}, "`seed` must be an integer in 0..9223372036854775806"),
     ({"prompt": "x", "model": "dall-e-2"}, "`model` must be 'tiny-sd'"),
     ({"prompt": "x", "response_format": "url"}, "`response_format` must be \"b64_json\""),
-    ({"prompt": "x", "style": "vivid"}, "unknown field `style`"),
-    ({"prompt": "x", "loras": []}, "`loras` (LoRA adapters) is not available yet"),
-    ({"prompt": "x", "cache_interval": 3}, "`cache_interval` (U-Net feature caching) is not available yet"),
+    ({"prompt": "x", "style": "pastel"}, "`style` must be one of vivid, natural but is \"pastel\""),
+    ({"prompt": "x", "quality": "ultra"}, "`quality` must be one of low, medium, standard, auto, high, hd"),
+    ({"prompt": "x", "loras": ["style"]}, "`loras`: this server was started without LoRA adapters; start it with "
+                                          "`kasoku serve ... --lora NAME=PATH`"),
+    ({"prompt": "x", "loras": "style"}, '`loras` must be a list of "NAME[:SCALE]" strings'),
+    ({"prompt": "x", "cache_interval": 3}, "`cache_interval` needs the step-cache engines, which this server did "
+                                           "not build; start it with `kasoku serve ... --step-cache`"),
+    ({"prompt": "x", "cache_interval": 0}, "`cache_interval` must be an integer in 1..1000 but is 0"),
     ({"prompt": "x", "strength": 0.5}, "`strength` belongs to /v1/images/edits"),
     (["a cat"], "the body must be a JSON object but is list"),
 ])
@@ -231,3 +236,56 @@ def test_a_missing_server_stack_names_the_extra(monkeypatch):
     monkeypatch.setitem(config.SERVE_MODULES, "an-absent-package", ("kasoku_no_such_module",))
     with pytest.raises(config.ServeNotInstalled, match=r"needs an-absent-package, .*pip install 'kasoku\[serve\]'"):
         config.require_serve()
+
+
+def test_openai_quality_sets_the_steps_and_style_is_taken():
+    steps = {q: parse_generation({"prompt": "x", "quality": q}, CONFIG).steps for q in ("low", "auto", "hd")}
+    assert steps == {"low": 15, "auto": 30, "hd": 45}  # of the model's 30
+    assert parse_generation({"prompt": "x", "quality": "low", "steps": 7}, CONFIG).steps == 7  # its own steps win
+    assert parse_generation({"prompt": "x", "style": "natural"}, CONFIG).steps == 30
+
+
+def test_step_caching_requests_need_a_server_built_with_its_engines():
+    config = CONFIG.replace(options=CompileOptions(step_cache=True))
+    cached = parse_generation({"prompt": "x", "cache_interval": 3, "cache_schedule": "nonuniform"}, config)
+    plain = parse_generation({"prompt": "x"}, config)
+    assert (cached.cache_interval, cached.cache_schedule) == (3, "nonuniform")
+    assert cached.call_arguments(1)["cache_interval"] == 3
+    assert cached.jobs()[0].call_key != plain.jobs()[0].call_key  # never in one call with uncached images
+
+
+LORA_CONFIG = CONFIG.replace(loras=(("style", "/adapters/style"), ("ink", "/adapters/ink")))
+
+
+def test_lora_requests_name_the_servers_adapters_each_at_a_scale():
+    request = parse_generation({"prompt": "x", "n": 2, "loras": ["style:0.5", {"name": "ink"}]}, LORA_CONFIG)
+    assert request.loras == (("/adapters/style", 0.5), ("/adapters/ink", 1.0))
+    plain = parse_generation({"prompt": "x"}, LORA_CONFIG)
+    assert len({job.call_key for job in request.jobs()}) == 1  # one request's images share a call
+    assert request.jobs()[0].call_key != plain.jobs()[0].call_key  # never in one call with other adapters
+    edit = parse_edit({"prompt": "x", "loras": "style:0.5, ink"}, png(Image.new("RGB", (64, 64))), None,
+                      LORA_CONFIG)  # a form's text: comma-separated
+    assert edit.loras == request.loras
+
+
+@pytest.mark.parametrize("loras, message", [
+    (["paint"], '`loras`: no adapter named "paint" on this server; it serves style, ink'),
+    (["style:strong"], '`loras` must be a list of "NAME[:SCALE]" strings or {"name": ..., "scale": ...} objects but '
+                       'is "style:strong"'),
+    ([{"name": "style", "scale": float("inf")}], "`loras` must be scales that are finite numbers"),
+    ([{"path": "/etc/passwd"}], '`loras` must be a list of "NAME[:SCALE]"'),  # files are the server's to choose
+    (["style", "style:0.5"], "`loras` names style twice"),
+])
+def test_bad_lora_requests_say_what_is_wrong(loras, message):
+    with pytest.raises(InvalidRequest) as caught:
+        parse_generation({"prompt": "x", "loras": loras}, LORA_CONFIG)
+    assert message in str(caught.value) and caught.value.body()["error"]["param"] == "loras"
+
+
+def test_serve_lora_names_and_files_are_checked_before_anything_starts(tiny_dir, tmp_path):
+    from kasoku.errors import KasokuError
+
+    with pytest.raises(KasokuError, match="an adapter's name is letters, digits"):
+        prepare_serving(tiny_dir, loras=(("my style", str(tmp_path)),))
+    with pytest.raises(KasokuError, match=r"--lora .*missing does not exist"):
+        prepare_serving(tiny_dir, loras=(("style", str(tmp_path / "missing")),))

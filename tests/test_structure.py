@@ -22,8 +22,8 @@ LAYERS = ("core", "architectures", "families", "model", "backends", "build", "ru
           "tools", "apps")
 # Where each module sits (a package's name places every module in it).
 PLACES = {
-    "core": ("errors", "extras", "console", "cache", "attention", "weights", "parity", "schedulers", "options",
-             "components", "step_cache", "standins"),
+    "core": ("errors", "extras", "choices", "precision", "console", "cache", "attention", "weights", "parity",
+             "schedulers", "options", "components", "step_cache", "standins"),
     "architectures": ("architectures",),
     "families": ("families",),
     "model": ("loading", "fingerprint", "model"),
@@ -31,7 +31,7 @@ PLACES = {
     "build": ("export", "optimize", "build"),
     "runtime": ("runtime", "lora"),
     "policies": ("fidelity", "calibration", "fastest"),
-    "pipeline": ("compiling", "pipeline"),
+    "pipeline": ("signature", "checks", "compiling", "pipeline"),
     "tools": ("verification", "benchmark", "demo", "info", "tiny"),
     "apps": ("cli", "batch", "serve"),
 }

@@ -111,6 +111,16 @@ class BenchReport:
 
 # ---- measurement helpers -------------------------------------------------------------------
 
+SPREAD = 1.5  # max ÷ min of the timed calls above which a timing is said to be unsteady
+
+
+def spread_warnings(ranges: dict[str, tuple[float, float]]) -> list[str]:
+    """One line per timing whose calls spread wider than SPREAD x (another process shared the CPU, most often)."""
+    return [f"{name}'s calls took {low:.3g}–{high:.3g} s ({high / low:.1f}x apart): the machine was busy, so its "
+            "ratios are unsteady; time again on a quiet machine." for name, (low, high) in ranges.items()
+            if low > 0 and high / low > SPREAD]
+
+
 
 def rss_mb(field_name: str = "VmRSS") -> float:
     """Resident memory of this process (VmRSS now, VmHWM: its peak), in MB."""
@@ -410,8 +420,22 @@ def markdown(report: BenchReport) -> str:
             s = r["seconds_per_image"]
             lines.append(f"| {name} | {s['median']:.4g} | {s['min']:.4g}–{s['max']:.4g} | {r['steps_per_s']:.3g} | "
                          f"{r['speedup_vs_diffusers']:.2f}x | {r['max_abs_vs_diffusers']:.1e} |")
-    lines += ["", f"Peak resident memory of the run: {report.peak_rss_mb:.0f} MB"]
+    lines += ["", f"Peak resident memory of the run: {report.peak_rss_mb:.0f} MB", "", COLUMNS]
+    ranges = {f"{c.component} on {name}": (r.seconds.min, r.seconds.max)
+              for c in report.components for name, r in c.results.items()}
+    if report.end_to_end:
+        ranges.update({f"the {name} pipeline": (r["seconds_per_image"]["min"], r["seconds_per_image"]["max"])
+                       for name, r in report.end_to_end.results.items()})
+    lines += [f"\n**Note:** {line}" for line in spread_warnings(ranges)]
     return "\n".join(lines)
+
+
+COLUMNS = ("Columns: *median s* is the middle of the timed calls after a warm-up call, *min–max s* their range; "
+           "*speed-up* is torch's median ÷ this one's; the *FLOP floor* is the component's FLOPs ÷ this machine's "
+           "fp32 matmul rate (no run at fp32 can beat it by much), *time ÷ floor* how far above it a run is; *max abs "
+           "vs torch* the largest difference of any output from torch's on the same inputs; *cold compile* the "
+           "export and build from an empty cache, *warm load* loading the built engine from the cache, *first call* "
+           "the untimed warm-up call; *RSS* the process's resident memory after the run.")
 
 
 def plot(report: BenchReport, path: str | Path) -> Path:

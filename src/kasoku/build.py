@@ -256,10 +256,13 @@ class Compiler:
 
     def stage(self, spec: ComponentSpec, stage: str, parts: dict, build) -> CacheEntry:
         """The entry of `parts`, from the cache or built by `build(folder)` (under `on_stage`), recorded."""
-        with self.on_stage(spec.name, stage):
-            start = time.perf_counter()
-            entry = self.cache.get_or_build(parts, build, describe={"model": self.model, "component": spec.name})
-            seconds = time.perf_counter() - start
+        shown = f"{stage} {parts['backend']} {parts['precision']}" if parts.get("kind") == "engine" else stage
+        start = time.perf_counter()
+        entry = self.cache.lookup(parts)  # a hit shows no stage: only work is shown
+        if entry is None:
+            with self.on_stage(spec.name, shown):
+                entry = self.cache.get_or_build(parts, build, describe={"model": self.model, "component": spec.name})
+        seconds = time.perf_counter() - start
         status = next(event for _kind, key, event in reversed(self.cache.events) if key == entry.key)
         self._record(spec, stage, status, entry, seconds)
         return entry
@@ -482,6 +485,8 @@ class Compiler:
         asked = self.options.backend_for(spec.name)
         if asked != "auto":
             return asked, None
+        if self.binds_weights():
+            spec.fingerprint  # noqa: B018 - the weights are read (and a damaged file said) before the cache is written
         candidates, parts = self._auto_candidates(spec)
         if parts is None:
             return candidates[0], None

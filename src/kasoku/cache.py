@@ -36,6 +36,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from .console import to_json
 from .errors import KasokuError
 
 logger = logging.getLogger(__name__)
@@ -133,12 +134,21 @@ class Cache:
 
     def __init__(self, root: str | Path | None = None):
         self.root = Path(root).expanduser() if root else default_cache_dir()
-        self.entries = self.root / ENTRIES
+        self.entries = self.root / ENTRIES  # created when the first entry is built: reading or listing writes nothing
+        self.events: list[tuple[str, str, str]] = []  # (kind, key, "built" | "reused" | "rebuilt")
+
+    def _writable(self) -> None:
+        """The entries folder, created if missing; a clear error where it cannot be written (a read-only cache
+        serves the engines it holds and builds none)."""
         try:
             self.entries.mkdir(parents=True, exist_ok=True)
         except OSError as error:
-            raise CacheError(f"cannot create the cache folder {self.entries}: {error}. Set KASOKU_CACHE.") from None
-        self.events: list[tuple[str, str, str]] = []  # (kind, key, "built" | "reused" | "rebuilt")
+            raise CacheError(f"cannot create the cache folder {self.entries}: {error}. Set KASOKU_CACHE to a "
+                             "writable folder.") from None
+        if not os.access(self.entries, os.W_OK):
+            raise CacheError(f"the cache {self.root} is read-only: it serves the engines it holds, and this build "
+                             "needs a writable one. Set KASOKU_CACHE (or --cache-dir) to a writable folder, or build "
+                             "these engines there first.")
 
     # ---- the one public way in -----------------------------------------------------------------
 
@@ -164,6 +174,7 @@ class Cache:
             self.events.append((kind, key, "reused"))
             self.touch(key)
             return existing
+        self._writable()
         with self._lock(key):
             existing = self._load_verified(final, key)  # built by another process while we waited
             if existing is not None:
@@ -199,7 +210,7 @@ class Cache:
                 "created": time.time(),
                 "built_by_pid": os.getpid(),
             }
-            (tmp / MANIFEST).write_text(json.dumps(manifest, indent=2, sort_keys=True, default=str))
+            (tmp / MANIFEST).write_text(to_json(manifest, indent=2, sort_keys=True))  # strict JSON
             os.replace(tmp, final)
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)
@@ -259,6 +270,23 @@ class Cache:
         """Hold an entry while building from it or loading it: eviction and clearing skip it meanwhile."""
         with self._lock(key, shared=True):
             yield
+
+    def entries_of(self, model: str) -> list[EntryInfo]:
+        """The entries of one model: see :meth:`clear`. A folder name that several models' folders share is an
+        error listing them."""
+        entries = self.list()
+        path = Path(model).expanduser()
+        if path.exists():
+            return [info for info in entries if info.model == str(path.resolve())]
+        exact = [info for info in entries if info.model == model]
+        if exact or "/" in model:
+            return exact
+        named = [info for info in entries if Path(info.model).name == model]
+        owners = sorted({info.model for info in named})
+        if len(owners) > 1:
+            raise CacheError(f"{model!r} names {len(owners)} models in the cache ({', '.join(owners)}); give the "
+                             "folder's path (or the label as `kasoku cache ls` lists it).")
+        return named
 
     def total_bytes(self) -> int:
         return sum(info.size_bytes for info in self.list())
@@ -328,7 +356,15 @@ class Cache:
         """The key's file lock: exclusive to build or remove, shared to read; yields whether it is held
         (always, when waiting)."""
         lock_path = self.entries / f".{key}.lock"
-        with open(lock_path, "a+") as handle:
+        try:
+            handle = open(lock_path, "a+")
+        except OSError:
+            if shared and self.entries.is_dir() and not os.access(self.entries, os.W_OK):
+                yield True  # a read-only cache: no process can build or evict in it, so reading needs no lock
+                return
+            raise CacheError(f"cannot lock {lock_path}: the cache {self.root} is not writable. Set KASOKU_CACHE (or "
+                             "--cache-dir) to a writable folder.") from None
+        with handle:
             mode = (fcntl.LOCK_SH if shared else fcntl.LOCK_EX) | (0 if wait else fcntl.LOCK_NB)
             try:
                 fcntl.flock(handle, mode)  # waits while another process builds (or reads) this key
@@ -353,6 +389,8 @@ class Cache:
 
     def list(self, *, include_unreadable: bool = False) -> list[EntryInfo]:
         out = []
+        if not self.entries.is_dir():
+            return out
         for path in sorted(self.entries.iterdir()):
             if path.name.startswith(".") or not path.is_dir():
                 continue
@@ -379,11 +417,11 @@ class Cache:
         return out
 
     def clear(self, model: str | None = None) -> int:
-        """Remove every entry (or those of one model); returns how many were removed."""
+        """Remove every entry (or exactly those of one model: a folder by its absolute path, else the label as
+        listed, or a folder name that names one model only); returns how many were removed."""
         removed = 0
-        for info in self.list():
-            if model is None or info.model == model or Path(info.model).name == model:
-                removed += self.remove(info.key, wait=False)
+        for info in self.entries_of(model) if model is not None else self.list():
+            removed += self.remove(info.key, wait=False)
         if model is None:
             for leftover in self.entries.glob(f"{TMP_PREFIX}*"):
                 shutil.rmtree(leftover, ignore_errors=True)

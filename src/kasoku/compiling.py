@@ -22,7 +22,8 @@ from .components import ComponentSpec
 from .errors import KasokuError
 from .fastest import choose_precisions
 from .model import Model
-from .options import FASTEST, CompileOptions
+from .options import FASTEST, CompileOptions, InvalidOptions
+from .weights import run_time_weights
 
 __all__ = ["compile_components", "precision_notes"]
 
@@ -58,6 +59,7 @@ def compile_components(
     asked = options.precision_label
     if options.precision == FASTEST:
         options, notes = _fastest(model, specs, options, cache, on_stage)
+    check_lora_targets(model, specs, options)
     compiler = Compiler(cache, options, on_stage=on_stage, label=label)
     check_memory(model, {name: spec for name, spec in specs.items() if not _surely_cached(compiler, model, spec)})
     calibration.provide(compiler, model, specs)
@@ -109,6 +111,19 @@ def available_memory() -> int | None:
     except OSError:
         pass
     return None
+
+
+def check_lora_targets(model: Model, specs: dict[str, ComponentSpec], options: CompileOptions) -> None:
+    """LoRA targets must name modules the components LoRA changes have (their weights' names are read from the
+    modules as they are, on the meta device too: no weight is read)."""
+    if not options.lora_targets or options.onnx_dir is not None:
+        return
+    takers = [spec for spec in specs.values() if spec.takes_lora]
+    names = [name for spec in takers for path in spec.modules for name, _ in model.ref(path).module.named_parameters()]
+    if takers and not run_time_weights(names, options.lora_targets):
+        raise InvalidOptions(f"`lora_targets` ({', '.join(options.lora_targets)}) match no module of "
+                             f"{', '.join(s.name for s in takers)}; give module names such as to_q or to_out.0 "
+                             "(matched as the end of a module's path), or the preset attention.")
 
 
 def _surely_cached(compiler: Compiler, model: Model, spec: ComponentSpec) -> bool:

@@ -18,7 +18,6 @@ import json
 import math
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from enum import Enum
 from fractions import Fraction
 
 import numpy as np
@@ -26,22 +25,7 @@ import torch
 
 from .attention import exportable_attention
 from .errors import KasokuError
-
-
-class Precision(str, Enum):
-    """What an engine computes in. fp32 is exact and the default; every other precision has a
-    fidelity contract in kasoku.parity's one tolerance table.
-
-    bf16: bfloat16 compute (OpenVINO on CPUs with native bf16, AVX512-BF16 or AMX; TensorRT).
-    int8: NNCF's int8 on OpenVINO: the U-Net's convolutions in int8 weights and activations,
-    calibrated on the pipeline's own denoising runs, every other layer's weights in int8 (text
-    encoders and VAE: weights only); what is not quantized computes in bf16 where the CPU has it
-    natively, else fp32."""
-
-    FP32 = "fp32"
-    FP16 = "fp16"
-    BF16 = "bf16"
-    INT8 = "int8"
+from .precision import Precision  # noqa: F401 - the enum's home for callers of components
 
 
 class ShapeOutOfProfile(KasokuError, ValueError):
@@ -162,19 +146,28 @@ class ShapeProfile:
                    guidance=guidance, text_tokens=text_tokens)
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, repr=False)
 class Axis:
     """A dynamic dimension: `scale` x the image's `of` ("batch", "height" or "width"), or `scale` x the
     product of several image dimensions (`of` a tuple: a transformer's packed tokens, height x width / 256).
 
     `min_scale` replaces `scale` at the profile's minimum: the denoiser and text encoder see 2x
-    the images under classifier-free guidance, but 1x without it.
+    the images under classifier-free guidance, but 1x without it. `from_one`: the axis is 1 at the
+    profile's minimum whatever its batch, for the encoders, which see one row per prompt or input image
+    (diffusers repeats their outputs for `num_images_per_prompt`): exact-shape engines for N images
+    still encode one prompt.
     """
 
     name: str
     of: str | tuple[str, ...]
     scale: Fraction = Fraction(1)
     min_scale: Fraction | None = None
+    from_one: bool = False
+
+    def __repr__(self) -> str:
+        # the architecture key reads this text: an axis without `from_one` keeps the text (and keys) it had
+        text = f"Axis(name={self.name!r}, of={self.of!r}, scale={self.scale!r}, min_scale={self.min_scale!r}"
+        return text + (", from_one=True)" if self.from_one else ")")
 
     @property
     def dims(self) -> tuple[str, ...]:
@@ -186,6 +179,8 @@ class Axis:
         return len(self.dims) > 1
 
     def at(self, shape: ImageShape, *, minimum: bool = False) -> int:
+        if minimum and self.from_one:
+            return 1
         scale = self.min_scale if (minimum and self.min_scale is not None) else self.scale
         return int(math.prod(getattr(shape, dim) for dim in self.dims) * scale)
 

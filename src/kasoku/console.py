@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import sys
+import time
 from contextlib import contextmanager
 from dataclasses import asdict, is_dataclass
 from pathlib import Path
@@ -44,7 +46,13 @@ def table(title: str, columns: Sequence[str], rows: Sequence[Sequence[Any]]) -> 
 
 @contextmanager
 def stage(description: str) -> Iterator[None]:
-    """A spinner with elapsed time while a slow step runs."""
+    """A spinner with the stage and its elapsed time while a slow step runs; where the output is no terminal (CI, a
+    log file, a container), one line per stage when it ends: `unet: engine … 45 s`."""
+    if not console.is_terminal:
+        start = time.perf_counter()
+        yield  # a stage that fails says nothing here: its error is the one line
+        console.print(f"{description} … {time.perf_counter() - start:.1f} s", markup=False, highlight=False)
+        return
     progress = Progress(
         SpinnerColumn(), TextColumn("{task.description}"), TimeElapsedColumn(), console=console, transient=True
     )
@@ -75,8 +83,29 @@ def _default(value: Any) -> Any:
     return str(value)
 
 
+def _strict(value: Any) -> Any:
+    """`value` with everything JSON has no word for made plain: dataclasses and reports as dicts, paths as
+    strings, and non-finite numbers (an unbounded tolerance's Infinity, a NaN) as null."""
+    if hasattr(value, "to_dict") and not isinstance(value, type):
+        value = value.to_dict()
+    elif is_dataclass(value) and not isinstance(value, type):
+        value = asdict(value)
+    if isinstance(value, dict):
+        return {str(k): _strict(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple, set)):
+        return [_strict(v) for v in value]
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if value is None or isinstance(value, (str, int, float, bool)):
+        return value
+    return _default(value)
+
+
+def to_json(data: Any, **kwargs: Any) -> str:
+    """Strict JSON of `data` (see _strict): any JSON reader reads what kasoku writes."""
+    return json.dumps(_strict(data), allow_nan=False, **kwargs)
+
+
 def write_json(path: str | Path, data: Any) -> None:
     Path(path).parent.mkdir(parents=True, exist_ok=True)
-    if hasattr(data, "to_dict"):
-        data = data.to_dict()
-    Path(path).write_text(json.dumps(data, indent=2, default=_default))
+    Path(path).write_text(to_json(data, indent=2))

@@ -15,6 +15,7 @@ from pathlib import Path
 
 import torch
 
+from .benchmark import spread_warnings
 from .build import CompileReport, engine_parity
 from .components import Precision
 from .console import table
@@ -123,6 +124,10 @@ def print_demo_report(report: DemoReport, console) -> None:
              f"{base / t['median']:.2f}x" if base else "-"] for name, t in report.timing.items()]
     console.print(table(f"4. one 64x64 image, {DEMO_STEPS} steps, median of {TIMING_REPEATS} after warm-up",
                         ["pipeline", "median", "min–max", "speed-up"], rows))
+    console.print("   median: the middle of the timed calls; min–max: their range; speed-up: diffusers' median ÷ "
+                  "this pipeline's.")
+    for line in spread_warnings({name: (t["min"], t["max"]) for name, t in report.timing.items()}):
+        console.print(f"   [yellow]note:[/] {line}")
     console.print(table("time", ["stage", "seconds"], [[k, f"{v:.1f}"] for k, v in report.seconds.items()]))
     verdict = "[green]PASSED[/]" if report.passed else "[red]FAILED[/]"
     console.print(f"5. image written to {report.image_path}   parity: {verdict}")

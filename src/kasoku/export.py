@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import contextlib
 import io
-import json
 import logging
 import time
 import warnings
@@ -26,6 +25,7 @@ import torch
 from . import __version__
 from .attention import exportable_attention
 from .components import ComponentSpec, ImageShape, Precision, ShapeProfile, export_shape, torch_dynamic_shapes
+from .console import to_json
 from .errors import KasokuError
 from .extras import import_onnxruntime
 from .model import Model
@@ -317,5 +317,5 @@ def export_pipeline(
         versions=versions(),
         components=exported,
     )
-    (outdir / "manifest.json").write_text(json.dumps(manifest.to_dict(), indent=2))
+    (outdir / "manifest.json").write_text(to_json(manifest, indent=2))
     return manifest

@@ -156,8 +156,11 @@ class WeightsFingerprints:
         real = real_module(pipe, attribute)
         digest = module_fingerprint(real)
         if memo is not None:
-            memo.parent.mkdir(parents=True, exist_ok=True)
-            atomic_write_text(memo, json.dumps({"fingerprint": digest, "folder": str(source), "pid": os.getpid()}))
+            try:
+                memo.parent.mkdir(parents=True, exist_ok=True)
+                atomic_write_text(memo, json.dumps({"fingerprint": digest, "folder": str(source), "pid": os.getpid()}))
+            except OSError:
+                pass  # a read-only cache: the digest is computed again next time
         return self._remember(digest=digest, modules=[module, real])
 
     def _remember(self, *, digest: str, modules: list[torch.nn.Module]) -> str:

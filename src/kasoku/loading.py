@@ -40,8 +40,12 @@ def _looks_like_hub_id(model: str) -> bool:
 
 
 def model_label(model: Any) -> str:
-    """How a model is named in reports and the cache listing."""
-    return str(model) if isinstance(model, (str, Path)) else type(model).__name__
+    """How a model is named in reports and the cache listing: a local folder by its absolute path (its identity,
+    whatever folder a command runs in), a hub id as given, a live pipeline by its class."""
+    if isinstance(model, (str, Path)):
+        path = Path(model).expanduser()
+        return str(path.resolve()) if path.exists() else str(model)
+    return type(model).__name__
 
 
 def _source(model: Any) -> str:
@@ -76,6 +80,19 @@ def check_component_folders(folder: Path) -> None:
                                 "folder again, or save it with `pipe.save_pretrained(DIR)`.")
 
 
+class DamagedModel(KasokuError, OSError):
+    """A model folder whose files cannot be read (a truncated or corrupt weights file, a broken config)."""
+
+
+def damaged_component(folder: Path, error: Exception) -> DamagedModel:
+    """What is wrong with a folder that diffusers or transformers could not load, naming its files."""
+    files = sorted(p.name for p in Path(folder).glob("*") if p.is_file())
+    reason = str(error).splitlines()[0] if str(error) else ""
+    return DamagedModel(f"{folder} cannot be loaded ({type(error).__name__}: {reason}); its files "
+                        f"({', '.join(files) or 'none'}) are damaged, truncated or missing. This is not a network "
+                        "problem: copy or save the pipeline again (`pipe.save_pretrained(DIR)`).")
+
+
 def load_pipeline(model: Any, *, torch_dtype: torch.dtype = torch.float32, lazy: bool = False, controlnet=None):
     """A diffusers pipeline from a folder, a hub id (when online) or a live pipeline.
 
@@ -89,9 +106,16 @@ def load_pipeline(model: Any, *, torch_dtype: torch.dtype = torch.float32, lazy:
     else:
         source = _source(model)
         empty = _meta_models(Path(source)) if lazy and Path(source).is_dir() else {}
-        pipe = DiffusionPipeline.from_pretrained(
-            source, dtype=torch_dtype, use_safetensors=True, safety_checker=None, **empty
-        )
+        try:
+            pipe = DiffusionPipeline.from_pretrained(
+                source, dtype=torch_dtype, use_safetensors=True, safety_checker=None, **empty
+            )
+        except KasokuError:
+            raise
+        except Exception as error:  # a damaged file in a local folder: name it (diffusers may blame the network)
+            if not Path(source).is_dir():
+                raise
+            raise damaged_component(Path(source), error) from None
         pipe.set_progress_bar_config(disable=True)
     family = family_of(pipe)  # an unsupported pipeline class fails here, naming the supported ones
     if controlnet is not None:
@@ -206,7 +230,10 @@ def real_module(pipe, attribute: str) -> torch.nn.Module:
         return module
     cls = type(module)
     dtype_argument = "torch_dtype" if cls.__module__.startswith("diffusers") else "dtype"
-    real = cls.from_pretrained(source, use_safetensors=True, **{dtype_argument: torch.float32}).eval()
+    try:
+        real = cls.from_pretrained(source, use_safetensors=True, **{dtype_argument: torch.float32}).eval()
+    except Exception as error:  # safetensors, transformers and diffusers raise many kinds on a damaged folder
+        raise damaged_component(source, error) from None
     setattr(real, _LOADED_LAZILY, source)
     _put_module(pipe, attribute, real)
     return real

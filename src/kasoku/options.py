@@ -11,11 +11,14 @@ import dataclasses
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from .components import Precision, ShapeProfile
 from .errors import KasokuError
+from .precision import Precision
 from .step_cache import DEFAULT_BRANCH
+
+if TYPE_CHECKING:
+    from .components import ShapeProfile
 
 FASTEST = "fastest"  # a precision request: per component, the fastest precision whose measured drift fits min_psnr
 DEFAULT_MIN_PSNR = 35.0  # dB against the fp32 engines: bf16's floor in the fidelity contract

@@ -46,3 +46,19 @@ def most_steps(scheduler) -> int:
         if float(trial.timesteps.max()) < trained:
             return steps
     return trained
+
+
+def scheduler_named(name: str, current):
+    """The diffusers scheduler `name` (see SCHEDULERS) with `current`'s config, refused with the reason where it
+    is unknown or of the other kind of noise."""
+    import diffusers
+
+    from .standins import InvalidInput
+
+    fitting = schedulers_for(current)
+    if name not in SCHEDULERS:
+        raise InvalidInput(f"unknown scheduler {name!r}; choose from {', '.join(fitting)}.")
+    if name not in fitting:
+        raise InvalidInput(f"scheduler {name!r} does not fit a model trained for {type(current).__name__}'s kind of "
+                           f"noise; choose from {', '.join(fitting)}.")
+    return getattr(diffusers, SCHEDULERS[name]).from_config(current.config)

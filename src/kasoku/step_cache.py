@@ -25,11 +25,12 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
-
-import torch
+from typing import TYPE_CHECKING, Any
 
 from .errors import KasokuError
+
+if TYPE_CHECKING:
+    import torch
 
 FULL = "unet_full"
 SHALLOW = "unet_shallow"

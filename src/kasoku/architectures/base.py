@@ -14,13 +14,15 @@ from ..components import Axis
 
 
 class Axes:
-    """The dynamic axes of a pipeline's tensors, derived from the image shape: images (prompt rows), guided
+    """The dynamic axes of a pipeline's tensors, derived from the image shape: images, rows (what an encoder
+    sees: a prompt or an input image, 1 up to the images), guided
     (prompt + negative rows under classifier-free guidance), the latent's and the pixels' height and width.
     `vae_scale` is how many pixels one latent cell covers per side (8 for SD's VAE)."""
 
     def __init__(self, vae_scale: int):
         self.vae_scale = Fraction(1, vae_scale)
         self.images = Axis("batch", "batch")
+        self.rows = Axis("batch", "batch", from_one=True)  # an encoder's: one row per prompt or input image
         self.guided = Axis("batch", "batch", Fraction(2), min_scale=Fraction(1))  # prompt + negative
         self.latent_h = Axis("latent_height", "height", self.vae_scale)
         self.latent_w = Axis("latent_width", "width", self.vae_scale)

@@ -42,10 +42,10 @@ class TextEncoderModule(torch.nn.Module):
 def output_specs(config, outputs: tuple[str, ...], length: int, axes: Axes) -> tuple[TensorSpec, ...]:
     """The tensors of the named outputs of an encoder of this config on `length` tokens."""
     shapes = {
-        "last_hidden_state": (axes.images, length, config.hidden_size),
-        "penultimate_hidden_state": (axes.images, length, config.hidden_size),
-        "pooler_output": (axes.images, config.hidden_size),
-        "text_embeds": (axes.images, getattr(config, "projection_dim", config.hidden_size)),
+        "last_hidden_state": (axes.rows, length, config.hidden_size),
+        "penultimate_hidden_state": (axes.rows, length, config.hidden_size),
+        "pooler_output": (axes.rows, config.hidden_size),
+        "text_embeds": (axes.rows, getattr(config, "projection_dim", config.hidden_size)),
     }
     return tuple(TensorSpec(name, shapes[name]) for name in outputs)
 
@@ -56,7 +56,7 @@ def text_encoder_spec(name: str, ref: ModuleRef, profile: ShapeProfile, axes: Ax
     config = ref.config
     return ComponentSpec(
         name=name,
-        inputs=(TensorSpec("input_ids", (axes.images, length), torch.int64, high=config.vocab_size),),
+        inputs=(TensorSpec("input_ids", (axes.rows, length), torch.int64, high=config.vocab_size),),
         outputs=output_specs(config, outputs, length, axes),
         profile=profile,
         load_module=lambda: TextEncoderModule(ref.load(), outputs),

@@ -29,8 +29,8 @@ def t5_spec(name: str, ref: ModuleRef, profile: ShapeProfile, axes: Axes, *, len
     config = ref.config
     return ComponentSpec(
         name=name,
-        inputs=(TensorSpec("input_ids", (axes.images, length), torch.int64, high=config.vocab_size),),
-        outputs=(TensorSpec("last_hidden_state", (axes.images, length, config.d_model)),),
+        inputs=(TensorSpec("input_ids", (axes.rows, length), torch.int64, high=config.vocab_size),),
+        outputs=(TensorSpec("last_hidden_state", (axes.rows, length, config.d_model)),),
         profile=profile,
         load_module=lambda: T5EncoderModule(ref.load()),
         weights=ref.digest,

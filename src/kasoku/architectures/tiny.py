@@ -12,6 +12,8 @@ from typing import TypeVar
 
 import torch
 
+from ..choices import PREDICTION_TYPES  # noqa: F401 - read here by the tiny builders
+
 T = TypeVar("T")
 
 TINY_IMAGE_SIZE = 64
@@ -102,7 +104,6 @@ class TinySizes:
 
 
 TINY_SIZES = TinySizes()
-PREDICTION_TYPES = ("epsilon", "v_prediction")
 SCHEDULER_COMMON = dict(beta_start=0.00085, beta_end=0.012, beta_schedule="scaled_linear", num_train_timesteps=1000,
                         steps_offset=1)
 

@@ -68,9 +68,9 @@ def encoder_spec(ref: ModuleRef, profile: ShapeProfile, axes: Axes, *,
     config = ref.config
     return ComponentSpec(
         name="vae_encoder",
-        inputs=(TensorSpec("sample", (axes.images, config.in_channels, axes.pixel_h, axes.pixel_w)),),
+        inputs=(TensorSpec("sample", (axes.rows, config.in_channels, axes.pixel_h, axes.pixel_w)),),
         outputs=(TensorSpec("latent_parameters",
-                            (axes.images, 2 * config.latent_channels, axes.latent_h, axes.latent_w)),),
+                            (axes.rows, 2 * config.latent_channels, axes.latent_h, axes.latent_w)),),
         profile=profile,
         load_module=lambda: VaeEncoderModule(ref.load()),
         weights=ref.digest,

@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+from ..choices import BACKEND_CHOICES, BACKEND_NAMES, PROVIDER_ALIASES
 from ..options import CompileOptions
 from .base import Availability, Backend, BackendUnavailable, Engine, UnsupportedPrecision
 from .inductor import InductorBackend, target_device
@@ -16,9 +17,9 @@ from .torch_eager import TorchBackend
 BACKENDS: dict[str, type[Backend]] = {
     cls.name: cls for cls in (TensorRTBackend, OnnxRuntimeBackend, OpenVinoBackend, InductorBackend, TorchBackend)
 }
-# `onnxruntime-cuda` and `onnxruntime-tensorrt` are onnxruntime with that execution provider.
-PROVIDER_ALIASES = {"onnxruntime-cpu": "cpu", "onnxruntime-cuda": "cuda", "onnxruntime-tensorrt": "tensorrt"}
-BACKEND_CHOICES = ("auto", *BACKENDS, *PROVIDER_ALIASES)
+if tuple(BACKENDS) != BACKEND_NAMES:
+    raise RuntimeError(f"kasoku.choices.BACKEND_NAMES {BACKEND_NAMES} must name the registry's backends "
+                       f"{tuple(BACKENDS)}: add the new backend there too (the commands offer it from there).")
 
 
 def get_backend(name: str, options: CompileOptions | None = None, shared_dir: Path | None = None) -> Backend:

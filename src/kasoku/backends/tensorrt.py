@@ -26,6 +26,7 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any
 
+from ..choices import TRT_OPT_LEVELS
 from ..components import ComponentSpec, Precision
 from ..options import InvalidOptions
 from ..weights import materialize
@@ -297,9 +298,6 @@ class TensorRTEngine(Engine):
             self._execute(capture_stream)
         stream.wait_stream(capture_stream)
         self._graph, self._graph_shapes = graph, shapes
-
-
-TRT_OPT_LEVELS = range(0, 6)  # TensorRT's builder optimization levels
 
 
 class TensorRTBackend(Backend):

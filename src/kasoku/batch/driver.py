@@ -45,6 +45,7 @@ def prepare(model, jobs: list[Job], out_dir: str | Path, *, batch_size: int = DE
     the profile the engines will serve, then the output folder (created last, so a bad job writes nothing).
     Reads the model's configs, not its weights nor the engines."""
     from ..cache import default_cache_dir
+    from ..checks import MAX_SIZE_FACTOR
     from ..schedulers import most_steps
 
     options = CompileOptions.of(options, **fields)
@@ -58,6 +59,7 @@ def prepare(model, jobs: list[Job], out_dir: str | Path, *, batch_size: int = DE
     jobs = with_native_size(jobs, native, native, family.default_steps, family.default_guidance)
     profile = batch_profile(reference, batch_size, height, width, jobs)
     check_jobs(jobs, profile, batch_size, max_steps=most_steps(reference.scheduler),
+               max_side=MAX_SIZE_FACTOR * native,
                controlnets=reference.controlnets)
     if any(job.cache_interval > 1 for job in jobs):  # the driver builds the step-cache engines before any worker
         options = options.replace(step_cache=True)

@@ -11,6 +11,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Protocol, TypeVar
 
+from ..choices import DEFAULT_GUIDANCE, DEFAULT_STEPS
 from ..components import ImageShape, ShapeOutOfProfile, ShapeProfile
 from ..errors import KasokuError
 from ..step_cache import DEFAULT_SCHEDULE, SCHEDULES
@@ -21,9 +22,6 @@ JOB_FIELDS = ("id", "prompt", "negative_prompt", "seed", "steps", "guidance", "h
 # results of jobs that do not use them keep their keys (a re-run skips them).
 LATER_FIELDS = {"control_image": (), "control_scale": None, "loras": (), "cache_interval": 1,
                 "cache_schedule": DEFAULT_SCHEDULE}
-DEFAULT_STEPS = 30
-DEFAULT_GUIDANCE = 7.5
-DEFAULT_BATCH_SIZE = 4
 RESULTS_FILE = "results.jsonl"
 STATE_DIR = ".kasoku-batch"  # images being written and each worker's status; removed after a run
 ID_PATTERN = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")  # ids name files: no slashes, no hidden files
@@ -322,7 +320,7 @@ def _control_errors(job: Job, controlnets: int) -> list[str]:
 
 
 def check_jobs(jobs: list[Job], profile: ShapeProfile, batch_size: int, max_steps: int | None = None,
-               controlnets: int = 0) -> None:
+               controlnets: int = 0, max_side: int | None = None) -> None:
     """Every job against what the compiled engines serve (and, with `controlnets` ControlNets, its control
     images and scale): one error listing each job that cannot run."""
     if batch_size < 1:
@@ -332,6 +330,10 @@ def check_jobs(jobs: list[Job], profile: ShapeProfile, batch_size: int, max_step
                           f"(batch {profile.range_text('batch')}).")
     errors = []
     for job in jobs:
+        if max_side is not None and max(job.height, job.width) > max_side:
+            errors.append(f"{job.source}: {job.height}x{job.width} is more than this model serves: at most {max_side} "
+                          "pixels per side.")
+            continue
         try:
             profile.check(ImageShape(1, job.height, job.width))
         except ShapeOutOfProfile as error:

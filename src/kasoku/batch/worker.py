@@ -84,6 +84,33 @@ def batch_profile(pipe, batch_size: int, height: tuple[int, ...] | None = None,
     return replace(profile, guidance=next(iter(guided))) if len(guided) == 1 else profile
 
 
+class AdapterSwitch:
+    """The LoRA adapter set a pipeline runs, switched per call (`kasoku batch`'s batches, `kasoku serve`'s calls):
+    each file is loaded once, and a switch rebinds the run-time weights."""
+
+    def __init__(self, pipeline):
+        self.pipeline = pipeline
+        self._names: dict[str, str] = {}  # LoRA file -> its adapter name in the pipeline
+        self._running: tuple | None = ()  # the adapter set the pipeline runs now (None: not known)
+
+    def load(self, path: str) -> str:
+        """The adapter name of the file at `path`, loaded into the pipeline on first use."""
+        if path not in self._names:
+            self._names[path] = f"lora{len(self._names)}"
+            self.pipeline.load_lora_weights(path, adapter_name=self._names[path])
+            self._running = None  # loading activates the adapter (diffusers' way): the next `use` sets the set
+        return self._names[path]
+
+    def use(self, loras: tuple[tuple[str, float], ...]) -> None:
+        """Run ((path, scale), ...) from the next call on; () runs the base weights."""
+        if loras == self._running:
+            return
+        for path, _scale in loras:
+            self.load(path)
+        self.pipeline.set_adapters([self._names[path] for path, _ in loras], [scale for _, scale in loras])
+        self._running = loras
+
+
 # ---- the worker --------------------------------------------------------------------------------
 
 
@@ -139,8 +166,7 @@ class BatchWorker:
         self.out = Path(out_dir)
         self.tmp = self.out / STATE_DIR / "tmp"
         self.status_file = self.out / STATE_DIR / "workers" / f"{self.node}-{os.getpid()}.json"
-        self._adapters: dict[str, str] = {}  # LoRA file -> its adapter name in the pipeline
-        self._loras: tuple = ()  # the adapter set the pipeline runs now
+        self.adapters = AdapterSwitch(self.pipeline)
         self._write_status([])  # also proves that this node can write the output folder
 
     def info(self) -> WorkerInfo:
@@ -160,20 +186,9 @@ class BatchWorker:
         return [JobResult(job.id, job.seed, job.file, round(share, 6), self.backend, self.name, len(batch), job.key)
                 for job in batch]
 
-    def _use_loras(self, loras: tuple[tuple[str, float], ...]) -> None:
-        """Switch the pipeline to a batch's adapter set (each file loaded once; the weights are rebound)."""
-        if loras == self._loras:
-            return
-        for path, _scale in loras:
-            if path not in self._adapters:
-                self._adapters[path] = f"lora{len(self._adapters)}"
-                self.pipeline.load_lora_weights(path, adapter_name=self._adapters[path])
-        self.pipeline.set_adapters([self._adapters[path] for path, _ in loras], [scale for _, scale in loras])
-        self._loras = loras
-
     def _generate(self, batch: list[Job]):
         first = batch[0]
-        self._use_loras(first.loras)  # a batch shares one adapter set (its call key)
+        self.adapters.use(first.loras)  # a batch shares one adapter set (its call key)
         start = time.perf_counter()
         images = self.pipeline(**call_arguments(batch), height=first.height, width=first.width,
                                **_control_arguments(batch)).images

@@ -1,4 +1,4 @@
-"""`kasoku`: compile diffusers Stable Diffusion pipelines into fast engines, and prove them.
+"""`kasoku`: compile diffusers text-to-image pipelines into fast engines, and prove them.
 
 Every command is a small :class:`~kasoku.cli.base.Command` that declares its own arguments beside
 its code and is a thin layer over a library call that returns data. A user error ends in one line
@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import sys
 
+from .. import __version__
 from ..errors import KasokuError
 from .admin import CacheCommand, Info
 from .base import Command
@@ -33,10 +34,12 @@ def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(
         prog="kasoku",
         description=(
-            "kasoku (加速) compiles diffusers Stable Diffusion 1.x, 2.x and XL pipelines into ONNX Runtime, OpenVINO "
-            "and TensorRT engines and proves they compute the same thing. Start with `kasoku demo`."
+            "kasoku (加速) compiles diffusers text-to-image pipelines (Stable Diffusion 1.x, 2.x, XL, 3/3.5, Flux.1) "
+            "into ONNX Runtime, OpenVINO, TensorRT and AOTInductor engines and proves they compute the same thing. "
+            "Start with `kasoku demo`."
         ),
     )
+    parser.add_argument("--version", action="version", version=f"kasoku {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True, parser_class=_Parser)
     for name, command in COMMANDS.items():
         doc = (type(command).__doc__ or "").strip()

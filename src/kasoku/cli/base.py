@@ -4,8 +4,10 @@ argument types that refuse bad values at parse time, and the argument groups sev
 from __future__ import annotations
 
 import argparse
+import contextlib
 import math
-from collections.abc import Callable
+import re
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import ClassVar
 
@@ -52,6 +54,26 @@ def non_negative_int(text: str) -> int:
     return _number(int, text, "an integer >= 0", lambda v: v >= 0)
 
 
+MAX_SEED = 2**63 - 1  # torch.Generator.manual_seed takes up to 64 bits; batch jobs and the server take 0..2**63-1
+
+
+def seed(text: str) -> int:
+    return _number(int, text, f"a seed in 0..{MAX_SEED}", lambda v: 0 <= v <= MAX_SEED)
+
+
+def repeats(text: str) -> int:
+    return _number(int, text, "at least 3 repeats (a median of repeats)", lambda v: v >= 3)
+
+
+def text(value: str) -> str:
+    """Text from the command line: valid UTF-8 (a terminal in another encoding passes bytes Python cannot decode)."""
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError:
+        raise argparse.ArgumentTypeError(f"expected UTF-8 text, got bytes that are not: {value!r}") from None
+    return value
+
+
 def fraction(text: str) -> float:
     return _number(float, text, "a number in [0, 1]", lambda v: 0.0 <= v <= 1.0)
 
@@ -62,10 +84,10 @@ def finite_float(text: str) -> float:
 
 def component_name(text: str) -> str:
     """A component some family's pipeline can have (controlnet_0, controlnet_1, ... for ControlNets)."""
-    from ..families import component_names, is_component_name
+    from ..choices import COMPONENT_NAMES, is_component_name
 
     if not is_component_name(text):
-        raise argparse.ArgumentTypeError(f"unknown component {text!r}; choose from {', '.join(component_names())}")
+        raise argparse.ArgumentTypeError(f"unknown component {text!r}; choose from {', '.join(COMPONENT_NAMES)}")
     return text
 
 
@@ -148,7 +170,7 @@ def add_json(parser: argparse.ArgumentParser, what: str = "the report") -> None:
 
 def add_backend_arguments(parser: argparse.ArgumentParser) -> None:
     """--backend and --precision, with the choices the code accepts."""
-    from ..backends import BACKEND_CHOICES
+    from ..choices import BACKEND_CHOICES
     from ..options import DEFAULT_MIN_PSNR, PRECISION_CHOICES
 
     parser.add_argument("--backend", choices=BACKEND_CHOICES, default="auto",
@@ -168,8 +190,7 @@ def add_backend_arguments(parser: argparse.ArgumentParser) -> None:
 
 def add_engine_arguments(parser: argparse.ArgumentParser, *, profile_flags: bool = True) -> None:
     """The options that say which engines to build (compile, generate, verify, bench)."""
-    from ..backends.tensorrt import TRT_OPT_LEVELS
-    from ..families import component_names
+    from ..choices import COMPONENT_NAMES, TRT_OPT_LEVELS
     from ..options import DEFAULT_EXPORTER, DEFAULT_OPSET, EXPORTERS
 
     add_backend_arguments(parser)
@@ -181,7 +202,7 @@ def add_engine_arguments(parser: argparse.ArgumentParser, *, profile_flags: bool
                         help="SD3 and Flux: the T5 tokens the engines read, diffusers' max_sequence_length "
                              "(default: the family's, 256 for SD3, 512 for Flux)")
     parser.add_argument("--components", nargs="+", type=component_name, default=None, metavar="NAME",
-                        help=f"which of {' '.join(component_names())} (default: all the model has)")
+                        help=f"which of {' '.join(COMPONENT_NAMES)} (default: all the model has)")
     parser.add_argument("--exporter", choices=EXPORTERS, default=DEFAULT_EXPORTER, help=argparse.SUPPRESS)
     parser.add_argument("--opset", type=positive_int, default=DEFAULT_OPSET, help=argparse.SUPPRESS)
     parser.add_argument("--threads", type=positive_int, default=None,
@@ -282,6 +303,30 @@ def profile_from_args(args: argparse.Namespace):
                                getattr(args, "width", None))
 
 
+# A Python argument -> the flag of `kasoku generate` (and `batch`) that sets it: CLI messages name the flags.
+GENERATE_FLAGS = {"num_inference_steps": "--steps", "guidance_scale": "--guidance", "image": "--image",
+                  "mask_image": "--mask", "strength": "--strength", "num_images_per_prompt": "--num-images",
+                  "negative_prompt": "--negative", "negative_prompt_2": "--negative-2", "prompt_2": "--prompt-2",
+                  "prompt_3": "--prompt-3", "height": "--height", "width": "--width",
+                  "control_image": "--control-image",
+                  "controlnet_conditioning_scale": "--control-scale", "guess_mode": "--guess-mode",
+                  "cache_interval": "--cache-interval", "cache_schedule": "--cache-schedule",
+                  "true_cfg_scale": "--true-cfg", "max_sequence_length": "--text-tokens"}
+
+
+@contextlib.contextmanager
+def flags_named(flags: dict[str, str] = GENERATE_FLAGS) -> Iterator[None]:
+    """A library error about a call argument, said with the command's flag for it (`num_inference_steps` ->
+    `--steps`)."""
+    try:
+        yield
+    except KasokuError as error:
+        text = re.sub(r"`([a-z_0-9]+)`", lambda m: f"`{flags.get(m[1], m[1])}`", str(error))
+        if text == str(error):
+            raise
+        raise KasokuError(text) from None
+
+
 def show_stage(component: str, name: str):
     """A spinner while one compile stage of one component runs."""
     from ..console import stage
@@ -293,18 +338,34 @@ def open_image(path: Path, flag: str):
     from PIL import Image, UnidentifiedImageError
 
     try:
-        return Image.open(path).convert("RGB")
+        with Image.open(path) as image:
+            return image.convert("RGB")  # reads the whole file: a truncated one fails here, before any work
     except FileNotFoundError:
         raise KasokuError(f"{flag} {path} does not exist.") from None
     except (UnidentifiedImageError, IsADirectoryError):
         raise KasokuError(f"{flag} {path} is not an image PIL can read.") from None
+    except (OSError, SyntaxError, ValueError) as error:  # PIL's truncated or damaged files
+        raise KasokuError(f"{flag} {path} is a damaged image ({error}); give a whole image file.") from None
 
 
-def check_output_file(path: Path, flag: str = "-o") -> Path:
-    """A file the command will write: its folder must exist and the path must not be a folder."""
+IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".webp", ".bmp", ".tif", ".tiff")
+
+
+def check_output_file(path: Path, flag: str = "-o", suffixes: tuple[str, ...] | None = None) -> Path:
+    """A file the command will write, checked before any work: its folder exists and is writable, the path is
+    not a folder, and (with `suffixes`) its name says a format that can be written."""
+    import os
+
     path = Path(path)
     if not path.parent.exists():
         raise KasokuError(f"cannot write {path}: the folder {path.parent} does not exist.")
+    if not path.parent.is_dir():
+        raise KasokuError(f"cannot write {path}: {path.parent} is a file, not a folder.")
     if path.is_dir():
         raise KasokuError(f"{flag} {path} is a folder; give a file name.")
+    if not os.access(path.parent, os.W_OK):
+        raise KasokuError(f"cannot write {path}: the folder {path.parent} is not writable.")
+    if suffixes is not None and path.suffix.lower() not in suffixes:
+        raise KasokuError(f"{flag} {path}: give a file name ending in an image format, one of "
+                          f"{', '.join(suffixes)} (e.g. out.png).")
     return path

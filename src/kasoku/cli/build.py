@@ -28,12 +28,11 @@ class Tiny(Command):
     name = "tiny"
 
     def add_arguments(self, p: argparse.ArgumentParser) -> None:
-        from ..families import FAMILIES
-        from ..tiny import PREDICTION_TYPES
+        from ..choices import FAMILY_TITLES, PREDICTION_TYPES
 
         p.add_argument("dir", type=Path, help="an empty or new folder to write the pipeline into")
-        p.add_argument("--family", choices=list(FAMILIES), default="sd1",
-                       help="; ".join(f"{name}: {family.title}" for name, family in FAMILIES.items())
+        p.add_argument("--family", choices=list(FAMILY_TITLES), default="sd1",
+                       help="; ".join(f"{name}: {title}" for name, title in FAMILY_TITLES.items())
                        + " (default sd1)")
         p.add_argument("--prediction", choices=PREDICTION_TYPES, default="epsilon",
                        help="the scheduler's prediction type: epsilon (default; SD 2 base at 512) or v_prediction "
@@ -69,7 +68,7 @@ class Export(Command):
     name = "export"
 
     def add_arguments(self, p: argparse.ArgumentParser) -> None:
-        from ..families import component_names
+        from ..choices import COMPONENT_NAMES
         from ..options import DEFAULT_EXPORTER, DEFAULT_OPSET, EXPORTERS
 
         add_model(p)
@@ -80,7 +79,7 @@ class Export(Command):
         p.add_argument("--opset", type=positive_int, default=DEFAULT_OPSET,
                        help=f"ONNX opset (default {DEFAULT_OPSET})")
         p.add_argument("--components", nargs="+", type=component_name, default=None,
-                       metavar="NAME", help=f"which of {' '.join(component_names())} (default: all the model has)")
+                       metavar="NAME", help=f"which of {' '.join(COMPONENT_NAMES)} (default: all the model has)")
         add_json(p, "the manifest")
 
     def run(self, args: argparse.Namespace) -> int:

@@ -18,6 +18,7 @@ from .base import (
     options_from_args,
     positive_int,
     profile_from_args,
+    repeats,
     show_stage,
 )
 
@@ -76,7 +77,7 @@ class Bench(Command):
                             "openvino-defaults); torch eager is always timed. Default: onnxruntime,openvino")
         p.add_argument("--steps", type=positive_int, default=4,
                        help="denoising steps of the end-to-end image (default 4)")
-        p.add_argument("--repeats", type=positive_int, default=3,
+        p.add_argument("--repeats", type=repeats, default=3,
                        help="timed repeats after warm-up, at least 3 (default 3)")
         p.add_argument("--components-only", action="store_true", help="skip the end-to-end image")
         p.add_argument("--plot", type=Path, metavar="PATH", help="also draw a PNG bar chart")

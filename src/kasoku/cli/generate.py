@@ -5,10 +5,12 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import time
+import warnings
 from pathlib import Path
 
 from ..errors import KasokuError
 from .base import (
+    IMAGE_SUFFIXES,
     Command,
     add_backend_arguments,
     add_cache_branch,
@@ -23,14 +25,16 @@ from .base import (
     check_output_file,
     controlnets_from_args,
     finite_float,
+    flags_named,
     fraction,
     lora_spec,
-    non_negative_int,
     open_image,
     options_from_args,
     positive_int,
+    seed,
     show_stage,
     size_range,
+    text,
 )
 
 
@@ -44,14 +48,15 @@ class Generate(Command):
         from ..schedulers import SCHEDULERS
 
         add_model(p)
-        p.add_argument("prompt", help="what to draw")
+        p.add_argument("prompt", type=text, help="what to draw")
         p.add_argument("-o", "--output", type=Path, default=Path("out.png"),
                        help="image file (default out.png; out-0.png, out-1.png, ... for several)")
-        p.add_argument("--negative", default=None, help="negative prompt")
-        p.add_argument("--prompt-2", default=None,
+        p.add_argument("--negative", type=text, default=None, help="negative prompt")
+        p.add_argument("--prompt-2", type=text, default=None,
                        help="SDXL, SD3, Flux: the prompt for the second text encoder (default: PROMPT)")
-        p.add_argument("--negative-2", default=None, help="SDXL, SD3: the negative prompt for the second text encoder")
-        p.add_argument("--prompt-3", default=None, help="SD3: the prompt for T5 (default: PROMPT)")
+        p.add_argument("--negative-2", type=text, default=None,
+                       help="SDXL, SD3: the negative prompt for the second text encoder")
+        p.add_argument("--prompt-3", type=text, default=None, help="SD3: the prompt for T5 (default: PROMPT)")
         p.add_argument("--steps", type=positive_int, default=None,
                        help="denoising steps (default: the family's, 30 for SD 1.x/2.x/XL, 28 for SD3 and Flux)")
         p.add_argument("--guidance", type=finite_float, default=None,
@@ -59,14 +64,14 @@ class Generate(Command):
                             "embeds 3.5, which is no classifier-free guidance)")
         p.add_argument("--true-cfg", type=finite_float, default=None, metavar="S",
                        help="Flux: classifier-free guidance at scale S with --negative (two transformer calls a step)")
-        p.add_argument("--seed", type=non_negative_int, default=0, help="generator seed (default 0)")
+        p.add_argument("--seed", type=seed, default=0, help="generator seed, 0..2**63-1 (default 0)")
         p.add_argument("--num-images", type=positive_int, default=1, help="images per prompt (default 1)")
         p.add_argument("--height", type=positive_int, default=None,
                        help="image height in pixels, a multiple of 8 (default: the model's native)")
         p.add_argument("--width", type=positive_int, default=None,
                        help="image width in pixels, a multiple of 8 (default: the model's native)")
         p.add_argument("--image", type=Path, help="img2img / inpaint: the input image")
-        p.add_argument("--strength", type=fraction, default=0.8,
+        p.add_argument("--strength", type=fraction, default=None,
                        help="img2img / inpaint strength in [0, 1] (default 0.8)")
         p.add_argument("--mask", type=Path, help="inpaint: white where to paint")
         p.add_argument("--scheduler", choices=list(SCHEDULERS), default=None,
@@ -87,18 +92,20 @@ class Generate(Command):
         add_step_cache_arguments(p, per_call=True)
 
     def run(self, args: argparse.Namespace) -> int:
-        import torch
-
+        from ..checks import CallChecks, PromptTruncated, check_size, task_of
         from ..console import console, steps_bar, table
         from ..lora import check_adapter_file
         from ..model import Model
-        from ..pipeline import check_size, compile
+        from ..pipeline import compile
+        from ..schedulers import scheduler_named
 
-        output = check_output_file(args.output)
+        output = check_output_file(args.output, suffixes=IMAGE_SUFFIXES)
         image = open_image(args.image, "--image") if args.image else None
         mask = open_image(args.mask, "--mask").convert("L") if args.mask else None
         if mask is not None and image is None:
             raise KasokuError("--mask needs --image (the picture to inpaint).")
+        if args.strength is not None and image is None:
+            raise KasokuError("--strength needs --image (how far img2img and inpainting move from it).")
         controls = _control_images(args)
         # the profile (and with it --cuda-graph, which needs an exact one) is chosen below, for this call
         options = options_from_args(args, cuda_graph=False)
@@ -112,12 +119,20 @@ class Generate(Command):
         check_size(args.height or native, args.width or native)  # before a compile that could take minutes
         shape = _call_shape(args, image or (controls[0] if controls else None), reference)
         if controls:
-            from ..pipeline import check_control_images
+            from ..checks import check_control_images
 
             check_control_images(controls, 1, shape.height, shape.width)
         for path, _scale in args.lora:
             check_adapter_file(path, reference, "--lora")
         options = options.replace(profile=_profile_for(args, shape, reference, options), cuda_graph=args.cuda_graph)
+        kwargs = _call_arguments(args, reference, image, mask, controls)
+        scheduler = scheduler_named(args.scheduler, reference.scheduler) if args.scheduler else reference.scheduler
+        planned = {*reference.components, *reference.family.step_cache_components}
+        with flags_named():  # every argument checked before a compile that can take minutes
+            checks = CallChecks(reference, options.profile, planned, scheduler=lambda: scheduler)
+            checks.check(task_of(image, mask), args.prompt, **kwargs)
+        for note in checks.truncation_notes(args.prompt, kwargs):
+            console.print(f"note: {note}", markup=False)
         pipe = compile(reference, options=options, on_stage=show_stage, label=str(args.model))
         if args.lora:
             names = [f"lora{i}" for i in range(len(args.lora))]
@@ -125,25 +140,8 @@ class Generate(Command):
                 pipe.load_lora_weights(str(path), adapter_name=name)
             pipe.set_adapters(names, [scale for _path, scale in args.lora])
         load_seconds = time.perf_counter() - start
-        steps = args.steps or reference.family.default_steps
-        guidance = guidance_of(args, reference)
         if args.scheduler:
-            pipe.set_scheduler(args.scheduler)
-        kwargs = dict(negative_prompt=args.negative, num_inference_steps=steps, guidance_scale=guidance,
-                      num_images_per_prompt=args.num_images, height=args.height, width=args.width,
-                      generator=torch.Generator().manual_seed(args.seed), cache_interval=args.cache_interval,
-                      cache_schedule=args.cache_schedule)
-        kwargs.update({k: v for k, v in (("prompt_2", args.prompt_2), ("negative_prompt_2", args.negative_2),
-                                         ("prompt_3", args.prompt_3), ("true_cfg_scale", args.true_cfg)) if v})
-        if image is not None:
-            kwargs.update(image=image, strength=args.strength)
-        if mask is not None:
-            kwargs["mask_image"] = mask
-        if controls:
-            kwargs.update(control_image=controls[0] if len(controls) == 1 else controls, guess_mode=args.guess_mode)
-            if args.control_scale:
-                kwargs["controlnet_conditioning_scale"] = args.control_scale[0] if len(args.control_scale) == 1 \
-                    else args.control_scale
+            pipe.scheduler = scheduler
         pipe.times.reset()
         with steps_bar() as bar:
             task = bar.add_task("denoising", total=None)
@@ -153,7 +151,9 @@ class Generate(Command):
                 return callback_kwargs
 
             start = time.perf_counter()
-            images = pipe(args.prompt, callback_on_step_end=on_step, **kwargs).images
+            with flags_named(), warnings.catch_warnings():
+                warnings.simplefilter("ignore", PromptTruncated)  # said above, before the compile
+                images = pipe(args.prompt, callback_on_step_end=on_step, **kwargs).images
             call_seconds = time.perf_counter() - start
         paths = [output] if len(images) == 1 else [output.with_name(f"{output.stem}-{i}{output.suffix}")
                                                    for i in range(len(images))]
@@ -169,6 +169,28 @@ class Generate(Command):
             console.print(f"note: {note}", markup=False)
         console.print("wrote " + ", ".join(str(p) for p in paths))
         return 0
+
+
+def _call_arguments(args: argparse.Namespace, model, image, mask, controls: list) -> dict:
+    """The pipeline call of `kasoku generate`, in diffusers' names (the family's steps and guidance by default)."""
+    import torch
+
+    kwargs = dict(negative_prompt=args.negative, num_inference_steps=args.steps or model.family.default_steps,
+                  guidance_scale=guidance_of(args, model), num_images_per_prompt=args.num_images, height=args.height,
+                  width=args.width, generator=torch.Generator().manual_seed(args.seed),
+                  cache_interval=args.cache_interval, cache_schedule=args.cache_schedule)
+    kwargs.update({k: v for k, v in (("prompt_2", args.prompt_2), ("negative_prompt_2", args.negative_2),
+                                     ("prompt_3", args.prompt_3), ("true_cfg_scale", args.true_cfg)) if v})
+    if image is not None:
+        kwargs.update(image=image, strength=0.8 if args.strength is None else args.strength)
+    if mask is not None:
+        kwargs["mask_image"] = mask
+    if controls:
+        kwargs.update(control_image=controls[0] if len(controls) == 1 else controls, guess_mode=args.guess_mode)
+        if args.control_scale:
+            kwargs["controlnet_conditioning_scale"] = args.control_scale[0] if len(args.control_scale) == 1 \
+                else args.control_scale
+    return kwargs
 
 
 def guidance_of(args: argparse.Namespace, model) -> float:

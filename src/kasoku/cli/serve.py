@@ -5,28 +5,35 @@ from __future__ import annotations
 import argparse
 
 from ..errors import KasokuError
-from .base import Command, add_engine_arguments, add_model, options_from_args, positive_int, show_stage
+from .base import (
+    Command,
+    add_engine_arguments,
+    add_model,
+    add_step_cache_arguments,
+    options_from_args,
+    positive_int,
+    show_stage,
+)
 
 
 class Serve(Command):
     """Serve the compiled pipeline over HTTP with the OpenAI Images API (needs kasoku[serve]).
 
-    POST /v1/images/generations (JSON: prompt, n, size "WxH", response_format b64_json, model; and
-    kasoku's negative_prompt, steps, guidance, seed) and POST /v1/images/edits (multipart: image, and
-    mask for inpainting, else img2img; strength). Requests with the same size, steps, guidance and
-    presence of a negative prompt that arrive within the batch window share engine calls, each image
-    with its own seed (image i of a request gets seed + i). GET /healthz, /readyz (200 once the
-    engines are loaded), /metrics (Prometheus) and / (a web page to try it). The engines are compiled
-    or loaded before the server reports ready; SIGTERM or Ctrl-C stops taking requests, answers those
-    in flight, then exits.
+    POST /v1/images/generations (JSON: prompt, n, size "WxH", response_format b64_json, model, quality
+    (low 0.5x, medium/standard/auto 1x, high/hd 1.5x the model's steps), style (taken and ignored); and
+    kasoku's negative_prompt, steps, guidance, seed, cache_interval and cache_schedule (with
+    --step-cache), and loras (adapters given with --lora NAME=PATH)) and POST /v1/images/edits (multipart: image, and mask for inpainting, else img2img;
+    strength). Requests with the same size, steps, guidance, step caching, adapters and presence of a
+    negative prompt that arrive within the batch window share engine calls, each image with its own seed (image
+    i of a request gets seed + i). GET /healthz, /readyz (200 once the engines are loaded), /metrics
+    (Prometheus) and / (a web page to try it). The engines are compiled or loaded before the server
+    reports ready; SIGTERM or Ctrl-C stops taking requests, answers those in flight, then exits.
     """
 
     name = "serve"
 
     def add_arguments(self, p: argparse.ArgumentParser) -> None:
-        from ..batch.jobs import DEFAULT_BATCH_SIZE
-        from ..serve.config import DEFAULT_MAX_QUEUE, DEFAULT_TIMEOUT, DEFAULT_WINDOW_MS
-        from ..serve.server import LOG_LEVELS
+        from ..choices import DEFAULT_BATCH_SIZE, DEFAULT_MAX_QUEUE, DEFAULT_TIMEOUT, DEFAULT_WINDOW_MS, LOG_LEVELS
 
         add_model(p)
         p.add_argument("--host", default="127.0.0.1",
@@ -66,7 +73,12 @@ class Serve(Command):
                        help="with --ray: replicas, each holding one pipeline, its own queue and batcher (default 1)")
         p.add_argument("--gpus-per-replica", type=_non_negative, default=0.0,
                        help="with --ray: GPUs Ray gives each replica, e.g. 1 for GPU backends (default 0)")
+        p.add_argument("--lora", type=_named_lora, action="append", default=[], metavar="NAME=PATH",
+                       help="a LoRA adapter requests may ask for by NAME in `loras` (\"NAME[:SCALE]\"); repeat for "
+                            "several. With adapters the attention projections are run-time weights (see "
+                            "--lora-targets), rebound per call: requests with other adapter sets use other calls")
         add_engine_arguments(p, profile_flags=False)
+        add_step_cache_arguments(p, per_call=False)
 
     def run(self, args: argparse.Namespace) -> int:
         from ..serve.config import api_key_from_env, prepare_serving, require_serve
@@ -86,7 +98,7 @@ class Serve(Command):
         config, reference = prepare_serving(
             args.model, options, sizes=tuple(args.size or ()), max_batch=args.max_batch,
             batch_window_ms=args.batch_window_ms, max_queue=args.max_queue, timeout=args.timeout, api_key=api_key,
-            model_name=args.model_name)
+            model_name=args.model_name, loras=tuple(args.lora))
         if args.ray is None:
             from ..serve.server import run_server
 
@@ -119,7 +131,8 @@ def _say_plan(config) -> None:
     _say(f"kasoku serve: {config.model_name} at {config.sizes_text}; engines for 1..{profile.max.batch} images per "
          f"call, {shape} height {profile.range_text('height')} and width {profile.range_text('width')}; max batch "
          f"{config.max_batch}, window {config.batch_window_ms:g} ms, queue {config.max_queue}, timeout "
-         f"{config.timeout:g} s{', API key required' if config.api_key else ''}")
+         f"{config.timeout:g} s{', API key required' if config.api_key else ''}"
+         f"{'; LoRA adapters ' + ', '.join(config.lora_names) if config.loras else ''}")
 
 
 def _say_listening(url: str) -> None:
@@ -160,8 +173,16 @@ def _positive_seconds(text: str) -> float:
     return _number(float, text, "a number of seconds > 0", lambda v: 0 < v < float("inf"))
 
 
+def _named_lora(text: str) -> tuple[str, str]:
+    name, equals, path = text.partition("=")
+    if not equals or not name or not path:
+        raise argparse.ArgumentTypeError(f"give NAME=PATH (the name requests use, then the adapter's file), not "
+                                         f"{text!r}")
+    return name, path
+
+
 def _size(text: str):
-    from ..serve.config import Size
+    from ..choices import Size
 
     try:
         return Size.parse(text)

@@ -12,6 +12,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from ..choices import COMPONENT_NAMES, FAMILY_TITLES, is_component_name
 from ..errors import NotADiffusersPipeline
 from .base import CONTROLNET_COMPONENT, CONTROLNET_UNET, TASKS, Family, TransformerFamily, UNetFamily
 from .flux import Flux
@@ -36,10 +37,9 @@ def component_names() -> tuple[str, ...]:
     return tuple(dict.fromkeys((*plain, CONTROLNET_UNET, CONTROLNET_COMPONENT.format("<i>"))))
 
 
-def is_component_name(name: str) -> bool:
-    """Whether some family's pipeline can have a component of this name."""
-    prefix = CONTROLNET_COMPONENT.format("")
-    return name in component_names() or (name.startswith(prefix) and name[len(prefix):].isdigit())
+if {name: f.title for name, f in FAMILIES.items()} != FAMILY_TITLES or component_names() != COMPONENT_NAMES:
+    raise RuntimeError("kasoku.choices.FAMILY_TITLES and COMPONENT_NAMES must name the registry's families and their "
+                       "components: add a new family there too (the commands offer them from there).")
 
 
 def family_only_arguments() -> dict[str, tuple[Family, ...]]:

@@ -25,6 +25,7 @@ from typing import Any, ClassVar, Protocol
 
 from ..architectures import clip, controlnet, deepcache, t5, unet, vae
 from ..architectures.base import Axes, ModuleRef, module_at
+from ..choices import CONTROLNET_COMPONENT
 from ..components import ComponentSpec, Precision, ShapeProfile, TensorSpec, default_profile
 from ..errors import KasokuError, NotADiffusersPipeline
 from ..standins import EngineTimes
@@ -34,7 +35,6 @@ from ..step_cache import DEFAULT_BRANCH
 TASKS = ("txt2img", "img2img", "inpaint")
 # A ControlNet pipeline runs one ControlNet engine per distinct ControlNet model and, in place of the
 # U-Net, the U-Net that takes their residuals as inputs.
-CONTROLNET_COMPONENT = "controlnet_{}"
 CONTROLNET_UNET = "unet_controlnet"
 VAE_COMPONENTS = ("vae_decoder", "vae_encoder")
 

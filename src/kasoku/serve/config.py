@@ -9,7 +9,15 @@ import re
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
-from ..batch.jobs import DEFAULT_BATCH_SIZE, DEFAULT_GUIDANCE, DEFAULT_STEPS
+from ..choices import (  # noqa: F401 - the serve defaults and Size, where callers of the config read them
+    DEFAULT_BATCH_SIZE,
+    DEFAULT_GUIDANCE,
+    DEFAULT_MAX_QUEUE,
+    DEFAULT_STEPS,
+    DEFAULT_TIMEOUT,
+    DEFAULT_WINDOW_MS,
+    Size,
+)
 from ..components import ImageShape, ShapeProfile
 from ..errors import KasokuError
 from ..options import CompileOptions
@@ -20,10 +28,6 @@ SERVE_EXTRA = "pip install 'kasoku[serve]'"
 SERVE_MODULES = {"FastAPI": ("fastapi",), "uvicorn": ("uvicorn",), "prometheus-client": ("prometheus_client",),
                  "python-multipart": ("python_multipart", "multipart")}
 
-DEFAULT_WINDOW_MS = 20.0  # how long the oldest waiting image waits for companions (under load, calls run back to back)
-DEFAULT_MAX_QUEUE = 64  # images waiting for an engine call
-DEFAULT_TIMEOUT = 600.0  # seconds from a request's arrival to its answer (a full-size image on a CPU takes a minute)
-SIZE_PATTERN = re.compile(r"(\d+)x(\d+)")
 
 
 class ServeNotInstalled(KasokuError, ImportError):
@@ -37,24 +41,6 @@ def require_serve(what: str = "kasoku serve") -> None:
     if missing:
         raise ServeNotInstalled(f"{what} needs {', '.join(missing)}, which {'is' if len(missing) == 1 else 'are'} "
                                 f"not installed here: {SERVE_EXTRA}")
-
-
-@dataclass(frozen=True)
-class Size:
-    """An image size as the OpenAI API writes it: "WxH" (width first)."""
-
-    width: int
-    height: int
-
-    @classmethod
-    def parse(cls, text: str) -> Size:
-        match = SIZE_PATTERN.fullmatch(text.strip())
-        if not match or min(int(match[1]), int(match[2])) < 1:
-            raise ValueError(f"a size is WIDTHxHEIGHT in pixels, e.g. 512x512, not {text!r}")
-        return cls(int(match[1]), int(match[2]))
-
-    def __str__(self) -> str:
-        return f"{self.width}x{self.height}"
 
 
 @dataclass(frozen=True)
@@ -73,6 +59,11 @@ class ServeConfig:
     max_steps: int = 1000  # the scheduler's training steps
     default_steps: int = DEFAULT_STEPS  # a request without `steps` or `guidance` gets the model family's
     default_guidance: float = DEFAULT_GUIDANCE
+    loras: tuple[tuple[str, str], ...] = ()  # (name, absolute path): the LoRA adapters requests may name
+
+    @property
+    def lora_names(self) -> tuple[str, ...]:
+        return tuple(name for name, _path in self.loras)
 
     def replace(self, **changes) -> ServeConfig:
         return replace(self, **changes)
@@ -125,12 +116,15 @@ def api_key_from_env(variable: str | None) -> str | None:
 def prepare_serving(model, options: CompileOptions | None = None, *, sizes: tuple[Size, ...] = (),
                     max_batch: int = DEFAULT_BATCH_SIZE, batch_window_ms: float = DEFAULT_WINDOW_MS,
                     max_queue: int = DEFAULT_MAX_QUEUE, timeout: float = DEFAULT_TIMEOUT,
-                    api_key: str | None = None, model_name: str | None = None):
+                    api_key: str | None = None, model_name: str | None = None,
+                    loras: tuple[tuple[str, str], ...] = ()):
     """Every check before anything is bound or built; returns (ServeConfig, the lazily loaded model).
 
     Reads the model's configs, not its weights nor the engines. The profile is that of engines
     already in the cache that serve every size (built for this server, or for the model's default
-    range), else the serving profile (built when the server starts)."""
+    range), else the serving profile (built when the server starts). `loras`: (name, file) of the LoRA
+    adapters requests may name; with them the attention projections are run-time weights (rebound per
+    call, as for `kasoku batch`) unless the options name other targets."""
     from ..build import cached_profile
     from ..cache import default_cache_dir
     from ..model import Model
@@ -153,8 +147,10 @@ def prepare_serving(model, options: CompileOptions | None = None, *, sizes: tupl
         raise KasokuError(f"--size: width and height must be multiples of {base.multiple} for this model (the VAE's "
                           f"8x times the U-Net's downsampling) but {', '.join(bad)} "
                           f"{'is' if len(bad) == 1 else 'are'} not.")
+    loras = _checked_loras(loras, reference)
     cache = (options.cache_dir or default_cache_dir()).absolute()
-    options = options.replace(cache_dir=cache, components=options.components or reference.components)
+    options = options.replace(cache_dir=cache, components=options.components or reference.components,
+                              lora_targets=options.lora_targets or (("attention",) if loras else ()))
     wanted = serving_profile(base, sizes, max_batch)
     candidates = [p for p in (wanted, base) if serves_every_request(p, sizes, max_batch)]
     profile = cached_profile(model, options, candidates) or wanted
@@ -162,8 +158,29 @@ def prepare_serving(model, options: CompileOptions | None = None, *, sizes: tupl
                          options=options.replace(profile=profile), sizes=sizes, max_batch=max_batch,
                          batch_window_ms=batch_window_ms, max_queue=max_queue, timeout=timeout, api_key=api_key,
                          max_steps=most_steps(reference.scheduler), default_steps=reference.family.default_steps,
-                         default_guidance=reference.family.default_guidance)
+                         default_guidance=reference.family.default_guidance, loras=loras)
     return config, reference
+
+
+# what a request may call an adapter: it travels in JSON and in a form field's comma-separated list
+LORA_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*")
+
+
+def _checked_loras(loras, reference) -> tuple[tuple[str, str], ...]:
+    """Each adapter's name (unique, of LORA_NAME's letters) and file (a LoRA of this model, as an absolute
+    path: Ray Serve replicas do not share our working directory)."""
+    from ..lora import check_adapter_file
+
+    checked: dict[str, str] = {}
+    for name, path in loras:
+        if not LORA_NAME.fullmatch(name):
+            raise KasokuError(f"--lora {name}=...: an adapter's name is letters, digits, '.', '_' and '-' (starting "
+                              "with a letter or digit), what requests send in `loras`.")
+        if name in checked:
+            raise KasokuError(f"--lora {name}=... is given twice; give each adapter its own name.")
+        check_adapter_file(Path(path), reference, "--lora")
+        checked[name] = str(Path(path).expanduser().absolute())
+    return tuple(checked.items())
 
 
 __all__ = ["DEFAULT_MAX_QUEUE", "DEFAULT_TIMEOUT", "DEFAULT_WINDOW_MS", "SERVE_EXTRA", "ServeConfig",

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..batch.jobs import MAX_SEED, call_key
+from ..step_cache import DEFAULT_SCHEDULE, SCHEDULES
 from .config import ServeConfig, Size
 from .errors import InvalidRequest
 
@@ -24,11 +25,15 @@ MAX_INPUT_PIXELS = 4096 * 4096  # an uploaded image larger than this is refused 
 DEFAULT_STRENGTH = 0.8  # as `kasoku generate --strength`
 RANDOM_SEEDS = 2**32  # a request without `seed` gets one drawn below this (and told which)
 
-GENERATION_FIELDS = ("prompt", "n", "size", "response_format", "model", "user",
-                     "negative_prompt", "steps", "guidance", "seed")
+GENERATION_FIELDS = ("prompt", "n", "size", "response_format", "model", "user", "quality", "style",
+                     "negative_prompt", "steps", "guidance", "seed", "cache_interval", "cache_schedule", "loras")
 EDIT_FIELDS = ("image", "mask", "strength") + GENERATION_FIELDS
 # Fields other kasoku issues add; until they land a request that sets them is refused, not ignored.
-NOT_YET = {"cache_interval": "U-Net feature caching", "loras": "LoRA adapters"}
+NOT_YET: dict[str, str] = {}
+# OpenAI's `quality` as a share of the model's steps (a request's own `steps` wins); `style` (vivid, natural) has
+# no counterpart in these models: it is taken and ignored.
+QUALITY_STEPS = {"low": 0.5, "medium": 1.0, "standard": 1.0, "auto": 1.0, "high": 1.5, "hd": 1.5}
+STYLES = ("vivid", "natural")
 
 
 @dataclass(frozen=True, eq=False)
@@ -46,11 +51,15 @@ class ServeJob:
     strength: float | None = None
     image: Any = field(default=None, repr=False)  # PIL images at the output size (img2img, inpaint)
     mask: Any = field(default=None, repr=False)
+    cache_interval: int = 1  # step caching (kasoku.step_cache): 1, none
+    cache_schedule: str = DEFAULT_SCHEDULE
+    loras: tuple[tuple[str, float], ...] = ()  # (file, scale) of the adapters the image runs
 
     @property
     def call_key(self) -> tuple:
         return call_key(self.height, self.width, self.steps, self.guidance, self.negative_prompt is not None,
-                        task=self.task, strength=self.strength)
+                        task=self.task, strength=self.strength, cache_interval=self.cache_interval,
+                        cache_schedule=self.cache_schedule, loras=self.loras)
 
 
 @dataclass(frozen=True, eq=False)
@@ -68,6 +77,9 @@ class ImageRequest:
     strength: float | None = None
     image: Any = field(default=None, repr=False)
     mask: Any = field(default=None, repr=False)
+    cache_interval: int = 1
+    cache_schedule: str = DEFAULT_SCHEDULE
+    loras: tuple[tuple[str, float], ...] = ()
 
     @property
     def seeds(self) -> list[int]:
@@ -75,12 +87,14 @@ class ImageRequest:
 
     def jobs(self) -> list[ServeJob]:
         return [ServeJob(self.prompt, self.negative_prompt, seed, self.steps, self.guidance, self.size.height,
-                         self.size.width, self.task, self.strength, self.image, self.mask) for seed in self.seeds]
+                         self.size.width, self.task, self.strength, self.image, self.mask, self.cache_interval,
+                         self.cache_schedule, self.loras) for seed in self.seeds]
 
     def call_arguments(self, images: int) -> dict[str, Any]:
         """The arguments of a call of `images` of these images, for the pipeline's own checks."""
         kwargs: dict[str, Any] = dict(prompt=[self.prompt] * images, num_inference_steps=self.steps,
-                                      guidance_scale=self.guidance)
+                                      guidance_scale=self.guidance, cache_interval=self.cache_interval,
+                                      cache_schedule=self.cache_schedule)
         if self.negative_prompt is not None:
             kwargs["negative_prompt"] = [self.negative_prompt] * images
         return kwargs | task_arguments(self.jobs()[:images])
@@ -188,14 +202,69 @@ def _common(body: dict, config: ServeConfig, form: bool) -> dict[str, Any]:
     n = _integer("n", body.get("n", 1), 1, most, form)
     seed = body.get("seed")
     seed = secrets.randbelow(RANDOM_SEEDS) if seed is None else _integer("seed", seed, 0, MAX_SEED - (n - 1), form)
+    quality = _choice("quality", body.get("quality", "auto"), tuple(QUALITY_STEPS))
+    _choice("style", body.get("style", "vivid"), STYLES)  # taken, and ignored: see STYLES
+    steps = min(config.max_steps, max(1, round(config.default_steps * QUALITY_STEPS[quality])))
+    cache_interval = _integer("cache_interval", body.get("cache_interval", 1), 1, config.max_steps, form)
+    if cache_interval > 1 and not config.options.step_cache:
+        raise InvalidRequest("`cache_interval` needs the step-cache engines, which this server did not build; start "
+                             "it with `kasoku serve ... --step-cache`.", param="cache_interval")
     return dict(
         prompt=_text("prompt", body.get("prompt"), required=True),
         negative_prompt=_text("negative_prompt", body.get("negative_prompt")),
         n=n, size=_size(body.get("size"), config), seed=seed,
-        steps=_integer("steps", body.get("steps", config.default_steps), 1, config.max_steps, form),
+        steps=_integer("steps", body.get("steps", steps), 1, config.max_steps, form),
         guidance=_number("guidance", body.get("guidance", config.default_guidance), "a finite number", lambda v: True,
                          form),
+        cache_interval=cache_interval,
+        cache_schedule=_choice("cache_schedule", body.get("cache_schedule", DEFAULT_SCHEDULE), SCHEDULES),
+        loras=_loras(body.get("loras"), config, form),
     )
+
+
+def _loras(value: Any, config: ServeConfig, form: bool) -> tuple[tuple[str, float], ...]:
+    """`loras`: adapters the server was started with (`kasoku serve --lora NAME=PATH`), by name, each at a scale
+    (default 1): a list of "NAME[:SCALE]" strings or {"name": ..., "scale": ...} objects; in a form, the
+    strings comma-separated. The images run (file, scale) of each."""
+    if value is None:
+        return ()
+    rule = 'a list of "NAME[:SCALE]" strings or {"name": ..., "scale": ...} objects'
+    if form and isinstance(value, str):
+        value = [item.strip() for item in value.split(",") if item.strip()]
+    if not isinstance(value, list):
+        raise _bad("loras", rule, value)
+    if value and not config.loras:
+        raise InvalidRequest("`loras`: this server was started without LoRA adapters; start it with `kasoku serve "
+                             "... --lora NAME=PATH` to serve one.", param="loras")
+    files = dict(config.loras)
+    chosen: dict[str, float] = {}
+    for item in value:
+        if isinstance(item, str):
+            name, _, scale_text = item.partition(":")
+            try:
+                scale: Any = float(scale_text) if scale_text else 1.0
+            except ValueError:
+                raise _bad("loras", rule, item) from None
+        elif isinstance(item, dict) and set(item) <= {"name", "scale"} and isinstance(item.get("name"), str):
+            name, scale = item["name"], item.get("scale", 1.0)
+        else:
+            raise _bad("loras", rule, item)
+        if name not in files:
+            raise InvalidRequest(f"`loras`: no adapter named {_show(name)} on this server; it serves "
+                                 f"{', '.join(config.lora_names)}.", param="loras")
+        if not isinstance(scale, (int, float)) or isinstance(scale, bool) or not math.isfinite(scale):
+            raise _bad("loras", "scales that are finite numbers", item)
+        if name in chosen:
+            raise InvalidRequest(f"`loras` names {name} twice; give each adapter once, with its scale.",
+                                 param="loras")
+        chosen[name] = float(scale)
+    return tuple((files[name], scale) for name, scale in chosen.items())
+
+
+def _choice(name: str, value: Any, choices: tuple[str, ...]) -> str:
+    if value not in choices:
+        raise _bad(name, "one of " + ", ".join(choices), value)
+    return value
 
 
 def parse_generation(body: Any, config: ServeConfig) -> ImageRequest:

@@ -12,12 +12,12 @@ import threading
 from collections.abc import Callable
 
 from ..batch.worker import StageHook
+from ..choices import LOG_LEVELS
 from ..errors import KasokuError
 from .config import ServeConfig, require_serve
 from .service import ImageService
 
 log = logging.getLogger("kasoku.serve")
-LOG_LEVELS = ("debug", "info", "warning", "error")
 
 
 class PortUnavailable(KasokuError, OSError):

@@ -12,7 +12,7 @@ import time
 from typing import Any
 
 from ..batch.jobs import call_arguments
-from ..batch.worker import PipelineRecipe, StageHook, describe_backends
+from ..batch.worker import AdapterSwitch, PipelineRecipe, StageHook, describe_backends
 from ..errors import KasokuError
 from .batching import Batcher, CallAbandoned
 from .config import ServeConfig
@@ -50,6 +50,9 @@ class ImageService:
         report = pipeline.compile_report
         self.startup = {"seconds": round(time.perf_counter() - start, 3), "engines_built": report.built,
                         "backends": describe_backends(pipeline)}
+        self.adapters = AdapterSwitch(pipeline)
+        for _name, path in self.config.loras:  # each adapter read once, before the first request
+            self.adapters.load(path)
         self.pipeline = pipeline
         self.metrics.ready.set(1)
 
@@ -116,6 +119,7 @@ class ImageService:
 
         self.metrics.running.set(len(jobs))
         try:
+            self.adapters.use(jobs[0].loras)  # a call shares one adapter set (its call key)
             return self.pipeline(**call_arguments(jobs), **task_arguments(jobs),
                                  callback_on_step_end=stop_when_unwanted).images
         finally:
@@ -133,6 +137,7 @@ class ImageService:
                 "max_batch": self.config.max_batch, "batch_window_ms": self.config.batch_window_ms,
                 "max_queue": self.config.max_queue, "timeout": self.config.timeout,
                 "precision": options.precision_label, "profile": options.profile.to_dict(), "replica": self.replica,
+                "loras": list(self.config.lora_names),
                 **self.startup,
                 **({"failure": self.failure} if self.failure else {})}
 
