@@ -6,9 +6,10 @@ benchmarks/full_sd15.py with the peer venv's python, never imported by kasoku.
 PEER is one of: optimum-intel-f32-static (OVStableDiffusionPipeline with INFERENCE_PRECISION_HINT f32,
 reshaped to the image's static shape), optimum-intel-default-dynamic / optimum-intel-default-static (its
 defaults: bf16 on a CPU with AMX), openvino-genai (Text2ImagePipeline on optimum-intel's export, its
-defaults; it takes a seed, not latents), optimum-onnx (ORTStableDiffusionPipeline, fp32). The export is
-timed; then a warm-up call, then `--repeats` timed calls per step count; the last image of each count
-is saved beside the JSON.
+defaults; it takes a seed, not latents), optimum-onnx (ORTStableDiffusionPipeline, fp32), fastsd-recipe
+(FastSD CPU's: optimum-intel's defaults, static, with the tiny autoencoder of `--taesd` decoding in
+OpenVINO). The export is timed; then a warm-up call, then `--repeats` timed calls per step count; the last
+image of each count is saved beside the JSON. `--guidance` is every call's guidance scale (7.5).
 """
 
 from __future__ import annotations
@@ -56,6 +57,24 @@ def export_openvino(model: Path, work: Path) -> tuple[Path, float]:
     return target, seconds
 
 
+def taesd_decoder(folder: Path, size: int, threads: int):
+    """The tiny autoencoder's decoder compiled by OpenVINO (its defaults), latents -> image in [0, 1]."""
+    import openvino as ov
+    import torch
+    from diffusers import AutoencoderTiny
+
+    tiny = AutoencoderTiny.from_pretrained(folder).eval()
+
+    class Decode(torch.nn.Module):
+        def forward(self, latents):
+            return (tiny.decode(latents, return_dict=False)[0] / 2 + 0.5).clamp(0, 1)
+
+    example = torch.zeros(1, tiny.config.latent_channels, size // 8, size // 8)
+    compiled = ov.Core().compile_model(ov.convert_model(Decode(), example_input=example), "CPU",
+                                       {"INFERENCE_NUM_THREADS": threads})
+    return lambda latents: compiled(np.asarray(latents))[0]
+
+
 def run(peer: str, args) -> dict:
     import torch
 
@@ -64,10 +83,25 @@ def run(peer: str, args) -> dict:
     latents = torch.from_numpy(np.load(args.latents))
     result: dict = {"peer": peer}
     start = time.perf_counter()
-    if peer.startswith("optimum-intel") or peer == "openvino-genai":
+    if peer.startswith("optimum-intel") or peer in ("openvino-genai", "fastsd-recipe"):
         exported, result["export_s"] = export_openvino(args.model, args.work)
         start = time.perf_counter()
-    if peer.startswith("optimum-intel"):
+    if peer == "fastsd-recipe":
+        import openvino as ov
+        from optimum.intel import OVStableDiffusionPipeline
+
+        result["versions"] = {"openvino": ov.__version__}
+        pipe = OVStableDiffusionPipeline.from_pretrained(
+            exported, ov_config={"INFERENCE_NUM_THREADS": args.threads, "PERFORMANCE_HINT": "LATENCY"}, compile=False)
+        pipe.reshape(batch_size=1, height=args.size, width=args.size, num_images_per_prompt=1)
+        pipe.compile()
+        decode = taesd_decoder(args.taesd, args.size, args.threads)
+
+        def generate(steps):
+            denoised = pipe(args.prompt, num_inference_steps=steps, guidance_scale=args.guidance, height=args.size,
+                            width=args.size, latents=latents, output_type="latent").images
+            return np.transpose(decode(denoised)[0], (1, 2, 0))
+    elif peer.startswith("optimum-intel"):
         import openvino as ov
         from optimum.intel import OVStableDiffusionPipeline
 
@@ -81,8 +115,8 @@ def run(peer: str, args) -> dict:
         pipe.compile()
 
         def generate(steps):
-            return pipe(args.prompt, num_inference_steps=steps, guidance_scale=7.5, height=args.size, width=args.size,
-                        latents=latents, output_type="np").images[0]
+            return pipe(args.prompt, num_inference_steps=steps, guidance_scale=args.guidance, height=args.size,
+                        width=args.size, latents=latents, output_type="np").images[0]
     elif peer == "openvino-genai":
         import openvino_genai as ov_genai
 
@@ -91,7 +125,7 @@ def run(peer: str, args) -> dict:
 
         def generate(steps):
             image = pipe.generate(args.prompt, width=args.size, height=args.size, num_inference_steps=steps,
-                                  guidance_scale=7.5, generator=ov_genai.TorchGenerator(0))
+                                  guidance_scale=args.guidance, generator=ov_genai.TorchGenerator(0))
             return np.asarray(image.data)[0].astype(np.float32) / 255.0
     elif peer == "optimum-onnx":
         import onnxruntime
@@ -111,8 +145,8 @@ def run(peer: str, args) -> dict:
         pipe = ORTStableDiffusionPipeline.from_pretrained(target, session_options=options)
 
         def generate(steps):
-            return pipe(args.prompt, num_inference_steps=steps, guidance_scale=7.5, height=args.size, width=args.size,
-                        latents=latents, output_type="np").images[0]
+            return pipe(args.prompt, num_inference_steps=steps, guidance_scale=args.guidance, height=args.size,
+                        width=args.size, latents=latents, output_type="np").images[0]
     else:
         raise SystemExit(f"unknown peer {peer!r}")
     result["load_s"] = time.perf_counter() - start
@@ -146,6 +180,8 @@ def main() -> int:
     parser.add_argument("--steps", type=lambda t: [int(s) for s in t.split(",")], default=[4, 20])
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--guidance", type=float, default=7.5)
+    parser.add_argument("--taesd", type=Path, default=None, help="fastsd-recipe: the AutoencoderTiny folder")
     args = parser.parse_args()
     args.work.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(run(args.peer, args), indent=2))

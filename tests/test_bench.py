@@ -45,8 +45,10 @@ def test_bench_reports_every_field(tiny_dir, tmp_path, capsys):
 
 
 def test_bench_refuses_fewer_than_three_repeats(tiny_dir, capsys):
-    assert main(["bench", str(tiny_dir), "--repeats", "2"]) == 1
-    assert "--repeats must be at least 3" in capsys.readouterr().out
+    with pytest.raises(SystemExit) as exited:  # argparse's refusal: one line, exit status 2
+        main(["bench", str(tiny_dir), "--repeats", "2"])
+    assert exited.value.code == 2
+    assert "--repeats: expected at least 3 repeats (a median of repeats), got '2'" in capsys.readouterr().err
 
 
 def test_a_wide_spread_is_said_to_be_unsteady():

@@ -102,7 +102,7 @@ def test_leftover_from_a_killed_build_is_ignored_and_cleaned(tmp_path):
     cache = Cache(tmp_path)
     key = digest_key({"kind": "t"})
     leftover = cache.entries / f"{TMP_PREFIX}{key}-99999-deadbeef"
-    leftover.mkdir()
+    leftover.mkdir(parents=True)
     (leftover / "a.bin").write_bytes(b"garbage")
     assert cache.list() == []
     entry = cache.get_or_build({"kind": "t"}, write_files)

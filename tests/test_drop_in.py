@@ -27,8 +27,13 @@ KASOKU_ONLY = ("cache_interval", "cache_schedule")
 
 
 def pipeline_of(class_name: str):
-    """A tiny diffusers pipeline of this class (a ControlNet one with a tiny ControlNet), and its task."""
+    """A tiny diffusers pipeline of this class (a ControlNet one with a tiny ControlNet, an LCM one with an
+    LCM-distilled U-Net), and its task."""
     for family in FAMILIES.values():
+        for group in family.pipeline_sets:
+            for task, name in group.items():
+                if name == class_name:
+                    return family.task_pipeline(family.tiny_lcm_pipeline(), task), task, False
         for controlnet, classes in ((False, family.pipelines), (True, family.controlnet_pipelines)):
             for task, name in classes.items():
                 if name == class_name:
@@ -56,7 +61,7 @@ def diffusers_arguments(task: str, controlnet: bool) -> dict:
     return arguments
 
 
-@pytest.mark.integration  # 21 pipelines, each compiled on torch and run twice
+@pytest.mark.integration  # every supported class, each compiled on torch and run twice
 @pytest.mark.parametrize("class_name", SUPPORTED_PIPELINES)
 def test_every_class_takes_its_own_arguments_and_gives_its_own_image(class_name, tmp_path):
     pipe, task, controlnet = pipeline_of(class_name)
@@ -67,7 +72,8 @@ def test_every_class_takes_its_own_arguments_and_gives_its_own_image(class_name,
     assert [n for n in ours if n in names] == names  # every one of them, in their order
     assert all(ours[n].default == theirs[n].default for n in names)
     assert all(ours[name].kind is inspect.Parameter.KEYWORD_ONLY for name in KASOKU_ONLY)
-    call = dict(num_inference_steps=2, height=64, width=64, output_type="np", **diffusers_arguments(task, controlnet))
+    sized = {name: 64 for name in ("height", "width") if name in theirs}  # img2img takes its size from the image
+    call = dict(num_inference_steps=2, output_type="np", **sized, **diffusers_arguments(task, controlnet))
     call.update(fast.fixed_arguments)
     expected = pipe("a photo of a cat", generator=torch.Generator().manual_seed(0), **call).images
     actual = fast("a photo of a cat", generator=torch.Generator().manual_seed(0), **call).images
@@ -107,6 +113,16 @@ def test_what_diffusers_would_take_silently_or_fail_on_later_is_refused_first(fa
     with pytest.raises(InvalidInput, match=message):
         fast("a cat", num_inference_steps=2, **call)
     assert not fast.times.calls  # nothing ran
+
+
+def test_positional_arguments_bind_in_the_classes_own_order(fast):
+    """StableDiffusionPipeline's order is (prompt, height, width, num_inference_steps, ...): so is ours."""
+    named = fast("a cat", height=32, width=64, num_inference_steps=2, generator=torch.Generator().manual_seed(0),
+                 output_type="np").images
+    positional = fast("a cat", 32, 64, 2, generator=torch.Generator().manual_seed(0), output_type="np").images
+    assert positional.shape == (1, 32, 64, 3) and np.array_equal(named, positional)
+    with pytest.raises(InvalidInput, match="`height` is given twice: by position and by name"):
+        fast("a cat", 32, height=32)
 
 
 def test_a_long_prompt_warns_that_it_is_cut(fast):

@@ -19,7 +19,7 @@ import numpy as np
 from .components import ImageShape, ShapeProfile
 from .families import family_only_arguments
 from .model import Model
-from .schedulers import most_steps
+from .schedulers import distilled_steps, most_steps
 from .signature import call_signature, check_names, check_task_names, pipeline_classes
 from .standins import InvalidInput
 from .step_cache import DEFAULT_SCHEDULE, InvalidStepCache, check_interval, check_schedule
@@ -29,14 +29,15 @@ def _image_size(image) -> tuple[int, int]:
     """(height, width) of a PIL image, array or tensor (or the first of a list)."""
     if isinstance(image, (list, tuple)):
         image = image[0]
-    if hasattr(image, "size") and not callable(image.size):
+    if isinstance(getattr(image, "size", None), tuple):  # PIL: (width, height)
         width, height = image.size
         return height, width
     shape = tuple(image.shape)
     if len(shape) == 4:
         shape = shape[1:]
-    # CHW tensors or HWC arrays
-    return (shape[1], shape[2]) if shape[0] in (1, 3, 4) and len(shape) == 3 else (shape[0], shape[1])
+    # diffusers' layouts: torch tensors are (N)CHW, numpy arrays (N)HWC
+    channels_first = type(image).__module__.startswith("torch")
+    return (shape[1], shape[2]) if channels_first and len(shape) == 3 else (shape[0], shape[1])
 
 
 def check_image_type(name: str, value) -> None:
@@ -148,10 +149,11 @@ class CallChecks:
     def scheduler(self):
         return self._scheduler()
 
-    def check(self, task: str, prompt, image, mask_image, control_image=None, cache_interval: int = 1,
-                     cache_schedule: str = DEFAULT_SCHEDULE, **kwargs) -> None:
+    def check(self, task: str, prompt, image=None, mask_image=None, control_image=None, cache_interval: int = 1,
+              cache_schedule: str = DEFAULT_SCHEDULE, **kwargs) -> None:
         """Everything an engine cannot serve, as one clear error before anything runs."""
-        others = family_only_arguments()  # another family's argument: said so by _check_family_arguments
+        # another family's argument, or ControlNet's on a plain pipeline: said so by the checks below
+        others = {*family_only_arguments(), *([] if self.controlnets else CONTROL_ARGUMENTS)}
         check_names(self.signature, [name for name in kwargs if name not in others], self.classes)
         self._check_family_arguments(kwargs)
         for name, value in (("image", image), ("mask_image", mask_image), ("control_image", control_image)):
@@ -171,7 +173,7 @@ class CallChecks:
                     f"{_image_size(mask_image)} (height, width)."
                 )
         per_net = self._control_images_per_net(control_image, kwargs)
-        check_task_names(task, self.family.pipeline_class(task, controlnet=bool(self.controlnets)), kwargs)
+        check_task_names(task, self.model.pipeline_class(task), kwargs)
         sized_by = image if task != "txt2img" else (per_net[0] if per_net else None)  # as diffusers derives it
         height, width = self._output_size(task, sized_by, kwargs.get("height"), kwargs.get("width"))
         prompts = 1 if isinstance(prompt, str) or prompt is None else len(prompt)
@@ -186,10 +188,11 @@ class CallChecks:
         if per_prompt is not None and (not _is_count(per_prompt) or per_prompt < 1):
             raise InvalidInput(f"`num_images_per_prompt` must be a positive int but is {per_prompt!r}.")
         self.profile.check(ImageShape(batch=prompts * (per_prompt or 1), height=height, width=width))
-        guided = self.family.doubles_batch(kwargs)  # classifier-free guidance: the family's rule
+        guided = self.model.doubles_batch(kwargs)  # classifier-free guidance: the family's rule
         if self.profile.guidance is not None and self.profile.guidance != guided:
             compiled = "with" if self.profile.guidance else "without"
-            given = kwargs.get("guidance_scale", self.family.call_default("guidance_scale"))
+            given = kwargs.get("guidance_scale", self.family.call_default("guidance_scale",
+                                                                           source=type(self.model.pipe).__name__))
             raise InvalidInput(f"these engines were compiled for calls {compiled} classifier-free guidance "
                                f"(exact-shape engines) but `guidance_scale` is {given}; "
                                "compile for this call (kasoku generate does) or a profile with guidance=None.")
@@ -278,6 +281,11 @@ class CallChecks:
         if task != "txt2img" and int(steps * float(strength)) < 1:
             raise InvalidInput(f"`num_inference_steps` x `strength` must be at least 1 step of denoising but is "
                                f"{steps} x {strength}; raise either.")
+        distilled = distilled_steps(self.scheduler)
+        if task != "txt2img" and distilled and int(distilled * float(strength)) < steps:
+            raise InvalidInput(f"`num_inference_steps` must be at most {int(distilled * float(strength))} at "
+                               f"`strength` {strength} for {type(self.scheduler).__name__} (a subset of its "
+                               f"{distilled} distilled steps x the strength); lower the steps or raise the strength.")
 
     def _check_step_cache(self, interval, schedule) -> None:
         try:

@@ -86,7 +86,7 @@ def compile_components(
         seconds=time.perf_counter() - start,
         family=model.family.name,
         precisions={name: compiler.precision(spec).value for name, spec in specs.items()},
-        notes=notes + precision_notes(specs, options),
+        notes=notes + precision_notes(specs, options) + model.notes,
         load_seconds=compiler.load_seconds,
     )
     return engines, report

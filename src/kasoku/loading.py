@@ -93,12 +93,27 @@ def damaged_component(folder: Path, error: Exception) -> DamagedModel:
                         "problem: copy or save the pipeline again (`pipe.save_pretrained(DIR)`).")
 
 
-def load_pipeline(model: Any, *, torch_dtype: torch.dtype = torch.float32, lazy: bool = False, controlnet=None):
+def check_weights_readable(folder: Path) -> None:
+    """Each safetensors file of a model folder has a readable header (a truncated or corrupt file is caught here,
+    before any work, rather than when its weights are first needed minutes later). Reads headers only."""
+    from safetensors import safe_open
+
+    for weights in sorted(Path(folder).glob("*.safetensors")):
+        try:
+            with safe_open(str(weights), framework="pt") as opened:
+                opened.keys()
+        except Exception as error:
+            raise damaged_component(folder, error) from None
+
+
+def load_pipeline(model: Any, *, torch_dtype: torch.dtype = torch.float32, lazy: bool = False, controlnet=None,
+                  tiny_vae=None):
     """A diffusers pipeline from a folder, a hub id (when online) or a live pipeline.
 
     With `lazy` (folders only), the torch models are built on the meta device; :func:`real_module`
     loads one when its weights are needed. `controlnet` (ControlNet folders or models, one or a list,
-    see :func:`load_controlnets`) makes it the family's ControlNet pipeline of the same task."""
+    see :func:`load_controlnets`) makes it the family's ControlNet pipeline of the same task; `tiny_vae`
+    (an AutoencoderTiny or its folder) replaces its VAE (see :func:`with_tiny_vae`)."""
     from diffusers import DiffusionPipeline
 
     if isinstance(model, DiffusionPipeline):
@@ -120,6 +135,8 @@ def load_pipeline(model: Any, *, torch_dtype: torch.dtype = torch.float32, lazy:
     family = family_of(pipe)  # an unsupported pipeline class fails here, naming the supported ones
     if controlnet is not None:
         pipe = family.with_controlnet(pipe, load_controlnets(controlnet, lazy=lazy))
+    if tiny_vae is not None:
+        pipe = with_tiny_vae(pipe, tiny_vae, lazy=lazy)
     return pipe
 
 
@@ -155,25 +172,66 @@ def load_controlnets(controlnet: Any, *, lazy: bool = False):
 def _controlnet_from_folder(folder: Path, lazy: bool):
     from diffusers import ControlNetModel
 
+    return _model_from_folder(folder, ControlNetModel, "ControlNet", lazy,
+                              saved="`controlnet.save_pretrained(DIR)`, or `kasoku tiny DIR --controlnet` writes "
+                                    "one in DIR/controlnet",
+                              runs="the Stable Diffusion ControlNets diffusers loads as ControlNetModel")
+
+
+def _model_from_folder(folder: Path, cls: type, what: str, lazy: bool, *, saved: str, runs: str):
+    """The diffusers model of class `cls` saved in `folder` (`what` names it in errors; `saved` says how such a
+    folder is made, `runs` what kasoku takes); with `lazy`, built on the meta device and loaded when needed."""
     if not folder.exists():
-        raise ModelNotFound(f"the ControlNet folder {folder} does not exist"
+        raise ModelNotFound(f"the {what} folder {folder} does not exist"
                             + (" (and HF_HUB_OFFLINE is set, so it is not downloaded)." if _hub_offline() else "."))
     if not (folder / "config.json").is_file():
-        raise ModelNotFound(f"{folder} is not a ControlNet folder (it has no config.json); give a folder a diffusers "
-                            "ControlNetModel was saved to (`controlnet.save_pretrained(DIR)`, or `kasoku tiny DIR "
-                            "--controlnet` writes one in DIR/controlnet).")
-    class_name = ControlNetModel.load_config(folder).get("_class_name")
-    if class_name != ControlNetModel.__name__:
-        raise NotADiffusersPipeline(f"{folder} holds a {class_name!r}, not a ControlNetModel; kasoku runs the "
-                                    "Stable Diffusion ControlNets diffusers loads as ControlNetModel.")
+        raise ModelNotFound(f"{folder} is not a {what} folder (it has no config.json); give a folder a diffusers "
+                            f"{cls.__name__} was saved to ({saved}).")
+    class_name = cls.load_config(folder).get("_class_name")
+    if class_name != cls.__name__:
+        raise NotADiffusersPipeline(f"{folder} holds a {class_name!r}, not a {cls.__name__}; kasoku runs {runs}.")
     if not lazy:
-        return ControlNetModel.from_pretrained(folder, use_safetensors=True, torch_dtype=torch.float32).eval()
+        try:
+            return cls.from_pretrained(folder, use_safetensors=True, torch_dtype=torch.float32).eval()
+        except Exception as error:  # a damaged weights file: name it (not a network problem)
+            raise damaged_component(folder, error) from None
     from accelerate import init_empty_weights
 
+    check_weights_readable(folder)
     with init_empty_weights():
-        module = ControlNetModel.from_config(ControlNetModel.load_config(folder))
+        module = cls.from_config(cls.load_config(folder))
     setattr(module, _LAZY_SOURCE, folder)
     return module.eval()
+
+
+def load_tiny_vae(source: Any, *, lazy: bool = False):
+    """An AutoencoderTiny (TAESD, TAESDXL, TAESD3, TAEF1) from its folder, or a live one."""
+    from diffusers import AutoencoderTiny
+
+    if isinstance(source, AutoencoderTiny):
+        return source
+    if isinstance(source, torch.nn.Module):
+        raise NotADiffusersPipeline(f"`tiny_vae` must be a diffusers AutoencoderTiny (TAESD) or its folder but is a "
+                                    f"{type(source).__name__}.")
+    return _model_from_folder(Path(source), AutoencoderTiny, "tiny VAE", lazy,
+                              saved="`vae.save_pretrained(DIR)`, or `kasoku tiny DIR --tiny-vae` writes one in "
+                                    "DIR/tiny_vae",
+                              runs="the tiny autoencoders diffusers loads as AutoencoderTiny (TAESD and its kin)")
+
+
+def with_tiny_vae(pipe, source: Any, *, lazy: bool = False):
+    """A pipeline of `pipe`'s class and components with its VAE swapped for the AutoencoderTiny at `source`
+    (`pipe` itself is left as it is). Its latents must be the VAE's: TAESD for SD 1.x/2.x, TAESDXL for SDXL,
+    TAESD3 and TAEF1 (16 channels) for SD3 and Flux."""
+    tiny = load_tiny_vae(source, lazy=lazy)
+    want, have = pipe.vae.config.latent_channels, tiny.config.latent_channels
+    if want != have:
+        raise NotADiffusersPipeline(f"the tiny VAE has {have} latent channels but this pipeline's VAE has {want}; "
+                                    "give the tiny VAE of its family (TAESD for SD 1.x/2.x, TAESDXL for SDXL, TAESD3 "
+                                    "for SD3, TAEF1 for Flux).")
+    new = type(pipe).from_pipe(pipe, vae=tiny)
+    new.set_progress_bar_config(disable=True)
+    return new
 
 
 def _model_classes(folder: Path) -> dict[str, type]:
@@ -198,6 +256,7 @@ def _meta_models(folder: Path) -> dict[str, torch.nn.Module]:
 
     models = {}
     for name, cls in _model_classes(folder).items():
+        check_weights_readable(folder / name)
         with init_empty_weights():
             if issubclass(cls, ModelMixin):
                 module = cls.from_config(cls.load_config(folder / name))

@@ -19,9 +19,14 @@ from .components import ComponentSpec, ShapeProfile
 from .families import Family, family_of
 from .fingerprint import WeightsFingerprints
 from .loading import lazy_source, load_pipeline, model_label, real_module, release_module
+from .schedulers import few_step_defaults
 from .step_cache import DEFAULT_BRANCH
 
-__all__ = ["Model", "component_specs"]
+__all__ = ["Model", "TINY_VAE_NOTE", "component_specs"]
+
+# what a compile says of a model whose VAE kasoku swapped for the tiny one
+TINY_VAE_NOTE = ("the VAE is the tiny autoencoder (AutoencoderTiny): images differ from the full VAE's (a little "
+                 "softer); verify and the parity checks compare with diffusers on the same tiny VAE.")
 
 
 class Model:
@@ -32,6 +37,7 @@ class Model:
         self.pipe = pipe
         self.label = label or model_label(pipe)
         self.weights = weights or WeightsFingerprints()
+        self.notes: list[str] = []  # what a compile of it says (a VAE swapped for the tiny one)
 
     @classmethod
     def of(cls, model: Any, *, label: str | None = None, weights: WeightsFingerprints | None = None) -> Model:
@@ -41,15 +47,20 @@ class Model:
         return cls(model, label=label, weights=weights)
 
     @classmethod
-    def load(cls, source: Any, *, lazy: bool = False, controlnet=None, label: str | None = None) -> Model:
+    def load(cls, source: Any, *, lazy: bool = False, controlnet=None, tiny_vae=None, label: str | None = None
+             ) -> Model:
         """A folder, a hub id (when online), a live pipeline or a Model, with `controlnet` (folders or models)
-        added; with `lazy`, a folder's modules are built on the meta device and loaded when needed."""
+        added and its VAE swapped for `tiny_vae` (an AutoencoderTiny or its folder); with `lazy`, a folder's
+        modules are built on the meta device and loaded when needed."""
         if isinstance(source, Model):
-            if controlnet is None:
+            if controlnet is None and tiny_vae is None:
                 return source
             source = source.pipe
-        pipe = load_pipeline(source, lazy=lazy, controlnet=controlnet)
-        return cls(pipe, label=label or model_label(source))
+        pipe = load_pipeline(source, lazy=lazy, controlnet=controlnet, tiny_vae=tiny_vae)
+        model = cls(pipe, label=label or model_label(source))
+        if tiny_vae is not None:
+            model.notes.append(TINY_VAE_NOTE)
+        return model
 
     def remember_digests_under(self, root: str | Path) -> Model:
         """Remember the digests of folder-loaded weights in this cache folder (a warm start then reads none)."""
@@ -130,6 +141,21 @@ class Model:
         """The component specs (all the model has, or `names`), for `profile` (default: the model's default)."""
         branch = DEFAULT_BRANCH if cache_branch is None else cache_branch
         return self.family.specs(self, profile or self.default_profile(), names, branch)
+
+    def pipeline_class(self, task: str):
+        """The diffusers class this model runs `task` with (its ControlNet class with ControlNets; the class it
+        was compiled from for its own task)."""
+        return self.family.pipeline_class(task, controlnet=bool(self.controlnets), source=type(self.pipe).__name__)
+
+    def command_defaults(self, scheduler=None) -> tuple[int, float]:
+        """(steps, guidance) of the commands (generate, batch, serve) when not told: a few-step scheduler's
+        (`scheduler`, default the model's; see kasoku.schedulers.few_step_defaults), else the family's."""
+        few = few_step_defaults(scheduler or self.scheduler, guidance_embedded=self.family.guidance_embedded(self))
+        return few or (self.family.default_steps, self.family.default_guidance)
+
+    def doubles_batch(self, kwargs) -> bool:
+        """Whether a call with these arguments runs the denoiser on twice the images (classifier-free guidance)."""
+        return self.family.doubles_batch(kwargs, self)
 
     def task_pipeline(self, task: str, **overrides):
         """The family's diffusers pipeline of `task` on this model's components (`overrides` replace some)."""

@@ -30,6 +30,7 @@ from .model import Model
 from .options import CompileOptions
 from .runtime import EnginePipelines
 from .schedulers import scheduler_named
+from .signature import applicable
 from .standins import EngineTimes, InvalidInput
 from .step_cache import DEFAULT_SCHEDULE
 
@@ -84,14 +85,14 @@ class KasokuPipeline:
     # ---- construction --------------------------------------------------------------------------
 
     @classmethod
-    def from_pretrained(cls, path_or_id, backend: str | None = None, *, controlnet=None,
+    def from_pretrained(cls, path_or_id, backend: str | None = None, *, controlnet=None, tiny_vae=None,
                         options: CompileOptions | None = None, on_stage=None, **fields) -> KasokuPipeline:
         """Load a diffusers folder (or hub id when online) and compile it (from the cache when built).
 
         `controlnet`: ControlNet folders or models (one, or a list for several), run with the family's
-        ControlNet pipelines. The torch weights are read only for components whose engines are not in the
-        cache yet."""
-        model = Model.load(path_or_id, lazy=True, controlnet=controlnet, label=str(path_or_id))
+        ControlNet pipelines. `tiny_vae`: an AutoencoderTiny (TAESD) or its folder in place of the VAE. The
+        torch weights are read only for components whose engines are not in the cache yet."""
+        model = Model.load(path_or_id, lazy=True, controlnet=controlnet, tiny_vae=tiny_vae, label=str(path_or_id))
         return compile(model, backend, options=options, on_stage=on_stage, label=str(path_or_id), **fields)
 
     # ---- the diffusers surface -----------------------------------------------------------------
@@ -128,11 +129,17 @@ class KasokuPipeline:
     def task(self, image=None, mask_image=None) -> str:
         return task_of(image, mask_image)
 
-    def __call__(self, prompt=None, image=None, mask_image=None, control_image=None, *, cache_interval: int = 1,
-                 cache_schedule: str = DEFAULT_SCHEDULE, **kwargs):
-        """diffusers' call: txt2img, or img2img with `image`, or inpaint with `image` and `mask_image`;
-        with ControlNets, `control_image` in every task; with step caching where `cache_interval` > 1 (see
-        the class docstring)."""
+    def __call__(self, *args, **kwargs):
+        """diffusers' call, in the signature of the class it was compiled from (`inspect.signature(pipe)`,
+        positional arguments in its order): txt2img, or img2img with `image`, or inpaint with `image` and
+        `mask_image`; with ControlNets, `control_image` in every task (`image` in diffusers' ControlNet
+        text-to-image classes); with step caching where `cache_interval` > 1 (see the class docstring)."""
+        kwargs = self._by_name(args, kwargs)
+        prompt = kwargs.pop("prompt", None)
+        image, mask_image, control_image = (kwargs.pop(name, None) for name in ("image", "mask_image",
+                                                                                 "control_image"))
+        cache_interval = kwargs.pop("cache_interval", 1)
+        cache_schedule = kwargs.pop("cache_schedule", DEFAULT_SCHEDULE)
         if self._image_is_control and control_image is None and mask_image is None:
             image, control_image = None, image  # diffusers' meaning in this class
         task = self.task(image, mask_image)
@@ -148,11 +155,25 @@ class KasokuPipeline:
             kwargs.update(self.family.control_arguments(task, control_image))
             kwargs.update(self._control_scales(kwargs))
         kwargs.update(self.checks.defaults(kwargs))
+        kwargs = applicable(self.model.pipeline_class(task), kwargs)
         run = None
         if cache_interval > 1:
             self.enable_step_cache()
             run = self._runtime.step_cache_run(task, cache_interval, cache_schedule)
         return self._runtime(task, step_cache=run, prompt=prompt, **kwargs)
+
+    def _by_name(self, args: tuple, kwargs: dict[str, Any]) -> dict[str, Any]:
+        """Positional arguments named as the signature orders them (diffusers' class's own order)."""
+        positional = [p.name for p in self.__signature__.parameters.values()
+                      if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+        if len(args) > len(positional):
+            raise InvalidInput(f"this pipeline takes at most {len(positional)} positional arguments "
+                               f"({', '.join(positional)}) but {len(args)} were given; name the others.")
+        for name, value in zip(positional, args):
+            if name in kwargs:
+                raise InvalidInput(f"`{name}` is given twice: by position and by name.")
+            kwargs[name] = value
+        return kwargs
 
     def _control_scales(self, kwargs) -> dict[str, Any]:
         """controlnet_conditioning_scale as diffusers takes it: a float for one ControlNet (not an int, nor a
@@ -310,6 +331,7 @@ def compile(
     backend: str | dict | None = None,
     *,
     controlnet=None,
+    tiny_vae=None,
     options: CompileOptions | None = None,
     on_stage=None,
     label: str | None = None,
@@ -319,11 +341,12 @@ def compile(
     """A live diffusers Stable Diffusion 1.x / 2.x / XL pipeline in (txt2img, img2img or inpaint, with or
     without ControlNets, also one with xFormers attention processors), an accelerated KasokuPipeline out.
 
-    `controlnet` (ControlNet folders or models, one or a list) adds ControlNets to a pipeline without them.
+    `controlnet` (ControlNet folders or models, one or a list) adds ControlNets to a pipeline without them;
+    `tiny_vae` (an AutoencoderTiny, TAESD, or its folder) runs in place of its VAE (`pipe` is left as it is).
     `options` is a :class:`CompileOptions`; its fields may also be given as keywords (backend,
     precision, profile, components, cache_dir, threads, step_cache, cache_branch, ...). `pipe` may also be a
     :class:`kasoku.model.Model` (what `KasokuPipeline.from_pretrained` hands it)."""
-    model = _compiled_model(pipe, controlnet, label)
+    model = _compiled_model(pipe, controlnet, tiny_vae, label)
     options = CompileOptions.of(options, backend=backend, **fields)
     if options.profile is None:
         options = options.replace(profile=model.default_profile())
@@ -334,10 +357,12 @@ def compile(
                           cache=cache)
 
 
-def _compiled_model(pipe, controlnet, label: str | None) -> Model:
+def _compiled_model(pipe, controlnet, tiny_vae, label: str | None) -> Model:
     """The model `compile` takes: a live diffusers pipeline or a Model (a path is refused with what to call)."""
     if isinstance(pipe, (str, Path)):
         raise InvalidInput(f"kasoku.compile takes a live diffusers pipeline; for the folder or hub id {str(pipe)!r} "
                            "use kasoku.KasokuPipeline.from_pretrained(PATH), which loads and compiles it.")
     model = Model.of(pipe, label=label)  # an unsupported pipeline fails here, naming the supported ones
-    return Model.load(model, controlnet=controlnet) if controlnet is not None else model
+    if controlnet is None and tiny_vae is None:
+        return model
+    return Model.load(model, controlnet=controlnet, tiny_vae=tiny_vae, label=model.label)

@@ -30,8 +30,8 @@ def pipeline_classes(model: Model) -> list[type]:
     ControlNets)."""
     family, controlnet = model.family, bool(model.controlnets)
     source = type(model.pipe)
-    others = [family.pipeline_class(task, controlnet=controlnet) for task in TASKS
-              if task in (family.controlnet_pipelines if controlnet else family.pipelines)]
+    others = [model.pipeline_class(task) for task in TASKS
+              if task in family.pipelines_for(source.__name__, controlnet=controlnet)]
     return list(dict.fromkeys([source, *others]))
 
 
@@ -69,14 +69,26 @@ def check_names(signature: inspect.Signature, given: Iterable[str], classes: Ite
                                f"{', '.join(c.__name__ for c in classes)}){hint}")
 
 
-def check_task_names(task: str, pipeline_class: type, given: Iterable[str]) -> None:
+def check_task_names(task: str, pipeline_class: type, given: Mapping[str, Any]) -> None:
     """Refuse an argument the task's own class does not take (`strength` in a text-to-image call: diffusers would
-    take it into its deprecated **kwargs and ignore it)."""
-    takes = {p.name for p in _parameters(pipeline_class)} | set(DEPRECATED)
-    for name in given:
-        if name not in takes:
+    take it into its deprecated **kwargs and ignore it). One given as None asks for nothing and passes."""
+    takes = takes_names(pipeline_class)
+    for name, value in given.items():
+        if name not in takes and value is not None:
             raise InvalidInput(f"`{name}` does not apply to {task} ({pipeline_class.__name__} takes no `{name}`); "
                                f"{_where_it_applies(name)}")
+
+
+def takes_names(pipeline_class: type) -> set[str]:
+    """The call arguments `pipeline_class` takes by name."""
+    return {p.name for p in _parameters(pipeline_class)} | set(DEPRECATED)
+
+
+def applicable(pipeline_class: type, kwargs: Mapping[str, Any]) -> dict[str, Any]:
+    """`kwargs` without the None-valued ones `pipeline_class` does not take (LatentConsistencyModelPipeline has no
+    `negative_prompt`; code written for another class may pass it as None)."""
+    takes = takes_names(pipeline_class)
+    return {name: value for name, value in kwargs.items() if name in takes or value is not None}
 
 
 def _where_it_applies(name: str) -> str:

@@ -25,13 +25,19 @@ def family_names() -> tuple[str, ...]:
 
 
 def check_variant(family: str, *, inpainting: bool = False, prediction: str = "epsilon",
-                  controlnet: bool = False) -> None:
-    """The tiny variants are the U-Net families': an inpainting U-Net, v-prediction, a ControlNet."""
+                  controlnet: bool = False, lcm: bool = False) -> None:
+    """The tiny variants are the U-Net families': an inpainting U-Net, v-prediction, a ControlNet, an LCM U-Net
+    (not with the others)."""
     if isinstance(FAMILIES[family], UNetFamily):
+        others = [flag for flag, given in (("--inpainting", inpainting), ("--prediction v_prediction",
+                                                                          prediction != "epsilon")) if given]
+        if lcm and others:
+            raise KasokuError(f"--lcm with {others[0]}: the tiny LCM pipeline is a text-to-image one of epsilon "
+                              "prediction (it runs img2img and inpainting as it is).")
         return
     asked = [flag for flag, given in (("--inpainting", inpainting), ("--prediction v_prediction",
                                                                      prediction != "epsilon"),
-                                      ("--controlnet", controlnet)) if given]
+                                      ("--controlnet", controlnet), ("--lcm", lcm)) if given]
     if asked:
         raise KasokuError(f"{asked[0]}: the tiny {FAMILIES[family].title} pipeline has no such variant "
                                       "(they are the U-Net families': sd1, sd2, sdxl); every "
@@ -43,12 +49,15 @@ def _check_choice(name: str, value: str, choices: tuple[str, ...]) -> None:
         raise ValueError(f"unknown {name} {value!r}; choose from {', '.join(choices)}.")
 
 
-def tiny_pipeline(*, family: str = "sd1", inpainting: bool = False, prediction: str = "epsilon", seed: int = 0):
-    """A live diffusers pipeline of `family` (txt2img, or inpainting) with deterministic weights."""
+def tiny_pipeline(*, family: str = "sd1", inpainting: bool = False, prediction: str = "epsilon", seed: int = 0,
+                  lcm: bool = False):
+    """A live diffusers pipeline of `family` (txt2img, or inpainting; with `lcm`, an LCM-distilled U-Net and
+    diffusers' LCMScheduler) with deterministic weights."""
     _check_choice("family", family, family_names())
     _check_choice("prediction type", prediction, PREDICTION_TYPES)
-    check_variant(family, inpainting=inpainting, prediction=prediction)
-    pipe = FAMILIES[family].tiny_pipeline(inpainting=inpainting, prediction=prediction, seed=seed)
+    check_variant(family, inpainting=inpainting, prediction=prediction, lcm=lcm)
+    pipe = FAMILIES[family].tiny_lcm_pipeline(seed=seed) if lcm else \
+        FAMILIES[family].tiny_pipeline(inpainting=inpainting, prediction=prediction, seed=seed)
     for module in pipe.components.values():
         if isinstance(module, torch.nn.Module):
             module.eval()  # as from_pretrained leaves them: no dropout (T5 trains with it)
@@ -70,20 +79,32 @@ def check_tiny_folder(directory: str | Path) -> Path:
 
 
 CONTROLNET_FOLDER = "controlnet"  # where `kasoku tiny DIR --controlnet` writes the ControlNet, in DIR
+TINY_VAE_FOLDER = "tiny_vae"  # where `kasoku tiny DIR --tiny-vae` writes the tiny autoencoder, in DIR
 
 
 def write_tiny_pipeline(directory: str | Path, *, family: str = "sd1", inpainting: bool = False,
-                        prediction: str = "epsilon", seed: int = 0, controlnet: bool = False) -> Path:
+                        prediction: str = "epsilon", seed: int = 0, controlnet: bool = False,
+                        tiny_vae: bool = False, lcm: bool = False) -> Path:
     """Write a tiny pipeline as a diffusers folder (safetensors weights, no safety checker); with
-    `controlnet`, a tiny ControlNet for it in DIR/controlnet (a ControlNetModel folder, which the
-    pipeline's own loading ignores: give it as `controlnet=` or `--controlnet`)."""
+    `controlnet`, a tiny ControlNet for it in DIR/controlnet, with `tiny_vae` a tiny AutoencoderTiny (TAESD's
+    layout) in DIR/tiny_vae (model folders the pipeline's own loading ignores: give them as `controlnet=` /
+    `--controlnet` and `tiny_vae=` / `--tiny-vae`)."""
     directory = check_tiny_folder(directory)
-    check_variant(family, inpainting=inpainting, prediction=prediction, controlnet=controlnet)
-    pipe = tiny_pipeline(family=family, inpainting=inpainting, prediction=prediction, seed=seed)
+    check_variant(family, inpainting=inpainting, prediction=prediction, controlnet=controlnet, lcm=lcm)
+    pipe = tiny_pipeline(family=family, inpainting=inpainting, prediction=prediction, seed=seed, lcm=lcm)
     pipe.save_pretrained(directory, safe_serialization=True)
     if controlnet:
         write_tiny_controlnet(directory / CONTROLNET_FOLDER, family=family, seed=seed)
+    if tiny_vae:
+        write_tiny_vae(directory / TINY_VAE_FOLDER, family=family, seed=seed)
     return directory
+
+
+def write_tiny_vae(directory: str | Path, *, family: str = "sd1", seed: int = 0) -> Path:
+    """Write a tiny AutoencoderTiny for the tiny `family` pipeline (its latent channels) as a diffusers folder."""
+    _check_choice("family", family, family_names())
+    FAMILIES[family].tiny_vae(seed=seed).save_pretrained(directory, safe_serialization=True)
+    return Path(directory)
 
 
 def write_tiny_controlnet(directory: str | Path, *, family: str = "sd1", seed: int = 0) -> Path:

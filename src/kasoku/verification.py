@@ -82,6 +82,7 @@ def verify(
     backend: str | None = None,
     *,
     controlnet=None,
+    tiny_vae=None,
     options: CompileOptions | None = None,
     image: bool = True,
     on_stage=None,
@@ -91,15 +92,16 @@ def verify(
 ) -> VerifyReport:
     """Compare every engine with torch at three shapes, and an image with diffusers; check the full
     checksums of the engines' cache entries. `controlnet` (ControlNet folders or models) verifies the
-    ControlNet pipeline. `options` (or its fields as keywords) as for compile. With `cache_interval` > 1
-    the step-cache engines are verified too, and the images of calls with that interval and
-    `cache_schedule` are compared with the same engines' without step caching."""
+    ControlNet pipeline, `tiny_vae` (an AutoencoderTiny or its folder) the pipeline on it. `options` (or
+    its fields as keywords) as for compile. With `cache_interval` > 1 the step-cache engines are verified
+    too, and the images of calls with that interval and `cache_schedule` are compared with the same
+    engines' without step caching."""
     check_interval(cache_interval)
     check_schedule(cache_schedule)
     options = CompileOptions.of(options, backend=backend, **fields).replace(check_parity=False)
     if cache_interval > 1:
         options = options.replace(step_cache=True)
-    reference = Model.load(model, controlnet=controlnet)
+    reference = Model.load(model, controlnet=controlnet, tiny_vae=tiny_vae)
     label = reference.label
     kwargs = {"on_stage": on_stage} if on_stage else {}
     compared_with_fp32 = image and options.precision != Precision.FP32

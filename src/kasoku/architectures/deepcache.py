@@ -125,10 +125,11 @@ class UNetLayers:
     def prologue(self, sample, timestep, ehs, added: Mapping | None):
         """(time embedding, encoder hidden states, conv_in's output, upsample sizes forwarded?)"""
         unet, added = self.unet, dict(added or {})
+        timestep_cond = added.pop("timestep_cond", None)  # an LCM-distilled U-Net's guidance embedding
         forward_sizes = any(d % 2**unet.num_upsamplers != 0 for d in sample.shape[-2:])
         if unet.config.center_input_sample:
             sample = 2 * sample - 1.0
-        emb = unet.time_embedding(unet.get_time_embed(sample=sample, timestep=timestep), None)
+        emb = unet.time_embedding(unet.get_time_embed(sample=sample, timestep=timestep), timestep_cond)
         class_emb = unet.get_class_embed(sample=sample, class_labels=None)
         if class_emb is not None:
             emb = torch.cat([emb, class_emb], dim=-1) if unet.config.class_embeddings_concat else emb + class_emb

@@ -86,6 +86,7 @@ class TinySizes:
     text_layers: int = 2
     text_heads: int = 4
     unet_channels: tuple[int, ...] = (32, 64)
+    guidance_embedding: int = 32  # an LCM U-Net's time_cond_proj_dim
     vae_channels: tuple[int, ...] = (16, 32, 32, 32)  # four levels: the 8x latent of SD
     head_dim: int = 8  # SD 1.x: one head size everywhere
     heads_per_block: tuple[int, ...] = (2, 4)  # SD 2 and SDXL: a head count per block
@@ -169,6 +170,18 @@ def tiny_vae(sizes: TinySizes = TINY_SIZES, *, latent_channels: int = 4, **confi
         sample_size=TINY_IMAGE_SIZE,
         **config,
     )
+
+
+def tiny_autoencoder_tiny(sizes: TinySizes = TINY_SIZES, *, latent_channels: int = 4):
+    """An AutoencoderTiny (TAESD's layout: four levels, the 8x latent) of `latent_channels` (16: TAESD3, TAEF1),
+    one block per level."""
+    from diffusers import AutoencoderTiny
+
+    levels = len(sizes.vae_channels)
+    return AutoencoderTiny(encoder_block_out_channels=(sizes.vae_channels[0],) * levels,
+                           decoder_block_out_channels=(sizes.vae_channels[0],) * levels,
+                           num_encoder_blocks=(1,) * levels, num_decoder_blocks=(1,) * levels,
+                           latent_channels=latent_channels)
 
 
 def random_controlnet(unet, conditioning_channels: tuple[int, ...] = (16, 32, 96, 256)):

@@ -2,9 +2,11 @@
 
 Graphs:
 
-- ``unet``: (sample, timestep, encoder_hidden_states, *added conditioning) -> out_sample. The added
-  conditioning is what the U-Net's config embeds besides the time: SDXL's ``text_time`` (the pooled text
-  embedding and the size/crop ids), named by :func:`text_time_inputs`;
+- ``unet``: (sample, timestep, encoder_hidden_states, [timestep_cond,] *added conditioning) -> out_sample.
+  ``timestep_cond`` is an LCM-distilled U-Net's guidance embedding (its config's ``time_cond_proj_dim``: the
+  pipeline embeds the guidance scale and the U-Net adds it to the time embedding). The added conditioning is
+  what the U-Net's config embeds besides the time: SDXL's ``text_time`` (the pooled text embedding and the
+  size/crop ids), named by :func:`text_time_inputs`;
 - ``unet_controlnet``: the same with a ControlNet's residuals as more inputs (:func:`residual_unet_spec`).
 
 The step-cache graphs of the same weights are in :mod:`.deepcache`. Both the residuals a U-Net takes and
@@ -24,6 +26,7 @@ from ..standins import EngineModule, InvalidInput, call_state, timesteps_for
 from .base import Axes, ModuleRef
 
 BASE_INPUTS = ("sample", "timestep", "encoder_hidden_states")
+TIMESTEP_COND = "timestep_cond"
 # A ControlNet's outputs and the residual-taking U-Net's extra inputs: one name per down-block residual
 # (in diffusers' order), then the mid-block residual.
 DOWN_RESIDUAL = "down_block_res_{}"
@@ -80,22 +83,31 @@ def text_time_inputs(config, pooled: int, axes: Axes) -> tuple[TensorSpec, ...]:
     return (TensorSpec("text_embeds", (axes.guided, pooled)), TensorSpec("time_ids", (axes.guided, time_ids)))
 
 
+def guidance_embedding_inputs(config, axes: Axes) -> tuple[TensorSpec, ...]:
+    """An LCM-distilled U-Net's `timestep_cond` (the embedded guidance scale), where its config has one."""
+    width = config.get("time_cond_proj_dim")
+    return (TensorSpec(TIMESTEP_COND, (axes.guided, width)),) if width else ()
+
+
 def out_sample(config, axes: Axes) -> TensorSpec:
     return TensorSpec("out_sample", (axes.guided, config.out_channels, axes.latent_h, axes.latent_w))
 
 
 class UNetModule(torch.nn.Module):
-    """The U-Net on (sample, timestep, encoder_hidden_states, *added conditioning named `added`)."""
+    """The U-Net on (sample, timestep, encoder_hidden_states, [timestep_cond,] *added conditioning named
+    `added`)."""
 
     def __init__(self, unet: torch.nn.Module, added: tuple[str, ...] = ()):
         super().__init__()
         self.unet = unet
         self.added = added
+        self.guidance_embedded = bool(unet.config.get("time_cond_proj_dim"))
 
-    def forward(self, sample, timestep, encoder_hidden_states, *added):
-        added_cond_kwargs = dict(zip(self.added, added)) or None
-        return (self.unet(sample, timestep, encoder_hidden_states, added_cond_kwargs=added_cond_kwargs,
-                          return_dict=False)[0],)
+    def forward(self, sample, timestep, encoder_hidden_states, *rest):
+        timestep_cond, rest = (rest[0], rest[1:]) if self.guidance_embedded else (None, rest)
+        added_cond_kwargs = dict(zip(self.added, rest)) or None
+        return (self.unet(sample, timestep, encoder_hidden_states, timestep_cond=timestep_cond,
+                          added_cond_kwargs=added_cond_kwargs, return_dict=False)[0],)
 
 
 class ResidualUNetModule(UNetModule):
@@ -103,8 +115,10 @@ class ResidualUNetModule(UNetModule):
     *added conditioning, *down-block residuals, mid-block residual)."""
 
     def forward(self, sample, timestep, encoder_hidden_states, *rest):
+        timestep_cond, rest = (rest[0], rest[1:]) if self.guidance_embedded else (None, rest)
         added, residuals = dict(zip(self.added, rest)) or None, rest[len(self.added):]
-        return (self.unet(sample, timestep, encoder_hidden_states, added_cond_kwargs=added,
+        return (self.unet(sample, timestep, encoder_hidden_states, timestep_cond=timestep_cond,
+                          added_cond_kwargs=added,
                           down_block_additional_residuals=residuals[:-1], mid_block_additional_residual=residuals[-1],
                           return_dict=False)[0],)
 
@@ -116,7 +130,8 @@ def unet_spec(ref: ModuleRef, profile: ShapeProfile, axes: Axes, *, text_length:
     added_names = tuple(t.name for t in added)
     return ComponentSpec(
         name=name,
-        inputs=(*denoiser_inputs(config, axes, text_length, fp32_timestep=True), *added),
+        inputs=(*denoiser_inputs(config, axes, text_length, fp32_timestep=True),
+                *guidance_embedding_inputs(config, axes), *added),
         outputs=(out_sample(config, axes),),
         profile=profile,
         load_module=lambda: UNetModule(ref.load(), added_names),
@@ -137,7 +152,8 @@ def residual_unet_spec(ref: ModuleRef, profile: ShapeProfile, axes: Axes, *, tex
     added_names = tuple(t.name for t in added)
     return ComponentSpec(
         name=name,
-        inputs=(*denoiser_inputs(config, axes, text_length), *added, *residual_specs(config, axes)),
+        inputs=(*denoiser_inputs(config, axes, text_length), *guidance_embedding_inputs(config, axes), *added,
+                *residual_specs(config, axes)),
         outputs=(out_sample(config, axes),),
         profile=profile,
         load_module=lambda: ResidualUNetModule(ref.load(), added_names),
@@ -161,7 +177,9 @@ class EngineUNet(EngineModule):
         names = self.engine.spec.input_names
         residuals = set(residual_names(len(names)))
         self._residuals = tuple(name for name in names if name in residuals)  # down blocks' in order, then the mid's
-        self._added = [name for name in names if name not in BASE_INPUTS and name not in self._residuals]
+        self._added = [name for name in names if name not in (*BASE_INPUTS, TIMESTEP_COND) and
+                       name not in self._residuals]
+        self._takes_guidance_embedding = TIMESTEP_COND in names
         self._step_cache = None
         if getattr(original, "add_embedding", None) is not None:
             # SDXL pipelines check the ids' width against the embedding's input size.
@@ -173,17 +191,23 @@ class EngineUNet(EngineModule):
                 down_intrablock_additional_residuals=None, return_dict=True, **kwargs):
         added_cond_kwargs = dict(added_cond_kwargs or {})
         extra = sorted(set(added_cond_kwargs) - set(self._added))
-        if timestep_cond is not None or cross_attention_kwargs or extra or down_intrablock_additional_residuals:
+        if cross_attention_kwargs or extra or down_intrablock_additional_residuals:
             raise InvalidInput("the compiled U-Net takes sample, timestep, encoder_hidden_states"
+                               + (", timestep_cond" if self._takes_guidance_embedding else "")
                                + (f" and {', '.join(self._added)}" if self._added else "")
-                               + " only (no IP-Adapter, T2I-Adapter, LoRA scale or guidance embedding).")
+                               + " only (no IP-Adapter, T2I-Adapter or LoRA scale).")
+        if (timestep_cond is not None) != self._takes_guidance_embedding:
+            raise InvalidInput("this U-Net embeds the guidance scale (an LCM-distilled U-Net): its pipeline passes "
+                               "`timestep_cond`." if self._takes_guidance_embedding else
+                               "this U-Net has no guidance embedding (`timestep_cond`): it is not LCM-distilled.")
         missing = [name for name in self._added if name not in added_cond_kwargs]
         if missing:
             raise InvalidInput(f"the compiled U-Net needs {', '.join(missing)} in added_cond_kwargs.")
         residuals = self._residual_feeds(down_block_additional_residuals, mid_block_additional_residual)
         added = {name: added_cond_kwargs[name].to(torch.float32) for name in self._added}
+        cond = {TIMESTEP_COND: timestep_cond.to(torch.float32)} if timestep_cond is not None else {}
         inputs = dict(sample=sample, timestep=timesteps_for(timestep, sample.shape[0]),
-                      encoder_hidden_states=encoder_hidden_states, **added, **residuals)
+                      encoder_hidden_states=encoder_hidden_states, **cond, **added, **residuals)
         run = self._step_cache
         out = self._run(self._component, **inputs)["out_sample"] if run is None else run.denoise(self._run, inputs)
         if not return_dict:

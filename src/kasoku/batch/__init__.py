@@ -13,9 +13,9 @@ image and a result line for the same job (same key) both exist, so re-running th
 after an interruption finishes the rest and leaves one image and one line per job.
 """
 
+from ..choices import DEFAULT_BATCH_SIZE
 from .driver import BatchPlan, BatchResult, LocalRunner, drive, prepare, run_local
 from .jobs import (
-    DEFAULT_BATCH_SIZE,
     DEFAULT_GUIDANCE,
     DEFAULT_STEPS,
     JOB_FIELDS,

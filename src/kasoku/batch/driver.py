@@ -10,9 +10,10 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
+from ..choices import DEFAULT_BATCH_SIZE
 from ..errors import KasokuError
 from ..options import CompileOptions
-from .jobs import DEFAULT_BATCH_SIZE, Job, check_jobs, plan_batches, with_native_size
+from .jobs import Job, check_jobs, plan_batches, with_native_size
 from .output import JobResult, OutputDir, check_output_dir
 from .worker import BatchWorker, PipelineRecipe, StageHook, WorkerInfo, batch_profile, describe_backends
 
@@ -55,8 +56,7 @@ def prepare(model, jobs: list[Job], out_dir: str | Path, *, batch_size: int = DE
     recipe = PipelineRecipe(model=model, options=options, controlnets=controlnets)
     reference = recipe.reference()
     native = reference.native_size
-    family = reference.family
-    jobs = with_native_size(jobs, native, native, family.default_steps, family.default_guidance)
+    jobs = with_native_size(jobs, native, native, *reference.command_defaults())
     profile = batch_profile(reference, batch_size, height, width, jobs)
     check_jobs(jobs, profile, batch_size, max_steps=most_steps(reference.scheduler),
                max_side=MAX_SIZE_FACTOR * native,

@@ -71,13 +71,13 @@ def batch_profile(pipe, batch_size: int, height: tuple[int, ...] | None = None,
     from ..components import profile_with_ranges
     from ..model import Model
 
-    base = Model.of(pipe).default_profile()
+    model = Model.of(pipe)
+    base = model.default_profile()
     sizes = {(job.height, job.width) for job in jobs}
     if len(sizes) == 1 and None not in next(iter(sizes)):
         (h, w), = sizes
         height, width = height or (h, h, h), width or (w, w, w)
-    family = Model.of(pipe).family
-    guided = {family.doubles_batch({"guidance_scale": job.guidance}) for job in jobs}
+    guided = {model.doubles_batch({"guidance_scale": job.guidance}) for job in jobs}
     batch = (1, 1, max(base.max.batch, batch_size)) if jobs else \
         (base.min.batch, base.opt.batch, max(base.max.batch, batch_size))
     profile = profile_with_ranges(base, batch, height, width)

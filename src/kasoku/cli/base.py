@@ -149,6 +149,23 @@ def add_controlnet(parser: argparse.ArgumentParser) -> None:
                              "one in DIR/controlnet); repeat for several ControlNets")
 
 
+def add_tiny_vae(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--tiny-vae", type=Path, default=None, metavar="PATH",
+                        help="an AutoencoderTiny folder (TAESD for SD 1.x/2.x, TAESDXL, TAESD3, TAEF1) in place of "
+                             "the model's VAE: at one to four steps the full decoder costs more than the denoiser; "
+                             "images differ a little from the full VAE's (`kasoku tiny DIR --tiny-vae` writes one)")
+
+
+def tiny_vae_from_args(args: argparse.Namespace) -> str | None:
+    """The --tiny-vae folder, checked to be an AutoencoderTiny folder (None: the model's own VAE)."""
+    if getattr(args, "tiny_vae", None) is None:
+        return None
+    from ..loading import load_tiny_vae
+
+    load_tiny_vae(args.tiny_vae, lazy=True)  # reads its config only: a bad folder is said first
+    return str(args.tiny_vae)
+
+
 def controlnets_from_args(args: argparse.Namespace) -> list[str] | None:
     """The --controlnet folders, checked to be ControlNet folders (None: no ControlNet)."""
     if not getattr(args, "controlnet", None):

@@ -12,6 +12,7 @@ from .base import (
     add_json,
     add_model,
     add_step_cache_arguments,
+    add_tiny_vae,
     component_name,
     controlnets_from_args,
     non_negative_int,
@@ -19,6 +20,7 @@ from .base import (
     positive_int,
     profile_from_args,
     show_stage,
+    tiny_vae_from_args,
 )
 
 
@@ -42,23 +44,33 @@ class Tiny(Command):
         p.add_argument("--controlnet", action="store_true",
                        help="also write a tiny ControlNet for it in DIR/controlnet (use it with --controlnet "
                             "DIR/controlnet)")
+        p.add_argument("--lcm", action="store_true",
+                       help="an LCM-distilled U-Net (a guidance embedding) with diffusers' LCMScheduler, in the "
+                            "family's LCM pipeline (U-Net families; LatentConsistencyModelPipeline for sd1/sd2)")
+        p.add_argument("--tiny-vae", action="store_true",
+                       help="also write a tiny AutoencoderTiny (TAESD's layout) for it in DIR/tiny_vae (use it with "
+                            "--tiny-vae DIR/tiny_vae)")
         p.add_argument("--seed", type=non_negative_int, default=0, help="seed of the deterministic weights (default 0)")
 
     def run(self, args: argparse.Namespace) -> int:
         from ..console import console
         from ..families import FAMILIES, UNetFamily
-        from ..tiny import CONTROLNET_FOLDER, check_tiny_folder, check_variant, write_tiny_pipeline
+        from ..tiny import CONTROLNET_FOLDER, TINY_VAE_FOLDER, check_tiny_folder, check_variant, write_tiny_pipeline
 
         check_tiny_folder(args.dir)
-        check_variant(args.family, inpainting=args.inpainting, prediction=args.prediction, controlnet=args.controlnet)
+        check_variant(args.family, inpainting=args.inpainting, prediction=args.prediction, controlnet=args.controlnet,
+                      lcm=args.lcm)
         path = write_tiny_pipeline(args.dir, family=args.family, inpainting=args.inpainting,
-                                   prediction=args.prediction, seed=args.seed, controlnet=args.controlnet)
-        kind = "inpainting " if args.inpainting else ""
+                                   prediction=args.prediction, seed=args.seed, controlnet=args.controlnet,
+                                   tiny_vae=args.tiny_vae, lcm=args.lcm)
+        kind = "inpainting " if args.inpainting else "LCM " if args.lcm else ""
         prediction = f"{args.prediction}, " if isinstance(FAMILIES[args.family], UNetFamily) else ""
         console.print(f"wrote the tiny {FAMILIES[args.family].title} {kind}pipeline ({prediction}seed {args.seed}) "
                       f"to {path}")
         if args.controlnet:
             console.print(f"wrote its tiny ControlNet to {path / CONTROLNET_FOLDER}")
+        if args.tiny_vae:
+            console.print(f"wrote its tiny autoencoder (AutoencoderTiny) to {path / TINY_VAE_FOLDER}")
         return 0
 
 
@@ -115,6 +127,7 @@ class Compile(Command):
     def add_arguments(self, p: argparse.ArgumentParser) -> None:
         add_model(p)
         add_controlnet(p)
+        add_tiny_vae(p)
         add_engine_arguments(p)
         add_step_cache_arguments(p, per_call=False)
         add_json(p)
@@ -126,7 +139,8 @@ class Compile(Command):
         from ..model import Model
 
         options = options_from_args(args, profile_from_args(args))
-        model = Model.load(args.model, lazy=True, controlnet=controlnets_from_args(args), label=str(args.model))
+        model = Model.load(args.model, lazy=True, controlnet=controlnets_from_args(args),
+                           tiny_vae=tiny_vae_from_args(args), label=str(args.model))
         _, report = compile_components(model, options, on_stage=show_stage, label=str(args.model))
         rows = [[s.component, s.stage, s.status, f"{s.seconds:.1f} s", s.key[:12]] for s in report.stages]
         console.print(table(f"compile {report.model} ({FAMILIES[report.family].title}, {report.precision})",

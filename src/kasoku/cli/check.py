@@ -13,6 +13,7 @@ from .base import (
     add_json,
     add_model,
     add_step_cache_arguments,
+    add_tiny_vae,
     check_output_file,
     controlnets_from_args,
     options_from_args,
@@ -20,6 +21,7 @@ from .base import (
     profile_from_args,
     repeats,
     show_stage,
+    tiny_vae_from_args,
 )
 
 
@@ -34,6 +36,7 @@ class Verify(Command):
     def add_arguments(self, p: argparse.ArgumentParser) -> None:
         add_model(p)
         add_controlnet(p)
+        add_tiny_vae(p)
         add_engine_arguments(p)
         add_step_cache_arguments(p, per_call=True)
         p.add_argument("--onnx", type=Path, default=None, metavar="DIR",
@@ -49,7 +52,8 @@ class Verify(Command):
 
         options = options_from_args(args, profile_from_args(args)).replace(onnx_dir=args.onnx)
         with stage("verifying"):
-            report = verify(args.model, controlnet=controlnets_from_args(args), options=options,
+            report = verify(args.model, controlnet=controlnets_from_args(args), tiny_vae=tiny_vae_from_args(args),
+                            options=options,
                             image=not args.no_image, on_stage=show_stage, cache_interval=args.cache_interval,
                             cache_schedule=args.cache_schedule)
         console.print(Markdown(markdown(report)))

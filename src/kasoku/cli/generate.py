@@ -21,6 +21,7 @@ from .base import (
     add_lora_targets,
     add_model,
     add_step_cache_arguments,
+    add_tiny_vae,
     check_backend,
     check_output_file,
     controlnets_from_args,
@@ -35,6 +36,7 @@ from .base import (
     show_stage,
     size_range,
     text,
+    tiny_vae_from_args,
 )
 
 
@@ -58,10 +60,14 @@ class Generate(Command):
                        help="SDXL, SD3: the negative prompt for the second text encoder")
         p.add_argument("--prompt-3", type=text, default=None, help="SD3: the prompt for T5 (default: PROMPT)")
         p.add_argument("--steps", type=positive_int, default=None,
-                       help="denoising steps (default: the family's, 30 for SD 1.x/2.x/XL, 28 for SD3 and Flux)")
+                       help="denoising steps (default: the family's, 30 for SD 1.x/2.x/XL, 28 for SD3 and Flux; with "
+                            "a few-step scheduler its models', 1 for euler(-ancestral)-trailing (Turbo), 4 for lcm "
+                            "and tcd)")
         p.add_argument("--guidance", type=finite_float, default=None,
                        help="guidance scale (default: the family's, 7.5 for SD 1.x/2.x/XL, 7.0 for SD3; Flux "
-                            "embeds 3.5, which is no classifier-free guidance)")
+                            "embeds 3.5, which is no classifier-free guidance; with a few-step scheduler 0, or 1 for "
+                            "lcm, 8 for an LCM-distilled U-Net). At 1 or less the engines run no guidance: one "
+                            "denoiser row per image")
         p.add_argument("--true-cfg", type=finite_float, default=None, metavar="S",
                        help="Flux: classifier-free guidance at scale S with --negative (two transformer calls a step)")
         p.add_argument("--seed", type=seed, default=0, help="generator seed, 0..2**63-1 (default 0)")
@@ -75,8 +81,10 @@ class Generate(Command):
                        help="img2img / inpaint strength in [0, 1] (default 0.8)")
         p.add_argument("--mask", type=Path, help="inpaint: white where to paint")
         p.add_argument("--scheduler", choices=list(SCHEDULERS), default=None,
-                       help="swap the model's scheduler (default: keep it)")
+                       help="swap the model's scheduler (default: keep it); lcm, tcd and the -trailing ones are the "
+                            "few-step models' (LCM, TCD, Turbo, Lightning, Hyper-SD)")
         add_controlnet(p)
+        add_tiny_vae(p)
         p.add_argument("--control-image", action="append", type=Path, default=None, metavar="IMG",
                        help="the control image of a --controlnet (one per --controlnet, in the same order), of the "
                             "generated image's size")
@@ -114,7 +122,8 @@ class Generate(Command):
 
         start = time.perf_counter()
         # configs only: weights load only for what must be built
-        reference = Model.load(args.model, lazy=True, controlnet=controlnets_from_args(args), label=str(args.model))
+        reference = Model.load(args.model, lazy=True, controlnet=controlnets_from_args(args),
+                               tiny_vae=tiny_vae_from_args(args), label=str(args.model))
         native = reference.native_size
         check_size(args.height or native, args.width or native)  # before a compile that could take minutes
         shape = _call_shape(args, image or (controls[0] if controls else None), reference)
@@ -124,9 +133,12 @@ class Generate(Command):
             check_control_images(controls, 1, shape.height, shape.width)
         for path, _scale in args.lora:
             check_adapter_file(path, reference, "--lora")
-        options = options.replace(profile=_profile_for(args, shape, reference, options), cuda_graph=args.cuda_graph)
-        kwargs = _call_arguments(args, reference, image, mask, controls)
         scheduler = scheduler_named(args.scheduler, reference.scheduler) if args.scheduler else reference.scheduler
+        steps, guidance = reference.command_defaults(scheduler)  # a few-step scheduler's, else the family's
+        args.steps = args.steps or steps
+        args.guidance = guidance if args.guidance is None else args.guidance
+        options = options.replace(profile=_profile_for(args, shape, reference, options), cuda_graph=args.cuda_graph)
+        kwargs = _call_arguments(args, image, mask, controls)
         planned = {*reference.components, *reference.family.step_cache_components}
         with flags_named():  # every argument checked before a compile that can take minutes
             checks = CallChecks(reference, options.profile, planned, scheduler=lambda: scheduler)
@@ -171,12 +183,12 @@ class Generate(Command):
         return 0
 
 
-def _call_arguments(args: argparse.Namespace, model, image, mask, controls: list) -> dict:
-    """The pipeline call of `kasoku generate`, in diffusers' names (the family's steps and guidance by default)."""
+def _call_arguments(args: argparse.Namespace, image, mask, controls: list) -> dict:
+    """The pipeline call of `kasoku generate`, in diffusers' names (steps and guidance filled in by `run`)."""
     import torch
 
-    kwargs = dict(negative_prompt=args.negative, num_inference_steps=args.steps or model.family.default_steps,
-                  guidance_scale=guidance_of(args, model), num_images_per_prompt=args.num_images, height=args.height,
+    kwargs = dict(negative_prompt=args.negative, num_inference_steps=args.steps,
+                  guidance_scale=args.guidance, num_images_per_prompt=args.num_images, height=args.height,
                   width=args.width, generator=torch.Generator().manual_seed(args.seed),
                   cache_interval=args.cache_interval, cache_schedule=args.cache_schedule)
     kwargs.update({k: v for k, v in (("prompt_2", args.prompt_2), ("negative_prompt_2", args.negative_2),
@@ -191,11 +203,6 @@ def _call_arguments(args: argparse.Namespace, model, image, mask, controls: list
             kwargs["controlnet_conditioning_scale"] = args.control_scale[0] if len(args.control_scale) == 1 \
                 else args.control_scale
     return kwargs
-
-
-def guidance_of(args: argparse.Namespace, model) -> float:
-    """--guidance, else the model family's default."""
-    return model.family.default_guidance if args.guidance is None else args.guidance
 
 
 def _control_images(args: argparse.Namespace) -> list:
@@ -241,7 +248,7 @@ def _profile_for(args: argparse.Namespace, shape, pipe, options):
     from ..components import ShapeProfile
 
     base = dataclasses.replace(pipe.default_profile(), text_tokens=args.text_tokens)
-    guided = pipe.family.doubles_batch({"guidance_scale": guidance_of(args, pipe)})
+    guided = pipe.doubles_batch({"guidance_scale": args.guidance})
     exact = ShapeProfile.exact(shape, guidance=guided, multiple=base.multiple, text_tokens=args.text_tokens)
     if args.cuda_graph:  # a CUDA graph replays one shape: exact-shape engines only
         return exact

@@ -22,11 +22,12 @@ class Serve(Command):
     POST /v1/images/generations (JSON: prompt, n, size "WxH", response_format b64_json, model, quality
     (low 0.5x, medium/standard/auto 1x, high/hd 1.5x the model's steps), style (taken and ignored); and
     kasoku's negative_prompt, steps, guidance, seed, cache_interval and cache_schedule (with
-    --step-cache), and loras (adapters given with --lora NAME=PATH)) and POST /v1/images/edits (multipart: image, and mask for inpainting, else img2img;
-    strength). Requests with the same size, steps, guidance, step caching, adapters and presence of a
-    negative prompt that arrive within the batch window share engine calls, each image with its own seed (image
-    i of a request gets seed + i). GET /healthz, /readyz (200 once the engines are loaded), /metrics
-    (Prometheus) and / (a web page to try it). The engines are compiled or loaded before the server
+    --step-cache), and loras (adapters given with --lora NAME=PATH)) and POST /v1/images/edits
+    (multipart: image, and mask for inpainting, else img2img; strength). Requests with the same size,
+    steps, guidance, step caching, adapters and presence of a negative prompt that arrive within the
+    batch window share engine calls, each image with its own seed (image i of a request gets seed + i).
+    GET /healthz, /readyz (200 once the engines are loaded), /metrics (Prometheus) and / (a web page to
+    try it). The engines are compiled or loaded before the server
     reports ready; SIGTERM or Ctrl-C stops taking requests, answers those in flight, then exits.
     """
 

@@ -73,6 +73,9 @@ class Family:
     title: ClassVar[str]
     pipelines: ClassVar[Mapping[str, str]]  # task -> diffusers pipeline class name
     controlnet_pipelines: ClassVar[Mapping[str, str]] = {}  # task -> diffusers ControlNet pipeline class name
+    # Other pipeline classes of the family, each set task -> class: a model compiled from one of a set runs that
+    # set's classes for their tasks, the plain ones for the rest (LatentConsistencyModelPipeline and its img2img)
+    pipeline_sets: ClassVar[tuple[Mapping[str, str], ...]] = ()
     text_encoder_slots: ClassVar[tuple[TextEncoderSlot, ...]] = (TextEncoderSlot("text_encoder"),)
     denoiser: ClassVar[str]  # the pipeline attribute that holds the denoiser; also its component's name
     vae: ClassVar[str] = "vae"
@@ -88,12 +91,15 @@ class Family:
     # the tokens its long-prompt encoder reads when the profile does not say (diffusers' max_sequence_length
     # default); None: it has no such encoder
     default_text_tokens: ClassVar[int | None] = None
+    latent_channels: ClassVar[int] = 4  # its VAE's (SD's four; the transformer families' sixteen)
 
     # ---- recognising it --------------------------------------------------------------------
 
     def class_names(self) -> tuple[str, ...]:
-        """Every diffusers pipeline class of this family (the plain ones, then the ControlNet ones)."""
-        return (*self.pipelines.values(), *self.controlnet_pipelines.values())
+        """Every diffusers pipeline class of this family (the plain ones, the ControlNet ones, then the other
+        sets')."""
+        return tuple(dict.fromkeys((*self.pipelines.values(), *self.controlnet_pipelines.values(),
+                                    *(name for group in self.pipeline_sets for name in group.values()))))
 
     def matches(self, pipeline_class: str, components: Mapping[str, Any],
                 configs: Mapping[str, Mapping[str, Any]]) -> bool:
@@ -132,16 +138,21 @@ class Family:
         """The tokens the long-prompt encoder reads: the profile's, else the family's default."""
         return profile.text_tokens or self.default_text_tokens
 
-    def call_default(self, name: str, task: str = "txt2img") -> Any:
-        """diffusers' default of a call argument of this family's pipeline for `task` (inspect.Parameter.empty
-        where it has none)."""
-        return _call_defaults(self.pipeline_class(task)).get(name, inspect.Parameter.empty)
+    def call_default(self, name: str, task: str = "txt2img", source: str | None = None) -> Any:
+        """diffusers' default of a call argument of this family's pipeline for `task` (of the pipeline set of
+        the class `source`; inspect.Parameter.empty where it has none)."""
+        return _call_defaults(self.pipeline_class(task, source=source)).get(name, inspect.Parameter.empty)
 
-    def doubles_batch(self, kwargs: Mapping[str, Any]) -> bool:
+    def doubles_batch(self, kwargs: Mapping[str, Any], model: ModelView | None = None) -> bool:
         """Whether a call with these arguments runs the denoiser on twice the images (classifier-free guidance,
         diffusers' rule: a guidance scale above 1; diffusers' default where the call gives none)."""
         guidance = kwargs.get("guidance_scale")
-        return float(self.call_default("guidance_scale") if guidance is None else guidance) > 1
+        source = type(model.pipe).__name__ if model is not None else None
+        return float(self.call_default("guidance_scale", source=source) if guidance is None else guidance) > 1
+
+    def guidance_embedded(self, model: ModelView) -> bool:
+        """Whether the denoiser embeds the guidance scale instead of running classifier-free guidance."""
+        return False
 
     def denoiser_components(self, model: ModelView | None = None) -> tuple[str, ...]:
         """The denoiser's components (what runs in the loop) for this model."""
@@ -236,10 +247,18 @@ class Family:
 
     # ---- pipelines on engines --------------------------------------------------------------
 
-    def pipeline_class(self, task: str, *, controlnet: bool = False):
+    def pipelines_for(self, source: str | None = None, *, controlnet: bool = False) -> Mapping[str, str]:
+        """Task -> class name of the pipelines a model compiled from the class `source` runs."""
+        if controlnet:
+            return self.controlnet_pipelines
+        group = next((g for g in self.pipeline_sets if source in g.values()), {})
+        return {**self.pipelines, **group}
+
+    def pipeline_class(self, task: str, *, controlnet: bool = False, source: str | None = None):
+        """The diffusers class of `task` (for a model compiled from the class `source`: see `pipeline_sets`)."""
         import diffusers
 
-        return getattr(diffusers, (self.controlnet_pipelines if controlnet else self.pipelines)[task])
+        return getattr(diffusers, self.pipelines_for(source, controlnet=controlnet)[task])
 
     def controlnet_paths(self, pipe) -> tuple[str, ...]:
         """Where each ControlNet the pipeline runs is (empty: none; families without ControlNets have none)."""
@@ -253,11 +272,20 @@ class Family:
     def tiny_controlnet(self, *, seed: int = 0):
         raise UnfitControlNet(f"{self.title} has no tiny ControlNet: kasoku runs ControlNets on the U-Net families.")
 
+    def tiny_vae(self, *, seed: int = 0):
+        """A tiny AutoencoderTiny (TAESD) for this family's tiny pipeline, with deterministic weights from `seed`."""
+        from ..architectures.tiny import seeded, tiny_autoencoder_tiny
+
+        return seeded(seed, 6, lambda: tiny_autoencoder_tiny(latent_channels=self.latent_channels)).eval()
+
     def task_pipeline(self, pipe, task: str, **overrides):
         """A diffusers pipeline of this family for `task`, sharing `pipe`'s components (a ControlNet
         pipeline where `pipe` has ControlNets)."""
         has_controlnet = bool(self.controlnet_paths(pipe))
-        new = self.pipeline_class(task, controlnet=has_controlnet).from_pipe(pipe, **overrides)
+        if getattr(pipe, "vae", None) is not None:  # from_pipe drops a VAE its type hint does not name (TAESD)
+            overrides = {"vae": pipe.vae, **overrides}
+        new = self.pipeline_class(task, controlnet=has_controlnet, source=type(pipe).__name__).from_pipe(
+            pipe, **overrides)
         new.set_progress_bar_config(disable=True)
         return new
 
@@ -322,6 +350,17 @@ class UNetFamily(Family):
     def tasks(self, model: ModelView) -> tuple[str, ...]:
         """An inpainting model (a U-Net that also reads the mask and the masked image, 9 channels) inpaints only."""
         return ("inpaint",) if model.ref(self.denoiser).config.in_channels == 9 else TASKS
+
+    def guidance_embedded(self, model: ModelView) -> bool:
+        """An LCM-distilled U-Net embeds the guidance scale (`timestep_cond`, its config's `time_cond_proj_dim`)."""
+        return bool(model.ref(self.denoiser).config.get("time_cond_proj_dim"))
+
+    def doubles_batch(self, kwargs: Mapping[str, Any], model: ModelView | None = None) -> bool:
+        """A U-Net that embeds the guidance scale runs no classifier-free guidance (diffusers' rule), whatever
+        the scale."""
+        if model is not None and self.guidance_embedded(model):
+            return False
+        return super().doubles_batch(kwargs, model)
 
     def unet_added_inputs(self, model: ModelView, axes: Axes) -> tuple[TensorSpec, ...]:
         """The U-Net's added conditioning inputs (none in SD 1.x/2.x)."""
@@ -443,9 +482,27 @@ class UNetFamily(Family):
         return self.pipeline_class("txt2img").lora_state_dict(source, unet_config=model.ref(self.denoiser).config,
                                                               return_lora_metadata=True, **kwargs)
 
-    def tiny_unet(self, in_channels: int):
-        """This family's tiny U-Net (subclasses)."""
+    def tiny_unet(self, in_channels: int, **config):
+        """This family's tiny U-Net (subclasses); `config` adds to its config (an LCM U-Net's time_cond_proj_dim)."""
         raise NotImplementedError
+
+    # the class an LCM-distilled U-Net of this family comes in (None: the family's own text-to-image pipeline,
+    # which embeds the guidance scale when the U-Net's config says so)
+    lcm_pipeline: ClassVar[str | None] = None
+
+    def tiny_lcm_pipeline(self, *, seed: int = 0):
+        """The tiny pipeline with an LCM-distilled U-Net (a guidance embedding, `time_cond_proj_dim`) and diffusers'
+        LCMScheduler, as the family's LCM pipeline class."""
+        import diffusers
+
+        from ..architectures.tiny import SCHEDULER_COMMON, TINY_SIZES, seeded
+
+        base = self.tiny_pipeline(seed=seed)
+        unet = seeded(seed, 7, lambda: self.tiny_unet(4, time_cond_proj_dim=TINY_SIZES.guidance_embedding))
+        cls = getattr(diffusers, self.lcm_pipeline) if self.lcm_pipeline else type(base)
+        pipe = cls.from_pipe(base, unet=unet.eval(), scheduler=diffusers.LCMScheduler(**SCHEDULER_COMMON))
+        pipe.set_progress_bar_config(disable=True)
+        return pipe
 
     def tiny_controlnet(self, *, seed: int = 0):
         """A tiny ControlNet for this family's tiny U-Net, with deterministic weights from `seed`."""
@@ -460,6 +517,7 @@ class TransformerFamily(Family):
 
     denoiser = "transformer"
     patch = 2  # latent cells per token side
+    latent_channels = 16
 
     def native_size(self, model: ModelView) -> int:
         config = model.ref(self.denoiser).config

@@ -46,7 +46,7 @@ class Flux(TransformerFamily):
     default_guidance = 3.5
     default_text_tokens = 512
 
-    def doubles_batch(self, kwargs: Mapping[str, Any]) -> bool:
+    def doubles_batch(self, kwargs: Mapping[str, Any], model: ModelView | None = None) -> bool:
         return False  # embedded guidance; true CFG runs the transformer twice on the same batch
 
     def denoiser_builders(self, model: ModelView, profile: ShapeProfile, axes: Axes,

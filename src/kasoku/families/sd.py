@@ -26,6 +26,12 @@ PIPELINES = {
     "img2img": "StableDiffusionImg2ImgPipeline",
     "inpaint": "StableDiffusionInpaintPipeline",
 }
+# An LCM-distilled U-Net's own pipelines (diffusers' StableDiffusion* pipelines run it too: they embed the
+# guidance scale when the U-Net's config has `time_cond_proj_dim`).
+LCM_PIPELINES = {
+    "txt2img": "LatentConsistencyModelPipeline",
+    "img2img": "LatentConsistencyModelImg2ImgPipeline",
+}
 CONTROLNET_PIPELINES = {
     "txt2img": "StableDiffusionControlNetPipeline",
     "img2img": "StableDiffusionControlNetImg2ImgPipeline",
@@ -43,6 +49,8 @@ class StableDiffusion1(UNetFamily):
     title = "Stable Diffusion 1.x"
     pipelines = PIPELINES
     controlnet_pipelines = CONTROLNET_PIPELINES
+    pipeline_sets = (LCM_PIPELINES,)
+    lcm_pipeline = LCM_PIPELINES["txt2img"]
     # diffusers' safety checker runs a torch model on the images: the engines replace it too.
     replaced_attributes = {"safety_checker": None, "feature_extractor": None, "requires_safety_checker": False}
 
@@ -50,7 +58,7 @@ class StableDiffusion1(UNetFamily):
         return pipeline_class in self.class_names() and not _is_sd2(configs.get("unet", {}),
                                                                      configs.get("text_encoder", {}))
 
-    def tiny_unet(self, in_channels: int):
+    def tiny_unet(self, in_channels: int, **config):
         from diffusers import UNet2DConditionModel
 
         return UNet2DConditionModel(
@@ -59,6 +67,7 @@ class StableDiffusion1(UNetFamily):
             cross_attention_dim=TINY_SIZES.text_hidden,
             attention_head_dim=TINY_SIZES.head_dim,
             **tiny_unet_common(in_channels),
+            **config,
         )
 
     def tiny_scheduler(self, prediction: str):
@@ -93,7 +102,7 @@ class StableDiffusion2(StableDiffusion1):
         return pipeline_class in self.class_names() and _is_sd2(configs.get("unet", {}),
                                                                  configs.get("text_encoder", {}))
 
-    def tiny_unet(self, in_channels: int):
+    def tiny_unet(self, in_channels: int, **config):
         from diffusers import UNet2DConditionModel
 
         return UNet2DConditionModel(
@@ -103,6 +112,7 @@ class StableDiffusion2(StableDiffusion1):
             attention_head_dim=TINY_SIZES.heads_per_block,  # diffusers' historical name for SD 2's head counts
             use_linear_projection=True,
             **tiny_unet_common(in_channels),
+            **config,
         )
 
     def tiny_scheduler(self, prediction: str):

@@ -81,7 +81,7 @@ class StableDiffusionXL(UNetFamily):
 
     # ---- the built-in tiny model -----------------------------------------------------------
 
-    def tiny_unet(self, in_channels: int):
+    def tiny_unet(self, in_channels: int, **config):
         # Attention only in the deeper blocks, several transformer layers there, and the pooled text
         # embedding plus the six size/crop ids added to the time embedding.
         from diffusers import UNet2DConditionModel
@@ -98,6 +98,7 @@ class StableDiffusionXL(UNetFamily):
             addition_time_embed_dim=sizes.time_ids_embed_dim,
             projection_class_embeddings_input_dim=sizes.time_ids_embed_dim * TIME_IDS + sizes.text_projection_2,
             **tiny_unet_common(in_channels),
+            **config,
         )
 
     def tiny_scheduler(self, prediction: str):

@@ -157,8 +157,8 @@ def prepare_serving(model, options: CompileOptions | None = None, *, sizes: tupl
     config = ServeConfig(model=model, model_name=model_name or Path(model).name,
                          options=options.replace(profile=profile), sizes=sizes, max_batch=max_batch,
                          batch_window_ms=batch_window_ms, max_queue=max_queue, timeout=timeout, api_key=api_key,
-                         max_steps=most_steps(reference.scheduler), default_steps=reference.family.default_steps,
-                         default_guidance=reference.family.default_guidance, loras=loras)
+                         max_steps=most_steps(reference.scheduler), loras=loras,
+                         **dict(zip(("default_steps", "default_guidance"), reference.command_defaults())))
     return config, reference
 
 
