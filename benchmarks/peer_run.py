@@ -63,7 +63,7 @@ def taesd_decoder(folder: Path, size: int, threads: int):
     import torch
     from diffusers import AutoencoderTiny
 
-    tiny = AutoencoderTiny.from_pretrained(folder).eval()
+    tiny = AutoencoderTiny.from_pretrained(folder).eval().requires_grad_(False)
 
     class Decode(torch.nn.Module):
         def forward(self, latents):
@@ -73,6 +73,18 @@ def taesd_decoder(folder: Path, size: int, threads: int):
     compiled = ov.Core().compile_model(ov.convert_model(Decode(), example_input=example), "CPU",
                                        {"INFERENCE_NUM_THREADS": threads})
     return lambda latents: compiled(np.asarray(latents))[0]
+
+
+def reshape_static(pipe, args, result: dict) -> None:
+    """optimum-intel's static 1-image shapes. Its reshape doubles the U-Net's batch for classifier-free guidance
+    unless the U-Net takes `timestep_cond`, so a guidance-free call (SD-Turbo's) cannot run static there: it
+    keeps optimum-intel's dynamic shapes, and the result says so."""
+    takes_cond = "timestep_cond" in {i.get_any_name() for i in pipe.unet.model.inputs}
+    if args.guidance > 1 or takes_cond:
+        pipe.reshape(batch_size=1, height=args.size, width=args.size, num_images_per_prompt=1)
+        result["shapes"] = "static"
+    else:
+        result["shapes"] = "dynamic (optimum-intel's static reshape assumes guidance)"
 
 
 def run(peer: str, args) -> dict:
@@ -93,13 +105,14 @@ def run(peer: str, args) -> dict:
         result["versions"] = {"openvino": ov.__version__}
         pipe = OVStableDiffusionPipeline.from_pretrained(
             exported, ov_config={"INFERENCE_NUM_THREADS": args.threads, "PERFORMANCE_HINT": "LATENCY"}, compile=False)
-        pipe.reshape(batch_size=1, height=args.size, width=args.size, num_images_per_prompt=1)
+        reshape_static(pipe, args, result)
         pipe.compile()
         decode = taesd_decoder(args.taesd, args.size, args.threads)
 
         def generate(steps):
             denoised = pipe(args.prompt, num_inference_steps=steps, guidance_scale=args.guidance, height=args.size,
-                            width=args.size, latents=latents, output_type="latent").images
+                            width=args.size, latents=latents, generator=torch.Generator().manual_seed(0),
+                            output_type="latent").images
             return np.transpose(decode(denoised)[0], (1, 2, 0))
     elif peer.startswith("optimum-intel"):
         import openvino as ov
@@ -111,12 +124,13 @@ def run(peer: str, args) -> dict:
             config["INFERENCE_PRECISION_HINT"] = "f32"
         pipe = OVStableDiffusionPipeline.from_pretrained(exported, ov_config=config, compile=False)
         if peer.endswith("static"):
-            pipe.reshape(batch_size=1, height=args.size, width=args.size, num_images_per_prompt=1)
+            reshape_static(pipe, args, result)
         pipe.compile()
 
-        def generate(steps):
+        def generate(steps):  # a seeded generator too: LCM's steps draw fresh noise
             return pipe(args.prompt, num_inference_steps=steps, guidance_scale=args.guidance, height=args.size,
-                        width=args.size, latents=latents, output_type="np").images[0]
+                        width=args.size, latents=latents, generator=torch.Generator().manual_seed(0),
+                        output_type="np").images[0]
     elif peer == "openvino-genai":
         import openvino_genai as ov_genai
 

@@ -221,9 +221,10 @@ def stage_image(target: str, args) -> dict:
         result.update(compile_s=time.perf_counter() - start, built=pipe.compile_report.built,
                       precisions=pipe.compile_report.precisions)
 
-    def generate():
+    def generate():  # a seeded generator too: LCM's steps draw fresh noise
         return pipe(PROMPT, num_inference_steps=workload.steps, guidance_scale=workload.guidance, height=SIZE,
-                    width=SIZE, latents=latents, output_type="np").images[0]
+                    width=SIZE, latents=latents, generator=torch.Generator().manual_seed(0),
+                    output_type="np").images[0]
 
     start = time.perf_counter()
     generate()
@@ -430,6 +431,10 @@ def markdown(report: dict) -> str:
               "(tokenizer, scheduler, copies); PSNR and SSIM against diffusers fp32's image from the same latents "
               "(openvino-genai draws its own noise from a seed: not comparable); *cold compile* kasoku's export "
               "and build into an empty cache (the peers: their export), *peak RSS* the process's."]
+    shapes = {f"{t.split(':')[2]} on {t.split(':')[0]}": r["shapes"] for t, r in report.get("image", {}).items()
+              if str(r.get("shapes", "static")).startswith("dynamic")}
+    if shapes:
+        lines += ["", "Shapes: " + "; ".join(f"{who}: {what}" for who, what in shapes.items()) + "."]
     return "\n".join(lines)
 
 

@@ -29,7 +29,7 @@ import shutil
 import statistics
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -179,6 +179,8 @@ class Compiler:
         """The key of an int8 component's recorded calibration inputs: the graph, the plan, the shape, where they
         are recorded (the backend's say), and the weights."""
         plan = CalibrationPlan(samples=self.options.calibration_samples)
+        if spec.profile.guidance is False:  # engines for guidance-free calls are calibrated on such calls
+            plan = replace(plan, guidance=1.0)
         return {"kind": "calibration", "component": spec.name, "source": source, "shape": vars(spec.profile.opt),
                 "plan": plan.to_dict(), **backend.calibration_recording(),
                 **({"weights": spec.fingerprint} if self.binds_weights() else {})}
