@@ -47,6 +47,9 @@ import numpy as np
 import torch
 
 HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+from full_sd15 import _repeat  # noqa: E402 - the sibling benchmark's timing loop
+
 WORK = HERE / ".models" / "sd35-work"
 RESULTS = HERE / "results"
 SMOKE_DIR = Path("/tmp/kasoku-full_sd35-smoke")
@@ -181,15 +184,6 @@ def _peak_mb() -> float:
     from kasoku.benchmark import rss_mb
 
     return rss_mb("VmHWM")
-
-
-def _repeat(fn, repeats: int) -> tuple[list[float], dict]:
-    samples, out = [], None
-    for _ in range(repeats):
-        start = time.perf_counter()
-        out = fn()
-        samples.append(time.perf_counter() - start)
-    return samples, out
 
 
 def _key(component: str, size: int) -> str:

@@ -45,6 +45,9 @@ import numpy as np
 import torch
 
 HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))  # the sibling benchmark's model builder, peer environments and machine line
+from full_sd15 import build_sd15, machine_description, peak_mb, peer_python  # noqa: E402
+
 WORK = HERE / ".models" / "realtime-work"
 RESULTS = HERE / "results"
 SMOKE_DIR = Path("/tmp/kasoku-realtime-smoke")
@@ -96,9 +99,6 @@ def build_model(workload: str) -> Path:
     if SIZE == 64:
         pipe = tiny_pipeline(family=spec.family)
     elif spec.family == "sd1":
-        sys.path.insert(0, str(HERE))
-        from full_sd15 import build_sd15
-
         build_sd15(folder)
         from diffusers import StableDiffusionPipeline
 
@@ -159,12 +159,6 @@ def latents_file() -> Path:
 
 
 # ---- one stage: a contender's image -------------------------------------------------------------------------
-
-
-def peak_mb() -> float:
-    from kasoku.benchmark import rss_mb
-
-    return rss_mb("VmHWM")
 
 
 class ModuleClock:
@@ -249,9 +243,6 @@ def stage_image(target: str, args) -> dict:
 
 
 def _peer_image(contender: str, workload_name: str, vae: str, out: Path, args) -> dict:
-    sys.path.insert(0, str(HERE))
-    from full_sd15 import peer_python
-
     workload = WORKLOADS[workload_name]
     command = [str(peer_python(PEER_VENV)), str(HERE / "peer_run.py"), contender, "--model",
                str(model_dir(workload_name)), "--work", str(WORK / f"peers-{workload_name}"), "--latents",
@@ -311,14 +302,6 @@ def compare(report: dict) -> None:
             continue
         expected, actual = np.load(reference), np.load(mine)
         result["vs_diffusers"] = {"psnr_db": psnr(expected, actual), "ssim": ssim(expected, actual)}
-
-
-def machine_description(threads: int) -> dict:
-    from kasoku.backends.base import cpu_name
-    from kasoku.benchmark import cpu_flags, matmul_gflops
-
-    return {"host": socket.gethostname(), "cpu": cpu_name(), "flags": cpu_flags(), "threads": threads,
-            "torch": torch.__version__, "matmul_gflops": matmul_gflops(), "date": datetime.date.today().isoformat()}
 
 
 def targets(args) -> list[str]:
