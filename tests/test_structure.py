@@ -29,7 +29,7 @@ PLACES = {
     "model": ("loading", "fingerprint", "model"),
     "backends": ("backends",),
     "build": ("export", "optimize", "build"),
-    "runtime": ("runtime", "lora"),
+    "runtime": ("runtime", "lora", "image_prompts"),
     "policies": ("fidelity", "calibration", "fastest"),
     "pipeline": ("signature", "checks", "compiling", "pipeline"),
     "tools": ("verification", "benchmark", "demo", "info", "tiny"),

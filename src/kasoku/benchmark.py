@@ -239,15 +239,21 @@ def bench(
     threads: int | None = None,
     end_to_end: bool = True,
     log: Callable[[str], None] = lambda message: None,
+    ip_adapter=None,
 ) -> BenchReport:
     """Time torch eager and each contender side by side; see the module docstring. `controlnet`
-    (ControlNet folders or models) times the ControlNet pipeline: its ControlNet and U-Net engines."""
+    (ControlNet folders or models) times the ControlNet pipeline: its ControlNet and U-Net engines;
+    `ip_adapter` (IP-Adapter weights files) its image encoder and the U-Net with image prompts."""
     if repeats < 3:
         raise KasokuError(f"--repeats must be at least 3 (a median of repeats) but is {repeats}.")
     check_contenders(list(backends))
     threads = threads or torch.get_num_threads()
     torch.set_num_threads(threads)
     pipe = Model.load(model, controlnet=controlnet)
+    if ip_adapter:
+        from .image_prompts import load_files
+
+        load_files(pipe, ip_adapter)
     label = pipe.label
     specs = pipe.specs(profile, components)
     profile = next(iter(specs.values())).profile

@@ -47,7 +47,7 @@ from .model import Model
 from .optimize import optimize
 from .options import FASTEST, CalibrationPlan, CompileOptions
 from .parity import ParityError, parity_against_torch, raise_on_failure
-from .weights import GraphWeight, bindable_tensors, onnx_files, read_graph_weights, run_time_weights
+from .weights import GraphWeight, bindable_tensors, named_parts, onnx_files, read_graph_weights, run_time_weights
 
 ONNX_FILE = "model.onnx"
 AUTO_REPEATS = 3
@@ -167,6 +167,17 @@ class Compiler:
         """The modules whose weights stay inputs of `spec`'s engine (bound per LoRA adapter set)."""
         return self.options.lora_targets if spec.takes_lora and self.binds_weights() else ()
 
+    def keeps_adapter_weights(self, spec: ComponentSpec, backend: Backend) -> bool:
+        """Whether `spec`'s adapter weights (`run_time_parts`: IP-Adapters) stay inputs of its engine on `backend`
+        (graph backends, at a precision that keeps run-time weights); elsewhere they are constants like the rest."""
+        if not spec.run_time_parts or not self.binds_weights() or backend.builds_from != Source.ONNX:
+            return False
+        try:
+            backend.check_run_time_weights(self.precision(spec))
+        except KasokuError:
+            return False
+        return True
+
     def optimized_parts(self, spec: ComponentSpec, backend: Backend, source: str) -> dict[str, Any]:
         # The passes say everything precision changes in the graph (the fp16 pass); precisions that
         # are an inference setting (bf16) or NNCF's rewrite (int8) share the fp32 graph.
@@ -193,6 +204,9 @@ class Compiler:
                  **backend.key(precision)}
         if self.binds_weights():
             parts["weights"] = spec.fingerprint
+        if self.keeps_adapter_weights(spec, backend):  # one engine for every adapter of the architecture
+            parts["weights"] = digest_key({"architecture": spec.architecture, "base": spec.base_weights()})
+            parts["run_time_parts"] = list(spec.run_time_parts)
         if self.lora_targets(spec):
             parts["lora_targets"] = list(self.lora_targets(spec))
         return parts
@@ -320,6 +334,8 @@ class Compiler:
             if self.binds_weights() and graph is not None:
                 weights = module_weights(spec, onnx.load(str(graph)))
                 run_time = run_time_weights(weights, self.lora_targets(spec))
+                if self.keeps_adapter_weights(spec, backend):
+                    run_time |= named_parts(weights, spec.run_time_parts)
             meta = backend.build(spec, graph, tmp, precision, calibration=calibration, weights=weights,
                                  run_time=run_time or frozenset()) or {}
             if self.options.check_parity:
@@ -363,6 +379,7 @@ class Compiler:
         if entry is not None:
             engine = self._load(spec, backend, entry, precision)
             if engine is not None:
+                self._bind_adapter_weights(spec, backend, engine)
                 self._record(spec, "engine", "reused", entry, time.perf_counter() - start)
                 return engine
         with contextlib.ExitStack() as held:  # no other process drops a source while we build from it
@@ -377,6 +394,15 @@ class Compiler:
             raise EngineLoadError(f"the {backend.name} engine of {spec.name} in {entry.path} was damaged right "
                                   "after it was built; check the disk, then `kasoku cache check --repair`.")
         return engine
+
+    def _bind_adapter_weights(self, spec: ComponentSpec, backend: Backend, engine: Engine) -> None:
+        """An engine that keeps adapter weights as inputs starts on the values it was built with: bind the adapters
+        the module holds now."""
+        if not self.keeps_adapter_weights(spec, backend):
+            return
+        current = bindable_tensors(spec.module)
+        adapters = named_parts(engine.bound, spec.run_time_parts)
+        engine.bind({**engine.bound, **{name: current[name] for name in adapters}})
 
     def sources(self, spec: ComponentSpec, backend: Backend, chain: KeyChain,
                 held: contextlib.ExitStack) -> list[CacheEntry]:

@@ -197,6 +197,7 @@ class CallChecks:
                                f"(exact-shape engines) but `guidance_scale` is {given}; "
                                "compile for this call (kasoku generate does) or a profile with guidance=None.")
         self._check_text_tokens(kwargs)
+        self._check_image_prompts(kwargs, guided, cache_interval)
         missing = [name for name in self.model.task_components(task) if name not in self.components]
         if missing:
             raise InvalidInput(f"{task} needs the {', '.join(missing)} engine{'s' if len(missing) > 1 else ''}; "
@@ -363,6 +364,62 @@ class CallChecks:
     def defaults(self, kwargs) -> dict[str, Any]:
         """What a call omits that the engines fix (see :attr:`fixed_arguments`)."""
         return {name: value for name, value in self.fixed_arguments.items() if name not in kwargs}
+
+    def _check_image_prompts(self, kwargs, guided: bool, cache_interval: int) -> None:
+        """IP-Adapter image prompts: only with adapters loaded, one image (or one encoding) per adapter, of the
+        sizes the engines take; with adapters loaded, a call needs them (diffusers' U-Net would fail late)."""
+        images, embeds = kwargs.get("ip_adapter_image"), kwargs.get("ip_adapter_image_embeds")
+        kinds = self.family.ip_adapters(self.model)
+        if not kinds:
+            if images is not None or embeds is not None:
+                given = "ip_adapter_image" if images is not None else "ip_adapter_image_embeds"
+                raise InvalidInput(f"`{given}` is an image prompt, but no IP-Adapter is loaded; call "
+                                   "pipe.load_ip_adapter(...) first.")
+            return
+        count = len(kinds)
+        if images is None and embeds is None:
+            raise InvalidInput(f"this pipeline has {count} IP-Adapter(s) loaded: give `ip_adapter_image` (one image "
+                               "per adapter) or `ip_adapter_image_embeds`, or call pipe.unload_ip_adapter().")
+        if cache_interval > 1:
+            raise InvalidInput("step caching (cache_interval > 1) does not run with IP-Adapters yet; call with "
+                               "cache_interval=1 or unload the IP-Adapter.")
+        if images is not None:
+            self._check_ip_images(images, count)
+        else:
+            self._check_ip_embeds(embeds, count, guided)
+
+    def _check_ip_images(self, images, count: int) -> None:
+        if self.family.image_prompt_components(self.model) == ():
+            raise InvalidInput("the IP-Adapter was loaded without an image encoder (image_encoder_folder=None): give "
+                               "`ip_adapter_image_embeds` instead of `ip_adapter_image`.")
+        per_adapter = images if isinstance(images, (list, tuple)) else [images]
+        if len(per_adapter) != count:
+            raise InvalidInput(f"`ip_adapter_image` must give one image per IP-Adapter: {count} loaded but "
+                               f"{len(per_adapter)} given.")
+        for index, image in enumerate(per_adapter):
+            if isinstance(image, (list, tuple)) and len(image) != 1:
+                raise InvalidInput(f"`ip_adapter_image` gives {len(image)} images to IP-Adapter {index + 1}; the "
+                                   "engines take one image per IP-Adapter.")
+            check_image_type("ip_adapter_image", image)
+
+    def _check_ip_embeds(self, embeds, count: int, guided: bool) -> None:
+        import torch
+
+        if not isinstance(embeds, (list, tuple)) or len(embeds) != count or \
+                not all(isinstance(e, torch.Tensor) for e in embeds):
+            raise InvalidInput(f"`ip_adapter_image_embeds` must be a list of {count} tensor(s), one per IP-Adapter "
+                               "(what pipe.prepare_ip_adapter_image_embeds returns).")
+        denoiser = self.components.get(self.family.ip_adapter_components(self.model)[-1]) \
+            if hasattr(self.components, "get") else None
+        specs = [t for t in denoiser.spec.inputs if t.name.startswith("ip_embeds_")] if denoiser else []
+        for index, (tensor, spec) in enumerate(zip(embeds, specs)):
+            fixed = tuple(spec.dims[1:])
+            rows = 2 if guided else 1
+            if tensor.ndim != len(spec.dims) or tuple(tensor.shape[1:]) != fixed or tensor.shape[0] % rows:
+                raise InvalidInput(
+                    f"`ip_adapter_image_embeds`[{index}] has shape {tuple(tensor.shape)} but IP-Adapter {index + 1} "
+                    f"takes ({'2 (negative, then positive)' if guided else 'images'}, {', '.join(map(str, fixed))}); "
+                    "make it with pipe.prepare_ip_adapter_image_embeds.")
 
     def _check_family_arguments(self, kwargs) -> None:
         for name, owners in family_only_arguments().items():

@@ -266,6 +266,10 @@ class ComponentSpec:
     modules: tuple[str, ...] = ()  # the pipeline attributes whose weights it uses ("vae", "unet", ...)
     int8: str = "weights"  # int8 recipe (kasoku.quantize): "weights" only, or "hybrid" (calibrated activations)
     takes_lora: bool = False  # LoRA adapters change its weights (diffusers loads them into this component)
+    # Weights whose graph names hold one of these stay engine inputs wherever the backend keeps run-time weights
+    # (IP-Adapters: a switch binds them); the engine is then keyed on `base_weights`, the digest of the others.
+    run_time_parts: tuple[str, ...] = ()
+    base_weights: Callable[[], str] | None = field(default=None, repr=False, compare=False)
 
     def precision_for(self, requested: Precision | str) -> Precision:
         """The precision this component is built in when `requested` is asked for."""

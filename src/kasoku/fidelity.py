@@ -36,11 +36,16 @@ def inpaint_inputs(shape: ImageShape) -> dict:
 
 def task_inputs(model: Model, task: str, shape: ImageShape) -> dict:
     """The images a call of `task` takes besides the prompt, as KasokuPipeline takes them: inpainting's
-    image and mask, and a random control image per ControlNet where the pipeline has ControlNets."""
+    image and mask, a random control image per ControlNet where the pipeline has ControlNets, and a random image
+    prompt per IP-Adapter where it has IP-Adapters."""
     inputs = inpaint_inputs(shape) if task == "inpaint" else {}
     if model.controlnets:
         images = [random_image(shape, VERIFY_SEED + 1 + i) for i in range(model.controlnets)]
         inputs["control_image"] = images[0] if model.controlnets == 1 else images
+    adapters = len(model.family.ip_adapters(model))
+    if adapters:  # one random image prompt per IP-Adapter
+        prompts = [random_image(shape, VERIFY_SEED + 11 + i) for i in range(adapters)]
+        inputs["ip_adapter_image"] = prompts[0] if adapters == 1 else prompts
     return inputs
 
 

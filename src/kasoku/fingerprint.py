@@ -40,9 +40,10 @@ def _tensor_digest(tensor: torch.Tensor) -> bytes:
     return zlib.crc32(memoryview(data).cast("B")).to_bytes(4, "little")
 
 
-def module_fingerprint(module: torch.nn.Module) -> str:
-    """SHA-256 of the weights the module's graph binds: names, shapes and the CRC-32 of the fp32 values."""
-    items = sorted(bindable_tensors(module).items())
+def module_fingerprint(module: torch.nn.Module, skip: frozenset[str] | None = None) -> str:
+    """SHA-256 of the weights the module's graph binds (but `skip`): names, shapes and the CRC-32 of the fp32
+    values."""
+    items = sorted((n, t) for n, t in bindable_tensors(module).items() if not skip or n not in skip)
     digests: dict[str, bytes] = {}
 
     def digest_all(names: list[str]) -> None:
@@ -92,6 +93,7 @@ class WeightsFingerprints:
         self.root = Path(root) / FINGERPRINTS if root is not None else None
         self._computed: dict[int, str] = {}
         self._pending: dict[int, concurrent.futures.Future] = {}
+        self._base: dict[int, str] = {}  # digests without the adapters loaded into a module since
 
     def remember_under(self, root: str | Path) -> None:
         """Remember digests of folder-loaded modules under `root` (a cache folder) from now on, unless a
@@ -162,6 +164,32 @@ class WeightsFingerprints:
             except OSError:
                 pass  # a read-only cache: the digest is computed again next time
         return self._remember(digest=digest, modules=[module, real])
+
+    def base_of(self, pipe, attribute: str) -> str:
+        """The digest of the module's weights without the IP-Adapters loaded into it: remembered from before
+        they were loaded, else computed without them."""
+        from .architectures.ip_adapter import ADAPTER_PARTS, projection_layers
+        from .loading import module_at
+        from .weights import named_parts
+
+        module = module_at(pipe, attribute)
+        if id(module) in self._base:
+            return self._base[id(module)]
+        if not projection_layers(module):
+            return self.of(pipe, attribute)
+        skip = named_parts(bindable_tensors(module), ADAPTER_PARTS)
+        return self.remember_base(module, module_fingerprint(module, skip))
+
+    def remember_base(self, module: torch.nn.Module, digest: str) -> str:
+        self._base[id(module)] = digest
+        return digest
+
+    def forget(self, module: torch.nn.Module) -> None:
+        """Drop what is known of `module`'s digest (its weights changed in memory)."""
+        self._computed.pop(id(module), None)
+        pending = self._pending.pop(id(module), None)
+        if pending is not None:
+            pending.cancel()
 
     def _remember(self, *, digest: str, modules: list[torch.nn.Module]) -> str:
         for module in modules:  # a lazy module and the real one that replaced it share a digest

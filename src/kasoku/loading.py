@@ -20,7 +20,7 @@ from .errors import KasokuError, NotADiffusersPipeline
 from .families import SUPPORTED_PIPELINES, detect_family, family_of, read_model_index
 
 __all__ = ["ModelNotFound", "NotADiffusersPipeline", "SUPPORTED_PIPELINES", "load_pipeline", "load_controlnets",
-           "read_model_index", "real_module", "lazy_source", "release_module", "model_label", "module_at"]
+           "read_model_index", "real_module", "own_module", "lazy_source", "release_module", "model_label", "module_at"]
 
 _LAZY_SOURCE = "_kasoku_lazy_source"  # on a meta-device module: the folder its weights are in
 _LOADED_LAZILY = "_kasoku_loaded_lazily"  # on a real module kasoku loaded in place of a meta one
@@ -296,6 +296,15 @@ def real_module(pipe, attribute: str) -> torch.nn.Module:
     setattr(real, _LOADED_LAZILY, source)
     _put_module(pipe, attribute, real)
     return real
+
+
+def own_module(pipe, attribute: str) -> torch.nn.Module:
+    """The module at `attribute` with its weights, from now on changed in memory (an IP-Adapter loaded into it):
+    never released back to its folder, and hashed from memory."""
+    module = real_module(pipe, attribute)
+    if hasattr(module, _LOADED_LAZILY):
+        delattr(module, _LOADED_LAZILY)
+    return module
 
 
 def release_module(pipe, attribute: str) -> None:

@@ -144,6 +144,10 @@ def read_adapter(source: str | Path | Mapping[str, torch.Tensor], name: str, mod
     except Exception as error:  # safetensors, torch.load and diffusers' converters raise many kinds
         raise LoraError(f"cannot read the LoRA adapter {source if not isinstance(source, Mapping) else '(dict)'}: "
                         f"{error}") from None
+    aliases = model.family.lora_aliases(graph_weights)
+    if aliases:
+        state_dict, alphas, metadata = (_aliased(part, aliases) for part in (state_dict, alphas, metadata))
+        denoiser = aliases.get(denoiser, denoiser)
     unknown = sorted({key.split(".")[0] for key in state_dict} - set(graph_weights))
     if unknown:
         raise LoraError(f"the LoRA adapter changes {', '.join(unknown)}, which this pipeline has no engines for (it "
@@ -171,6 +175,14 @@ def read_adapter(source: str | Path | Mapping[str, torch.Tensor], name: str, mod
     if not adapter.components:
         raise LoraError(f"the LoRA adapter {adapter.source} changes none of {', '.join(graph_weights)}.")
     return adapter
+
+
+def _aliased(mapping: Mapping[str, Any] | None, aliases: Mapping[str, str]) -> dict[str, Any] | None:
+    """Keys whose first part names a component by another name, renamed."""
+    if mapping is None:
+        return None
+    return {(aliases[k.split(".")[0]] + k[len(k.split(".")[0]):] if k.split(".")[0] in aliases else k): v
+            for k, v in mapping.items()}
 
 
 def check_adapter_file(path: str | Path, model: Model, flag: str = "adapter") -> None:

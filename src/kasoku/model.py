@@ -12,15 +12,18 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from .architectures.base import ModuleRef, module_at
 from .components import ComponentSpec, ShapeProfile
 from .families import Family, family_of
 from .fingerprint import WeightsFingerprints
-from .loading import lazy_source, load_pipeline, model_label, real_module, release_module
+from .loading import lazy_source, load_pipeline, model_label, own_module, real_module, release_module
 from .schedulers import few_step_defaults
 from .step_cache import DEFAULT_BRANCH
+
+if TYPE_CHECKING:
+    import torch
 
 __all__ = ["Model", "TINY_VAE_NOTE", "component_specs"]
 
@@ -75,7 +78,8 @@ class Model:
         if module is None:
             raise KeyError(f"the {self.family.title} pipeline has no {path}")
         return ModuleRef(path, module, load=lambda: real_module(self.pipe, path),
-                         digest=lambda: self.weights.of(self.pipe, path))
+                         digest=lambda: self.weights.of(self.pipe, path),
+                         base_digest=lambda: self.weights.base_of(self.pipe, path))
 
     def weight_bytes(self, path: str) -> int:
         """The bytes of the module's weights in fp32 (counted on the meta device too: nothing is read)."""
@@ -89,6 +93,16 @@ class Model:
     def is_loaded(self, path: str) -> bool:
         """Whether the module's weights are in memory now (a lazily loaded module is not until it is built)."""
         return lazy_source(module_at(self.pipe, path)) is None
+
+    def changing(self, path: str) -> torch.nn.Module:
+        """The module at `path` with its weights, about to change in memory (an IP-Adapter loaded into it, or
+        unloaded): kept loaded, and its digest computed again from memory when next asked; the digest of its
+        weights as they are now is kept as its base digest (what adapters are loaded on)."""
+        base = self.weights.base_of(self.pipe, path)
+        module = own_module(self.pipe, path)
+        self.weights.forget(module)
+        self.weights.remember_base(module, base)
+        return module
 
     def release(self, path: str) -> None:
         """Drop the weights of a module kasoku loaded lazily (its engines are built)."""

@@ -18,6 +18,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from .architectures.ip_adapter import ADAPTER_PARTS, IMAGE_ENCODER, is_ip_input
 from .backends import Engine
 from .build import Compiler, CompileReport
 from .cache import Cache, default_cache_dir
@@ -25,6 +26,7 @@ from .checks import CallChecks, PromptTruncated, as_list, task_of
 from .compiling import compile_components
 from .components import Precision, ShapeProfile
 from .errors import KasokuError
+from .image_prompts import IPAdapterError, load_into, set_scale, unload_from
 from .lora import AdapterWeight, LoraError, LoraState, read_adapter, weight_binding
 from .model import Model
 from .options import CompileOptions
@@ -33,6 +35,7 @@ from .schedulers import scheduler_named
 from .signature import applicable
 from .standins import EngineTimes, InvalidInput
 from .step_cache import DEFAULT_SCHEDULE
+from .weights import bindable_tensors, named_parts
 
 __all__ = ["KasokuPipeline", "compile", "InvalidInput", "EngineTimes"]
 
@@ -71,6 +74,9 @@ class KasokuPipeline:
         self._options = options  # what compiled the engines (LoRA rebinds weights to the same graphs)
         self._cache_root = cache_root
         self._loras = LoraState()
+        self._base_engines: dict[str, Engine] = {}  # the denoiser's engines without IP-Adapters
+        # the image encoder module the image_encoder engine was built from
+        self._encoder_of_engines = getattr(self.model.pipe, IMAGE_ENCODER, None) if IMAGE_ENCODER in engines else None
         self._bindings: dict | None = None
         self._label, self._cache = label, cache  # to build the step-cache engines later
         self._runtime = EnginePipelines(self.model, engines, self.times)
@@ -310,9 +316,7 @@ class KasokuPipeline:
     def _weight_bindings(self) -> dict:
         """Per LoRA component, its weight binding (created on first use: graphs from the cache)."""
         if self._bindings is None:
-            if self._options is None or self.compile_report is None:
-                raise KasokuError("this KasokuPipeline was made from engines directly; LoRA adapters need one made "
-                                  "by kasoku.compile or KasokuPipeline.from_pretrained.")
+            self._needs_options("LoRA adapters")
             report = self.compile_report
             options = self._options.replace(backend=dict(report.backends),
                                             precision={c: Precision(p) for c, p in report.precisions.items()})
@@ -320,6 +324,104 @@ class KasokuPipeline:
             self._bindings = {name: weight_binding(compiler, self.engines[name].spec, report.backends[name],
                                                    self.engines[name]) for name in self.lora_components}
         return self._bindings
+
+    # ---- IP-Adapters: diffusers' names, image prompts as engine inputs ------------------------------
+
+    def load_ip_adapter(self, pretrained_model_name_or_path_or_dict, subfolder, weight_name,
+                        image_encoder_folder: str | None = "image_encoder", **kwargs) -> None:
+        """diffusers' `load_ip_adapter` (one adapter, or lists for several): the plain and Plus kinds, with their
+        image encoder; then the image encoder's engine and the U-Net's with image-prompt inputs (from the cache
+        when built: a second adapter of the same kind and size builds no new graph). Calls then take
+        `ip_adapter_image` (one image per adapter) or `ip_adapter_image_embeds`."""
+        self._needs_options("IP-Adapters")
+        load_into(self.model, pretrained_model_name_or_path_or_dict, subfolder, weight_name, image_encoder_folder,
+                  **kwargs)
+        try:
+            self._rebuild_for_image_prompts()
+        except Exception:
+            unload_from(self.model)
+            self._rebuild_for_image_prompts()
+            raise
+
+    def set_ip_adapter_scale(self, scale) -> None:
+        """diffusers' `set_ip_adapter_scale`: a number, one per adapter, or per block ({"down": {"block_2":
+        [0.0, 1.0]}, "up": ...}); an input of the engines, so nothing is rebuilt."""
+        set_scale(self.model, scale)
+
+    def unload_ip_adapter(self) -> None:
+        """diffusers' `unload_ip_adapter`: the base U-Net engine again (exactly its images) and no image encoder."""
+        unload_from(self.model)
+        self._rebuild_for_image_prompts()
+
+    def prepare_ip_adapter_image_embeds(self, ip_adapter_image, ip_adapter_image_embeds=None, device=None,
+                                        num_images_per_prompt: int = 1, do_classifier_free_guidance: bool = True):
+        """diffusers' own, on the image encoder's engine: the `ip_adapter_image_embeds` a later call can take."""
+        if not self.family.ip_adapters(self.model):
+            raise IPAdapterError("no IP-Adapter is loaded; call load_ip_adapter(...) first.")
+        return self._pipes["txt2img"].prepare_ip_adapter_image_embeds(
+            ip_adapter_image, ip_adapter_image_embeds, device or self.device, num_images_per_prompt,
+            do_classifier_free_guidance)
+
+    def _rebuild_for_image_prompts(self) -> None:
+        """The engines the model's IP-Adapters (or their absence) need, then diffusers' pipelines over them. The
+        base U-Net's engine is kept: unloading puts it back."""
+        names = self.family.ip_adapter_components(self.model)
+        denoiser = names[-1]
+        if self._rebind_adapters(denoiser):
+            return
+        current = self.engines[denoiser]
+        adapters = self.family.ip_adapters(self.model)
+        if not self._has_image_prompts(current):
+            self._base_engines.setdefault(denoiser, current)
+        self.engines.pop(IMAGE_ENCODER, None)
+        if not adapters and denoiser in self._base_engines:
+            self.engines[denoiser] = self._base_engines[denoiser]
+        else:
+            options = self._options.replace(components=names, step_cache=False,
+                                            backend={name: current.backend for name in names},
+                                            precision={name: current.precision for name in names})
+            engines, report = compile_components(self.model, options, cache=self._cache, label=self._label)
+            self.engines.update(engines)
+            if self.compile_report is not None:
+                self.compile_report.merge(report)
+        self._bindings = None  # LoRA binds the new engines' weights
+        if self._loras.adapters:
+            self._apply_loras()
+        scheduler = self.scheduler
+        self._runtime = EnginePipelines(self.model, self.engines, self.times)
+        self._pipes = self._runtime.pipes
+        self.scheduler = scheduler
+        self.checks = CallChecks(self.model, self.profile, self.engines, scheduler=lambda: self.scheduler,
+                                 can_build_step_cache=self._options is not None)
+        self._encoder_of_engines = getattr(self.model.pipe, IMAGE_ENCODER, None)
+
+    def _rebind_adapters(self, denoiser: str) -> bool:
+        """Adapters of the kinds and sizes the engines take, with the same image encoder: their weights bound into
+        the current engine (it keeps them as inputs), nothing loaded or built. Not under LoRA, whose binding keeps
+        the engine's weights as it found them."""
+        current = self.engines.get(denoiser)
+        encoder = getattr(self.model.pipe, IMAGE_ENCODER, None)
+        if current is None or self._loras.adapters or encoder is None or encoder is not self._encoder_of_engines \
+                or IMAGE_ENCODER not in self.engines:
+            return False
+        adapters = named_parts(current.bound, ADAPTER_PARTS)
+        if not adapters or not self.family.ip_adapters(self.model):
+            return False
+        spec = self.model.specs(self.profile, [denoiser])[denoiser]
+        if spec.architecture != current.spec.architecture:
+            return False
+        tensors = bindable_tensors(spec.module)
+        current.bind({**current.bound, **{name: tensors[name] for name in adapters}})
+        return True
+
+    @staticmethod
+    def _has_image_prompts(engine: Engine) -> bool:
+        return any(is_ip_input(name) for name in engine.spec.input_names)
+
+    def _needs_options(self, what: str) -> None:
+        if self._options is None or self.compile_report is None:
+            raise KasokuError(f"this KasokuPipeline was made from engines directly; {what} need one made by "
+                              "kasoku.compile or KasokuPipeline.from_pretrained.")
 
     def __repr__(self) -> str:
         backends = {name: engine.backend for name, engine in self.engines.items()}

@@ -25,7 +25,7 @@ def family_names() -> tuple[str, ...]:
 
 
 def check_variant(family: str, *, inpainting: bool = False, prediction: str = "epsilon",
-                  controlnet: bool = False, lcm: bool = False) -> None:
+                  controlnet: bool = False, lcm: bool = False, ip_adapter: bool = False) -> None:
     """The tiny variants are the U-Net families': an inpainting U-Net, v-prediction, a ControlNet, an LCM U-Net
     (not with the others)."""
     if isinstance(FAMILIES[family], UNetFamily):
@@ -37,7 +37,8 @@ def check_variant(family: str, *, inpainting: bool = False, prediction: str = "e
         return
     asked = [flag for flag, given in (("--inpainting", inpainting), ("--prediction v_prediction",
                                                                      prediction != "epsilon"),
-                                      ("--controlnet", controlnet), ("--lcm", lcm)) if given]
+                                      ("--controlnet", controlnet), ("--lcm", lcm),
+                                      ("--ip-adapter", ip_adapter)) if given]
     if asked:
         raise KasokuError(f"{asked[0]}: the tiny {FAMILIES[family].title} pipeline has no such variant "
                                       "(they are the U-Net families': sd1, sd2, sdxl); every "
@@ -80,23 +81,50 @@ def check_tiny_folder(directory: str | Path) -> Path:
 
 CONTROLNET_FOLDER = "controlnet"  # where `kasoku tiny DIR --controlnet` writes the ControlNet, in DIR
 TINY_VAE_FOLDER = "tiny_vae"  # where `kasoku tiny DIR --tiny-vae` writes the tiny autoencoder, in DIR
+IP_ADAPTER_FOLDER = "ip_adapter"  # where `kasoku tiny DIR --ip-adapter` writes the IP-Adapters, in DIR
+IP_ADAPTER_FILES = {"plain": "ip-adapter.safetensors", "plus": "ip-adapter-plus.safetensors"}
 
 
 def write_tiny_pipeline(directory: str | Path, *, family: str = "sd1", inpainting: bool = False,
                         prediction: str = "epsilon", seed: int = 0, controlnet: bool = False,
-                        tiny_vae: bool = False, lcm: bool = False) -> Path:
+                        tiny_vae: bool = False, lcm: bool = False, ip_adapter: bool = False) -> Path:
     """Write a tiny pipeline as a diffusers folder (safetensors weights, no safety checker); with
     `controlnet`, a tiny ControlNet for it in DIR/controlnet, with `tiny_vae` a tiny AutoencoderTiny (TAESD's
     layout) in DIR/tiny_vae (model folders the pipeline's own loading ignores: give them as `controlnet=` /
-    `--controlnet` and `tiny_vae=` / `--tiny-vae`)."""
+    `--controlnet` and `tiny_vae=` / `--tiny-vae`); with `ip_adapter`, a plain and a Plus IP-Adapter and their
+    image encoder in DIR/ip_adapter (see :func:`write_tiny_ip_adapters`)."""
     directory = check_tiny_folder(directory)
-    check_variant(family, inpainting=inpainting, prediction=prediction, controlnet=controlnet, lcm=lcm)
+    check_variant(family, inpainting=inpainting, prediction=prediction, controlnet=controlnet, lcm=lcm,
+                  ip_adapter=ip_adapter)
     pipe = tiny_pipeline(family=family, inpainting=inpainting, prediction=prediction, seed=seed, lcm=lcm)
     pipe.save_pretrained(directory, safe_serialization=True)
     if controlnet:
         write_tiny_controlnet(directory / CONTROLNET_FOLDER, family=family, seed=seed)
     if tiny_vae:
         write_tiny_vae(directory / TINY_VAE_FOLDER, family=family, seed=seed)
+    if ip_adapter:
+        write_tiny_ip_adapters(directory / IP_ADAPTER_FOLDER, pipe.unet, seed=seed)
+    return directory
+
+
+def write_tiny_ip_adapters(directory: str | Path, unet, *, seed: int = 0) -> Path:
+    """IP-Adapters for `unet` with random weights, as the published ones are laid out: a folder holding
+    ip-adapter.safetensors (plain), ip-adapter-plus.safetensors (Plus: a resampler) and image_encoder/ (a
+    CLIPVisionModelWithProjection). `load_ip_adapter(DIR, subfolder="", weight_name=...)` reads them."""
+    from safetensors.torch import save_file
+
+    from .architectures import ip_adapter
+    from .architectures.tiny import seeded, tiny_image_encoder
+
+    if not hasattr(unet, "attn_processors"):
+        raise KasokuError("IP-Adapters are for U-Net pipelines (sd1, sd2, sdxl).")
+    directory = Path(directory)
+    encoder = seeded(seed, 40, tiny_image_encoder).eval()
+    encoder.save_pretrained(directory / "image_encoder", safe_serialization=True)
+    for offset, (kind, file) in enumerate(IP_ADAPTER_FILES.items()):
+        state = seeded(seed, 41 + offset, lambda kind=kind: ip_adapter.random_adapter_state_dict(unet, encoder.config,
+                                                                                                kind))
+        save_file({k: v.contiguous() for k, v in state.items()}, str(directory / file))
     return directory
 
 

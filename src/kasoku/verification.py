@@ -24,6 +24,7 @@ from .fidelity import (  # noqa: F401 - verify's prompts and seed, where callers
     inpaint_inputs,
     task_inputs,
 )
+from .image_prompts import load_files
 from .model import Model
 from .options import CompileOptions
 from .parity import STEP_CACHE, STEP_CACHE_INTERVAL, TOLERANCES, OutputParity, parity_against_torch, psnr, ssim
@@ -88,6 +89,7 @@ def verify(
     on_stage=None,
     cache_interval: int = 1,
     cache_schedule: str = DEFAULT_SCHEDULE,
+    ip_adapter=None,
     **fields,
 ) -> VerifyReport:
     """Compare every engine with torch at three shapes, and an image with diffusers; check the full
@@ -95,13 +97,16 @@ def verify(
     ControlNet pipeline, `tiny_vae` (an AutoencoderTiny or its folder) the pipeline on it. `options` (or
     its fields as keywords) as for compile. With `cache_interval` > 1 the step-cache engines are verified
     too, and the images of calls with that interval and `cache_schedule` are compared with the same
-    engines' without step caching."""
+    engines' without step caching. `ip_adapter` (IP-Adapter weights files, their image encoder beside the first)
+    verifies the image encoder and the U-Net with image prompts, and images with a random image prompt."""
     check_interval(cache_interval)
     check_schedule(cache_schedule)
     options = CompileOptions.of(options, backend=backend, **fields).replace(check_parity=False)
     if cache_interval > 1:
         options = options.replace(step_cache=True)
     reference = Model.load(model, controlnet=controlnet, tiny_vae=tiny_vae)
+    if ip_adapter:
+        load_files(reference, ip_adapter)
     label = reference.label
     kwargs = {"on_stage": on_stage} if on_stage else {}
     compared_with_fp32 = image and options.precision != Precision.FP32

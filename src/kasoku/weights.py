@@ -193,6 +193,13 @@ def run_time_weights(names: Iterable[str], targets: Iterable[str]) -> frozenset[
     return frozenset(n for n in names if suffixes and (n.endswith(suffixes) or f".{n}".endswith(suffixes)))
 
 
+def named_parts(names: Iterable[str], parts: Iterable[str]) -> frozenset[str]:
+    """The weights whose names hold one of `parts` as whole dotted pieces (".to_k_ip." in
+    "unet.mid_block...attn2.processor.to_k_ip.0.weight")."""
+    parts = tuple(f".{part.strip('.')}." for part in parts)
+    return frozenset(n for n in names if parts and any(p in f".{n}" for p in parts))
+
+
 def as_numpy(tensor: torch.Tensor) -> np.ndarray:
     """A CPU tensor's memory as a numpy array (no copy; bfloat16 has no numpy type and is refused)."""
     if tensor.dtype == torch.bfloat16:

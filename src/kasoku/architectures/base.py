@@ -48,6 +48,8 @@ class ModuleRef:
     module: torch.nn.Module = field(repr=False, compare=False)
     load: Callable[[], torch.nn.Module] = field(repr=False, compare=False)
     digest: Callable[[], str] = field(repr=False, compare=False)
+    # the digest of the weights without an adapter's loaded into the module (IP-Adapters: see ip_adapter)
+    base_digest: Callable[[], str] | None = field(default=None, repr=False, compare=False)
 
     @property
     def config(self) -> Mapping[str, Any]:

@@ -247,3 +247,14 @@ def flow_match_scheduler(**config):
     from diffusers import FlowMatchEulerDiscreteScheduler
 
     return FlowMatchEulerDiscreteScheduler(**config)
+
+
+def tiny_image_encoder(sizes: TinySizes = TINY_SIZES):
+    """A CLIPVisionModelWithProjection at CLIP's 224x224 input (so diffusers' default CLIPImageProcessor feeds it)
+    with 32x32 patches: 50 tokens."""
+    from transformers import CLIPVisionConfig, CLIPVisionModelWithProjection
+
+    hidden = sizes.text_hidden
+    return CLIPVisionModelWithProjection(CLIPVisionConfig(
+        hidden_size=hidden, intermediate_size=hidden * 2, num_hidden_layers=sizes.text_layers,
+        num_attention_heads=sizes.text_heads, image_size=224, patch_size=32, projection_dim=sizes.text_projection_2))

@@ -23,6 +23,7 @@ import torch
 
 from ..components import ComponentSpec, ShapeProfile, TensorSpec
 from ..standins import EngineModule, InvalidInput, call_state, timesteps_for
+from . import ip_adapter
 from .base import Axes, ModuleRef
 
 BASE_INPUTS = ("sample", "timestep", "encoder_hidden_states")
@@ -95,57 +96,85 @@ def out_sample(config, axes: Axes) -> TensorSpec:
 
 class UNetModule(torch.nn.Module):
     """The U-Net on (sample, timestep, encoder_hidden_states, [timestep_cond,] *added conditioning named
-    `added`)."""
+    `added`, [*IP-Adapter encodings, IP scales]) (the IP inputs where IP-Adapters are loaded)."""
 
     def __init__(self, unet: torch.nn.Module, added: tuple[str, ...] = ()):
         super().__init__()
         self.unet = unet
         self.added = added
         self.guidance_embedded = bool(unet.config.get("time_cond_proj_dim"))
+        self.adapters = len(ip_adapter.projection_layers(unet))
 
     def forward(self, sample, timestep, encoder_hidden_states, *rest):
+        return (self._denoise(sample, timestep, encoder_hidden_states, rest),)
+
+    def _denoise(self, sample, timestep, encoder_hidden_states, rest, residuals=None):
+        rest, image_embeds, scale = ip_adapter.split_inputs(rest, self.adapters)
         timestep_cond, rest = (rest[0], rest[1:]) if self.guidance_embedded else (None, rest)
-        added_cond_kwargs = dict(zip(self.added, rest)) or None
-        return (self.unet(sample, timestep, encoder_hidden_states, timestep_cond=timestep_cond,
-                          added_cond_kwargs=added_cond_kwargs, return_dict=False)[0],)
+        added_cond_kwargs = dict(zip(self.added, rest))
+        residuals = {} if residuals is None else dict(down_block_additional_residuals=residuals[:-1],
+                                                      mid_block_additional_residual=residuals[-1])
+        if image_embeds is None:
+            return self.unet(sample, timestep, encoder_hidden_states, timestep_cond=timestep_cond,
+                             added_cond_kwargs=added_cond_kwargs or None, return_dict=False, **residuals)[0]
+        with ip_adapter.run_time_scales(self.unet, scale):
+            return self.unet(sample, timestep, encoder_hidden_states, timestep_cond=timestep_cond,
+                             added_cond_kwargs={**added_cond_kwargs, "image_embeds": image_embeds},
+                             return_dict=False, **residuals)[0]
 
 
 class ResidualUNetModule(UNetModule):
     """The U-Net with a ControlNet's residuals as inputs: (sample, timestep, encoder_hidden_states,
-    *added conditioning, *down-block residuals, mid-block residual)."""
+    *added conditioning, *down-block residuals, mid-block residual, [*IP-Adapter encodings, IP scales])."""
+
+    def __init__(self, unet: torch.nn.Module, added: tuple[str, ...] = ()):
+        super().__init__(unet, added)
+        self.residuals = len(controlnet_residuals(unet.config))
 
     def forward(self, sample, timestep, encoder_hidden_states, *rest):
-        timestep_cond, rest = (rest[0], rest[1:]) if self.guidance_embedded else (None, rest)
-        added, residuals = dict(zip(self.added, rest)) or None, rest[len(self.added):]
-        return (self.unet(sample, timestep, encoder_hidden_states, timestep_cond=timestep_cond,
-                          added_cond_kwargs=added,
-                          down_block_additional_residuals=residuals[:-1], mid_block_additional_residual=residuals[-1],
-                          return_dict=False)[0],)
+        count = len(ip_adapter.split_inputs(rest, self.adapters)[0]) - self.residuals
+        ip = rest[count + self.residuals:]
+        return (self._denoise(sample, timestep, encoder_hidden_states, (*rest[:count], *ip),
+                              residuals=rest[count:count + self.residuals]),)
 
 
 def unet_spec(ref: ModuleRef, profile: ShapeProfile, axes: Axes, *, text_length: int,
-              added: tuple[TensorSpec, ...] = (), name: str = "unet") -> ComponentSpec:
-    """The U-Net at `ref`; `added` its added conditioning inputs (see :func:`text_time_inputs`)."""
+              added: tuple[TensorSpec, ...] = (), ip: tuple[TensorSpec, ...] = (), name: str = "unet"
+              ) -> ComponentSpec:
+    """The U-Net at `ref`; `added` its added conditioning inputs (see :func:`text_time_inputs`), `ip` its
+    IP-Adapters' (see :func:`kasoku.architectures.ip_adapter.embeds_inputs`). int8 quantizes an IP-Adapter
+    U-Net's weights only: the calibration recipe records plain text-to-image runs."""
     config = ref.config
     added_names = tuple(t.name for t in added)
     return ComponentSpec(
         name=name,
         inputs=(*denoiser_inputs(config, axes, text_length, fp32_timestep=True),
-                *guidance_embedding_inputs(config, axes), *added),
+                *guidance_embedding_inputs(config, axes), *added, *ip),
         outputs=(out_sample(config, axes),),
         profile=profile,
         load_module=lambda: UNetModule(ref.load(), added_names),
-        weights=ref.digest,
-        config=dict(config),
+        **_weights_and_config(ref, ip),
         graph_kind="unet",
         modules=(ref.path,),
-        int8="hybrid",
+        **({} if ip else {"int8": "hybrid"}),
         takes_lora=True,
     )
 
 
+def _weights_and_config(ref: ModuleRef, ip: tuple[TensorSpec, ...]) -> dict[str, Any]:
+    """The U-Net's weight digest and config; with IP-Adapters, theirs too (loaded into a module whose digest may
+    have been taken before)."""
+    if not ip:
+        return {"weights": ref.digest, "config": dict(ref.config)}
+    module = ref.module
+    return {"weights": lambda: f"{ref.digest()}+ip{ip_adapter.digest(module)}",
+            "config": {**ref.config, "kasoku_ip_adapters": ip_adapter.architecture(module)},
+            "run_time_parts": ip_adapter.ADAPTER_PARTS, "base_weights": ref.base_digest}
+
+
 def residual_unet_spec(ref: ModuleRef, profile: ShapeProfile, axes: Axes, *, text_length: int,
-                       added: tuple[TensorSpec, ...] = (), name: str = "unet_controlnet") -> ComponentSpec:
+                       added: tuple[TensorSpec, ...] = (), ip: tuple[TensorSpec, ...] = (),
+                       name: str = "unet_controlnet") -> ComponentSpec:
     """The U-Net that takes a ControlNet's residuals as inputs (after its own and its added conditioning).
     int8 quantizes its weights only: the calibration recipe records plain text-to-image runs."""
     config = ref.config
@@ -153,14 +182,14 @@ def residual_unet_spec(ref: ModuleRef, profile: ShapeProfile, axes: Axes, *, tex
     return ComponentSpec(
         name=name,
         inputs=(*denoiser_inputs(config, axes, text_length), *guidance_embedding_inputs(config, axes), *added,
-                *residual_specs(config, axes)),
+                *residual_specs(config, axes), *ip),
         outputs=(out_sample(config, axes),),
         profile=profile,
         load_module=lambda: ResidualUNetModule(ref.load(), added_names),
-        weights=ref.digest,
-        config=dict(config),
+        **_weights_and_config(ref, ip),
         graph_kind="unet",
         modules=(ref.path,),
+        takes_lora=True,
     )
 
 
@@ -178,7 +207,8 @@ class EngineUNet(EngineModule):
         residuals = set(residual_names(len(names)))
         self._residuals = tuple(name for name in names if name in residuals)  # down blocks' in order, then the mid's
         self._added = [name for name in names if name not in (*BASE_INPUTS, TIMESTEP_COND) and
-                       name not in self._residuals]
+                       name not in self._residuals and not ip_adapter.is_ip_input(name)]
+        self._original = original  # its IP processors hold the scales diffusers' set_ip_adapter_scale sets
         self._takes_guidance_embedding = TIMESTEP_COND in names
         self._step_cache = None
         if getattr(original, "add_embedding", None) is not None:
@@ -190,6 +220,7 @@ class EngineUNet(EngineModule):
                 added_cond_kwargs=None, down_block_additional_residuals=None, mid_block_additional_residual=None,
                 down_intrablock_additional_residuals=None, return_dict=True, **kwargs):
         added_cond_kwargs = dict(added_cond_kwargs or {})
+        ip = self._ip_feeds(added_cond_kwargs.pop("image_embeds", None))
         extra = sorted(set(added_cond_kwargs) - set(self._added))
         if cross_attention_kwargs or extra or down_intrablock_additional_residuals:
             raise InvalidInput("the compiled U-Net takes sample, timestep, encoder_hidden_states"
@@ -207,7 +238,7 @@ class EngineUNet(EngineModule):
         added = {name: added_cond_kwargs[name].to(torch.float32) for name in self._added}
         cond = {TIMESTEP_COND: timestep_cond.to(torch.float32)} if timestep_cond is not None else {}
         inputs = dict(sample=sample, timestep=timesteps_for(timestep, sample.shape[0]),
-                      encoder_hidden_states=encoder_hidden_states, **cond, **added, **residuals)
+                      encoder_hidden_states=encoder_hidden_states, **cond, **added, **residuals, **ip)
         run = self._step_cache
         out = self._run(self._component, **inputs)["out_sample"] if run is None else run.denoise(self._run, inputs)
         if not return_dict:
@@ -215,6 +246,26 @@ class EngineUNet(EngineModule):
         from diffusers.models.unets.unet_2d_condition import UNet2DConditionOutput
 
         return UNet2DConditionOutput(sample=out)
+
+    @property
+    def encoder_hid_proj(self):
+        """diffusers' pipelines read the adapters' projection layers (how many, which kind) from here."""
+        return getattr(self._original, "encoder_hid_proj", None)
+
+    def _ip_feeds(self, image_embeds) -> dict[str, torch.Tensor]:
+        """The image prompts' encodings and the current IP scales as the engine's inputs (none without
+        IP-Adapters; an engine built for them needs them)."""
+        names = [n for n in self.engine.spec.input_names if ip_adapter.is_ip_input(n) and n != ip_adapter.IP_SCALE]
+        if not names:
+            if image_embeds is not None:
+                raise InvalidInput("this U-Net engine takes no image prompt: load an IP-Adapter first "
+                                   "(pipe.load_ip_adapter(...)).")
+            return {}
+        if image_embeds is None or len(image_embeds) != len(names):
+            raise InvalidInput(f"the compiled U-Net takes an image prompt for each of its {len(names)} IP-Adapter(s) "
+                               "(ip_adapter_image or ip_adapter_image_embeds).")
+        return {**{name: embeds.to(torch.float32) for name, embeds in zip(names, image_embeds)},
+                ip_adapter.IP_SCALE: ip_adapter.scales_of(self._original)}
 
     def step_cache(self, run):
         """Step caching for one pipeline call (None: none); its state goes with the call."""

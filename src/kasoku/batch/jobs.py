@@ -17,11 +17,11 @@ from ..errors import KasokuError
 from ..step_cache import DEFAULT_SCHEDULE, SCHEDULES
 
 JOB_FIELDS = ("id", "prompt", "negative_prompt", "seed", "steps", "guidance", "height", "width", "control_image",
-              "control_scale", "loras", "cache_interval", "cache_schedule")
+              "control_scale", "loras", "cache_interval", "cache_schedule", "ip_adapter", "ip_image", "ip_scale")
 # Fields added after the first release: part of a job's key only when set to other than their default, so the
 # results of jobs that do not use them keep their keys (a re-run skips them).
 LATER_FIELDS = {"control_image": (), "control_scale": None, "loras": (), "cache_interval": 1,
-                "cache_schedule": DEFAULT_SCHEDULE}
+                "cache_schedule": DEFAULT_SCHEDULE, "ip_adapter": (), "ip_image": (), "ip_scale": ()}
 RESULTS_FILE = "results.jsonl"
 STATE_DIR = ".kasoku-batch"  # images being written and each worker's status; removed after a run
 ID_PATTERN = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")  # ids name files: no slashes, no hidden files
@@ -54,6 +54,9 @@ class Job:
     loras: tuple[tuple[str, float], ...] = ()  # LoRA adapters (absolute path, weight); () runs the base weights
     cache_interval: int = 1  # step caching: the whole U-Net on one step in N (1: off)
     cache_schedule: str = DEFAULT_SCHEDULE
+    ip_adapter: tuple[str, ...] = ()  # IP-Adapter weights files (absolute paths); () runs no image prompt
+    ip_image: tuple[str, ...] = ()  # the image prompt of each adapter (absolute paths)
+    ip_scale: tuple[float, ...] = ()  # one scale per adapter (default 1.0 each)
     source: str = field(default="", compare=False)  # "prompts.jsonl:3", for messages
 
     @property
@@ -71,7 +74,12 @@ class Job:
     def call_key(self) -> tuple:
         return call_key(self.height, self.width, self.steps, self.guidance, self.negative_prompt is not None,
                         control_scale=self.control_scale, loras=self.loras, cache_interval=self.cache_interval,
-                        cache_schedule=self.cache_schedule)
+                        cache_schedule=self.cache_schedule, image_prompt=self.image_prompt)
+
+    @property
+    def image_prompt(self) -> tuple:
+        """(adapters, images, scales): what the jobs of one call share (diffusers gives a call one image prompt)."""
+        return (self.ip_adapter, self.ip_image, self.ip_scale) if self.ip_adapter else ()
 
 
 # ---- which jobs share an engine call, and the call they share ----------------------------------
@@ -81,13 +89,13 @@ class Job:
 def call_key(height: int | None, width: int | None, steps: int, guidance: float, negative: bool, *,
              task: str = "txt2img", strength: float | None = None,
              control_scale: float | tuple[float, ...] | None = None, loras: tuple = (), cache_interval: int = 1,
-             cache_schedule: str = DEFAULT_SCHEDULE) -> tuple:
+             cache_schedule: str = DEFAULT_SCHEDULE, image_prompt: tuple = ()) -> tuple:
     """Jobs with equal call keys can share one pipeline call: one task, adapter set (LoRA paths and
     weights), size, steps, guidance and step caching (and strength for img2img and inpaint, the control
-    scale with ControlNets), and negative prompts for all or for none (SDXL encodes a missing one as zeros,
-    not as "")."""
+    scale with ControlNets, the image prompt with IP-Adapters), and negative prompts for all or for none (SDXL
+    encodes a missing one as zeros, not as "")."""
     return (task, loras, height, width, steps, guidance, negative, strength, control_scale, cache_interval,
-            cache_schedule)
+            cache_schedule, *((image_prompt,) if image_prompt else ()))
 
 
 def call_arguments(jobs: Sequence) -> dict[str, Any]:
@@ -195,6 +203,56 @@ def _loras(value: Any) -> tuple[tuple[str, float], ...]:
     return tuple(out)
 
 
+def _files(value: Any, name: str, folder: Path, *, image: bool) -> tuple[str, ...]:
+    """A file or a list of files relative to the prompts file's folder, each existing (an image PIL can read)."""
+    paths = value if isinstance(value, list) else [value]
+    if not paths or not all(isinstance(p, str) and p for p in paths):
+        raise _LineError(f"`{name}` must be a file or a list of files but is {json.dumps(value)}.")
+    resolved = []
+    for path in paths:
+        file = (folder / Path(path).expanduser()).absolute()
+        if not file.is_file():
+            raise _LineError(f"`{name}` {path} does not exist (paths are relative to the prompts file's folder).")
+        if image:
+            from PIL import Image, UnidentifiedImageError
+
+            try:
+                with Image.open(file):  # reads the header only
+                    pass
+            except UnidentifiedImageError:
+                raise _LineError(f"`{name}` {path} is not an image PIL can read.") from None
+        resolved.append(str(file))
+    return tuple(resolved)
+
+
+def _image_prompt(record: dict, folder: Path) -> dict[str, tuple]:
+    """`ip_adapter` (weights files), `ip_image` (one image per adapter) and `ip_scale` (a number, or one per
+    adapter)."""
+    if "ip_adapter" not in record:
+        given = [name for name in ("ip_image", "ip_scale") if name in record]
+        if given:
+            raise _LineError(f"`{given[0]}` needs `ip_adapter` (the IP-Adapter weights file it is for).")
+        return {}
+    from ..image_prompts import IPAdapterError, check_adapter_file
+
+    adapters = _files(record["ip_adapter"], "ip_adapter", folder, image=False)
+    for path in adapters:
+        try:
+            check_adapter_file(path, "`ip_adapter`")
+        except IPAdapterError as error:
+            raise _LineError(str(error)) from None
+    images = _files(record.get("ip_image", []), "ip_image", folder, image=True) if "ip_image" in record else ()
+    if len(images) != len(adapters):
+        raise _LineError(f"`ip_image` must give one image per IP-Adapter: {len(adapters)} adapter(s) but "
+                         f"{len(images)} image(s).")
+    scale = record.get("ip_scale", 1.0)
+    scales = scale if isinstance(scale, list) else [scale] * len(adapters)
+    if len(scales) != len(adapters) or not all(_is_number(s) for s in scales):
+        raise _LineError(f"`ip_scale` must be a number or a list of {len(adapters)} (one per IP-Adapter) but is "
+                         f"{json.dumps(scale)}.")
+    return {"ip_adapter": adapters, "ip_image": images, "ip_scale": tuple(float(s) for s in scales)}
+
+
 def parse_job(line: str, number: int, source: str, folder: Path = Path(".")) -> Job:
     """One JSONL line → a Job; seed and id default to the line number, so a re-run is the same run.
     `folder` is where a relative `control_image` path starts (the prompts file's folder)."""
@@ -233,6 +291,7 @@ def parse_job(line: str, number: int, source: str, folder: Path = Path(".")) -> 
                               "an integer >= 1 (1: no step caching)", 1),
         cache_schedule=_field(record, "cache_schedule", lambda v: v in SCHEDULES, f"one of {', '.join(SCHEDULES)}",
                               DEFAULT_SCHEDULE),
+        **_image_prompt(record, folder),
         source=source,
     )
 

@@ -111,6 +111,37 @@ class AdapterSwitch:
         self._running = loras
 
 
+class ImagePromptSwitch:
+    """The IP-Adapters a pipeline runs, switched per call: an adapter set is loaded when it changes (its engines
+    come from the cache after the first; a second adapter of the same kind binds its weights), and unloaded for
+    calls without an image prompt."""
+
+    def __init__(self, pipeline):
+        self.pipeline = pipeline
+        self._running: tuple[str, ...] = ()
+
+    def use(self, image_prompt: tuple) -> dict:
+        """The call arguments of `image_prompt` ((adapters, images, scales), or () for none), its adapters loaded."""
+        from PIL import Image
+
+        adapters, images, scales = image_prompt or ((), (), ())
+        if adapters != self._running:
+            if adapters:
+                from ..image_prompts import image_encoder_for
+
+                self.pipeline.load_ip_adapter([str(Path(a).parent) for a in adapters], subfolder="",
+                                              weight_name=[Path(a).name for a in adapters],
+                                              image_encoder_folder=str(image_encoder_for(adapters[0])))
+            else:
+                self.pipeline.unload_ip_adapter()
+            self._running = adapters
+        if not adapters:
+            return {}
+        self.pipeline.set_ip_adapter_scale(list(scales) if len(scales) > 1 else scales[0])
+        opened = [Image.open(path).convert("RGB") for path in images]
+        return {"ip_adapter_image": opened if len(opened) > 1 else opened[0]}
+
+
 # ---- the worker --------------------------------------------------------------------------------
 
 
@@ -167,6 +198,7 @@ class BatchWorker:
         self.tmp = self.out / STATE_DIR / "tmp"
         self.status_file = self.out / STATE_DIR / "workers" / f"{self.node}-{os.getpid()}.json"
         self.adapters = AdapterSwitch(self.pipeline)
+        self.image_prompts = ImagePromptSwitch(self.pipeline)
         self._write_status([])  # also proves that this node can write the output folder
 
     def info(self) -> WorkerInfo:
@@ -189,9 +221,10 @@ class BatchWorker:
     def _generate(self, batch: list[Job]):
         first = batch[0]
         self.adapters.use(first.loras)  # a batch shares one adapter set (its call key)
+        image_prompt = self.image_prompts.use(first.image_prompt)  # and one image prompt
         start = time.perf_counter()
         images = self.pipeline(**call_arguments(batch), height=first.height, width=first.width,
-                               **_control_arguments(batch)).images
+                               **_control_arguments(batch), **image_prompt).images
         return images, time.perf_counter() - start
 
     def _write_status(self, batch: list[Job]) -> None:

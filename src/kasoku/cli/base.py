@@ -166,6 +166,77 @@ def tiny_vae_from_args(args: argparse.Namespace) -> str | None:
     return str(args.tiny_vae)
 
 
+def add_ip_adapter_arguments(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("image prompts (IP-Adapter)")
+    group.add_argument("--ip-adapter", type=Path, action="append", default=None, metavar="PATH",
+                       help="an IP-Adapter weights file (plain or Plus, e.g. ip-adapter-plus_sd15.safetensors); its "
+                            "image encoder is read from image_encoder/ beside it (or --ip-image-encoder); repeat "
+                            "for several, each with its own --ip-image")
+    group.add_argument("--ip-image", type=Path, action="append", default=None, metavar="IMG",
+                       help="the image prompt, one per --ip-adapter")
+    group.add_argument("--ip-scale", type=finite_float, action="append", default=None, metavar="S",
+                       help="how strongly the image prompt steers (default 1.0): one for all or one per --ip-adapter")
+    group.add_argument("--ip-image-encoder", type=Path, default=None, metavar="DIR",
+                       help="the CLIPVisionModelWithProjection folder the adapters were trained with (default: "
+                            "image_encoder/ beside the first --ip-adapter, or beside its folder)")
+
+
+def add_ip_adapter_files(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--ip-adapter", type=Path, action="append", default=None, metavar="PATH",
+                        help="an IP-Adapter weights file (plain or Plus) loaded first, its image encoder from "
+                             "image_encoder/ beside it; its engines are checked too, and the image gets a random image "
+                             "prompt; repeat for several")
+
+
+def ip_adapter_files(args: argparse.Namespace) -> list[Path] | None:
+    """The --ip-adapter files of verify and bench, checked first (None: no IP-Adapter)."""
+    if not args.ip_adapter:
+        return None
+    from ..image_prompts import check_adapter_file, image_encoder_for
+
+    for path in args.ip_adapter:
+        check_adapter_file(path, "--ip-adapter")
+    image_encoder_for(args.ip_adapter[0])
+    return list(args.ip_adapter)
+
+
+def ip_adapters_from_args(args: argparse.Namespace) -> tuple[list[Path], list, list[float]]:
+    """(the --ip-adapter files, their --ip-image images, a scale per adapter), checked before any work: files
+    that are IP-Adapters, one readable image per adapter, one scale for all or one per adapter."""
+    adapters, images, scales = args.ip_adapter or [], args.ip_image or [], args.ip_scale or []
+    if not adapters:
+        given = [flag for flag, value in (("--ip-image", images), ("--ip-scale", scales),
+                                          ("--ip-image-encoder", args.ip_image_encoder)) if value]
+        if given:
+            raise KasokuError(f"{given[0]} needs --ip-adapter PATH (the IP-Adapter it is for).")
+        return [], [], []
+    from ..image_prompts import check_adapter_file, image_encoder_for
+
+    for path in adapters:
+        check_adapter_file(path, "--ip-adapter")
+    image_encoder_for(adapters[0], args.ip_image_encoder)
+    if len(images) != len(adapters):
+        raise KasokuError(f"give one --ip-image per --ip-adapter: {len(adapters)} adapter(s) but {len(images)} "
+                          "image(s).")
+    if len(scales) not in (0, 1, len(adapters)):
+        raise KasokuError(f"give one --ip-scale for every adapter or one per --ip-adapter ({len(adapters)}) but "
+                          f"{len(scales)} are given.")
+    scales = scales * len(adapters) if len(scales) == 1 else scales or [1.0] * len(adapters)
+    return adapters, [open_image(path, "--ip-image") for path in images], scales
+
+
+def load_ip_adapters(pipe, args: argparse.Namespace, adapters: list[Path], scales: list[float]) -> None:
+    """The --ip-adapter files on a compiled pipeline, at their scales (diffusers' load_ip_adapter)."""
+    if not adapters:
+        return
+    from ..image_prompts import image_encoder_for
+
+    encoder = image_encoder_for(adapters[0], args.ip_image_encoder)
+    pipe.load_ip_adapter([str(path.parent) for path in adapters], subfolder="",
+                         weight_name=[path.name for path in adapters], image_encoder_folder=str(encoder))
+    pipe.set_ip_adapter_scale(scales if len(scales) > 1 else scales[0])
+
+
 def controlnets_from_args(args: argparse.Namespace) -> list[str] | None:
     """The --controlnet folders, checked to be ControlNet folders (None: no ControlNet)."""
     if not getattr(args, "controlnet", None):

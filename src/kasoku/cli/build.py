@@ -50,19 +50,30 @@ class Tiny(Command):
         p.add_argument("--tiny-vae", action="store_true",
                        help="also write a tiny AutoencoderTiny (TAESD's layout) for it in DIR/tiny_vae (use it with "
                             "--tiny-vae DIR/tiny_vae)")
+        p.add_argument("--ip-adapter", action="store_true",
+                       help="also write a plain and a Plus IP-Adapter for it, with their image encoder, in "
+                            "DIR/ip_adapter (use them with --ip-adapter DIR/ip_adapter/ip-adapter.safetensors; U-Net "
+                            "families)")
         p.add_argument("--seed", type=non_negative_int, default=0, help="seed of the deterministic weights (default 0)")
 
     def run(self, args: argparse.Namespace) -> int:
         from ..console import console
         from ..families import FAMILIES, UNetFamily
-        from ..tiny import CONTROLNET_FOLDER, TINY_VAE_FOLDER, check_tiny_folder, check_variant, write_tiny_pipeline
+        from ..tiny import (
+            CONTROLNET_FOLDER,
+            IP_ADAPTER_FOLDER,
+            TINY_VAE_FOLDER,
+            check_tiny_folder,
+            check_variant,
+            write_tiny_pipeline,
+        )
 
         check_tiny_folder(args.dir)
         check_variant(args.family, inpainting=args.inpainting, prediction=args.prediction, controlnet=args.controlnet,
-                      lcm=args.lcm)
+                      lcm=args.lcm, ip_adapter=args.ip_adapter)
         path = write_tiny_pipeline(args.dir, family=args.family, inpainting=args.inpainting,
                                    prediction=args.prediction, seed=args.seed, controlnet=args.controlnet,
-                                   tiny_vae=args.tiny_vae, lcm=args.lcm)
+                                   tiny_vae=args.tiny_vae, lcm=args.lcm, ip_adapter=args.ip_adapter)
         kind = "inpainting " if args.inpainting else "LCM " if args.lcm else ""
         prediction = f"{args.prediction}, " if isinstance(FAMILIES[args.family], UNetFamily) else ""
         console.print(f"wrote the tiny {FAMILIES[args.family].title} {kind}pipeline ({prediction}seed {args.seed}) "
@@ -71,6 +82,9 @@ class Tiny(Command):
             console.print(f"wrote its tiny ControlNet to {path / CONTROLNET_FOLDER}")
         if args.tiny_vae:
             console.print(f"wrote its tiny autoencoder (AutoencoderTiny) to {path / TINY_VAE_FOLDER}")
+        if args.ip_adapter:
+            console.print(f"wrote its tiny IP-Adapters (plain, Plus) and their image encoder to "
+                          f"{path / IP_ADAPTER_FOLDER}")
         return 0
 
 

@@ -10,12 +10,14 @@ from .base import (
     add_cache_dir,
     add_controlnet,
     add_engine_arguments,
+    add_ip_adapter_files,
     add_json,
     add_model,
     add_step_cache_arguments,
     add_tiny_vae,
     check_output_file,
     controlnets_from_args,
+    ip_adapter_files,
     options_from_args,
     positive_int,
     profile_from_args,
@@ -37,6 +39,7 @@ class Verify(Command):
         add_model(p)
         add_controlnet(p)
         add_tiny_vae(p)
+        add_ip_adapter_files(p)
         add_engine_arguments(p)
         add_step_cache_arguments(p, per_call=True)
         p.add_argument("--onnx", type=Path, default=None, metavar="DIR",
@@ -55,7 +58,7 @@ class Verify(Command):
             report = verify(args.model, controlnet=controlnets_from_args(args), tiny_vae=tiny_vae_from_args(args),
                             options=options,
                             image=not args.no_image, on_stage=show_stage, cache_interval=args.cache_interval,
-                            cache_schedule=args.cache_schedule)
+                            cache_schedule=args.cache_schedule, ip_adapter=ip_adapter_files(args))
         console.print(Markdown(markdown(report)))
         for line in (c.line() for c in report.components if not c.passed):
             console.print(line, markup=False)
@@ -76,6 +79,7 @@ class Bench(Command):
     def add_arguments(self, p: argparse.ArgumentParser) -> None:
         add_model(p)
         add_controlnet(p)
+        add_ip_adapter_files(p)
         p.add_argument("--backends", default="onnxruntime,openvino",
                        help="comma-separated kasoku backends and peers (torch.compile, onnxruntime-defaults, "
                             "openvino-defaults); torch eager is always timed. Default: onnxruntime,openvino")
@@ -105,7 +109,7 @@ class Bench(Command):
             report = bench(args.model, contenders, controlnet=controlnet, steps=args.steps, repeats=args.repeats,
                            profile=profile_from_args(args), components=args.components, cache_dir=args.cache_dir,
                            threads=args.threads, end_to_end=not args.components_only,
-                           log=lambda message: console.log(message))
+                           log=lambda message: console.log(message), ip_adapter=ip_adapter_files(args))
         console.print(Markdown(markdown(report)))
         if args.json:
             write_json(args.json, report)

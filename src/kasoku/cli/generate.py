@@ -17,6 +17,7 @@ from .base import (
     add_cache_dir,
     add_controlnet,
     add_engine_arguments,
+    add_ip_adapter_arguments,
     add_json,
     add_lora_targets,
     add_model,
@@ -28,6 +29,8 @@ from .base import (
     finite_float,
     flags_named,
     fraction,
+    ip_adapters_from_args,
+    load_ip_adapters,
     lora_spec,
     open_image,
     options_from_args,
@@ -85,6 +88,7 @@ class Generate(Command):
                             "few-step models' (LCM, TCD, Turbo, Lightning, Hyper-SD)")
         add_controlnet(p)
         add_tiny_vae(p)
+        add_ip_adapter_arguments(p)
         p.add_argument("--control-image", action="append", type=Path, default=None, metavar="IMG",
                        help="the control image of a --controlnet (one per --controlnet, in the same order), of the "
                             "generated image's size")
@@ -115,6 +119,7 @@ class Generate(Command):
         if args.strength is not None and image is None:
             raise KasokuError("--strength needs --image (how far img2img and inpainting move from it).")
         controls = _control_images(args)
+        ip_adapters, ip_images, ip_scales = ip_adapters_from_args(args)
         # the profile (and with it --cuda-graph, which needs an exact one) is chosen below, for this call
         options = options_from_args(args, cuda_graph=False)
         if args.cuda_graph:
@@ -151,6 +156,9 @@ class Generate(Command):
             for name, (path, _scale) in zip(names, args.lora):
                 pipe.load_lora_weights(str(path), adapter_name=name)
             pipe.set_adapters(names, [scale for _path, scale in args.lora])
+        load_ip_adapters(pipe, args, ip_adapters, ip_scales)
+        if ip_images:
+            kwargs["ip_adapter_image"] = ip_images if len(ip_images) > 1 else ip_images[0]
         load_seconds = time.perf_counter() - start
         if args.scheduler:
             pipe.scheduler = scheduler
@@ -171,7 +179,8 @@ class Generate(Command):
                                                    for i in range(len(images))]
         for img, path in zip(images, paths):
             img.save(path)
-        rows = [["compile / load engines" + (" + LoRA" if args.lora else ""), f"{load_seconds:.2f} s", ""]]
+        extras = "".join(f" + {what}" for what, given in (("LoRA", args.lora), ("IP-Adapter", ip_adapters)) if given)
+        rows = [["compile / load engines" + extras, f"{load_seconds:.2f} s", ""]]
         rows += [[name, f"{pipe.times.seconds[name]:.2f} s", f"{pipe.times.calls[name]} calls"]
                  for name in pipe.times.seconds]
         rows.append(["whole call", f"{call_seconds:.2f} s", pipe.task(image, mask)])

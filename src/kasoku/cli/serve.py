@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
 
 from ..errors import KasokuError
 from .base import (
@@ -22,8 +23,9 @@ class Serve(Command):
     POST /v1/images/generations (JSON: prompt, n, size "WxH", response_format b64_json, model, quality
     (low 0.5x, medium/standard/auto 1x, high/hd 1.5x the model's steps), style (taken and ignored); and
     kasoku's negative_prompt, steps, guidance, seed, cache_interval and cache_schedule (with
-    --step-cache), and loras (adapters given with --lora NAME=PATH)) and POST /v1/images/edits
-    (multipart: image, and mask for inpainting, else img2img; strength). Requests with the same size,
+    --step-cache), loras (adapters given with --lora NAME=PATH), ip_image (base64) and ip_scale (with
+    --ip-adapter FILE)) and POST /v1/images/edits (multipart: image, and mask for inpainting, else img2img;
+    strength; an ip_image file). Requests with the same size,
     steps, guidance, step caching, adapters and presence of a negative prompt that arrive within the
     batch window share engine calls, each image with its own seed (image i of a request gets seed + i).
     GET /healthz, /readyz (200 once the engines are loaded), /metrics (Prometheus) and / (a web page to
@@ -78,6 +80,10 @@ class Serve(Command):
                        help="a LoRA adapter requests may ask for by NAME in `loras` (\"NAME[:SCALE]\"); repeat for "
                             "several. With adapters the attention projections are run-time weights (see "
                             "--lora-targets), rebound per call: requests with other adapter sets use other calls")
+        p.add_argument("--ip-adapter", type=Path, default=None, metavar="FILE",
+                       help="an IP-Adapter weights file (plain or Plus; its image encoder in image_encoder/ beside "
+                            "it): requests may send an image prompt, `ip_image` (base64 in generations, an uploaded "
+                            "file in edits) and `ip_scale`; requests without one run at scale 0")
         add_engine_arguments(p, profile_flags=False)
         add_step_cache_arguments(p, per_call=False)
 
@@ -99,7 +105,7 @@ class Serve(Command):
         config, reference = prepare_serving(
             args.model, options, sizes=tuple(args.size or ()), max_batch=args.max_batch,
             batch_window_ms=args.batch_window_ms, max_queue=args.max_queue, timeout=args.timeout, api_key=api_key,
-            model_name=args.model_name, loras=tuple(args.lora))
+            model_name=args.model_name, loras=tuple(args.lora), ip_adapter=args.ip_adapter)
         if args.ray is None:
             from ..serve.server import run_server
 

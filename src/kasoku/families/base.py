@@ -23,7 +23,7 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any, ClassVar, Protocol
 
-from ..architectures import clip, controlnet, deepcache, t5, unet, vae
+from ..architectures import clip, controlnet, deepcache, ip_adapter, t5, unet, vae
 from ..architectures.base import Axes, ModuleRef, module_at
 from ..choices import CONTROLNET_COMPONENT
 from ..components import ComponentSpec, Precision, ShapeProfile, TensorSpec, default_profile
@@ -83,6 +83,7 @@ class Family:
     call_arguments: ClassVar[tuple[str, ...]] = ()
     # Pipeline attributes the engines replace besides the torch modules (a safety checker on torch images).
     replaced_attributes: ClassVar[Mapping[str, Any]] = {}
+    runs_ip_adapters: ClassVar[bool] = False  # image prompts (diffusers' load_ip_adapter) on its engines
     # kasoku's defaults for the commands (generate, batch, serve); a Python call keeps diffusers' own
     default_steps: ClassVar[int] = 30
     default_guidance: ClassVar[float] = 7.5
@@ -161,7 +162,22 @@ class Family:
     def component_names(self, model: ModelView | None = None) -> tuple[str, ...]:
         """The components of this family's pipelines (of `model`'s, when given), in build order."""
         encoders = tuple(slot.name for slot in self.present_text_encoders(model))
-        return (*encoders, *self.denoiser_components(model), *VAE_COMPONENTS)
+        return (*encoders, *self.image_prompt_components(model), *self.denoiser_components(model), *VAE_COMPONENTS)
+
+    def image_prompt_components(self, model: ModelView | None = None) -> tuple[str, ...]:
+        """The image encoder of a model with IP-Adapters loaded (see :meth:`ip_adapters`) and one to run them."""
+        if model is None or not self.ip_adapters(model):
+            return ()
+        return (ip_adapter.IMAGE_ENCODER,) if getattr(model.pipe, ip_adapter.IMAGE_ENCODER, None) is not None else ()
+
+    def ip_adapters(self, model: ModelView) -> tuple[str, ...]:
+        """The kind of each IP-Adapter loaded into the model's denoiser (none: the family runs none)."""
+        return ()
+
+    def ip_adapter_components(self, model: ModelView) -> tuple[str, ...]:
+        """What loading or unloading IP-Adapters changes: the image encoder (when there is one) and the
+        denoiser component that takes the image prompts."""
+        return (*self.image_prompt_components(model), *self.denoiser_components(model)[-1:])
 
     def calibration_components(self, component: str, model: ModelView | None = None) -> tuple[str, ...]:
         """What a text-to-image run needs to reach `component` (its calibration records its inputs
@@ -202,6 +218,9 @@ class Family:
             for slot in self.present_text_encoders(model)
         }
         builders.update(self.denoiser_builders(model, profile, axes, cache_branch))
+        if self.image_prompt_components(model):
+            builders[ip_adapter.IMAGE_ENCODER] = lambda: ip_adapter.image_encoder_spec(
+                model.ref(ip_adapter.IMAGE_ENCODER), profile, axes)
         fp32_for = self.vae_fp32_for(model)
         builders["vae_decoder"] = lambda: vae.decoder_spec(model.ref(self.vae), profile, axes, fp32_for=fp32_for)
         builders["vae_encoder"] = lambda: vae.encoder_spec(model.ref(self.vae), profile, axes, fp32_for=fp32_for)
@@ -297,7 +316,12 @@ class Family:
             stand_in = t5.EngineT5Encoder if slot.kind == "t5" else clip.stand_in_for(slot.outputs)
             replaced[slot.name] = stand_in(getattr(pipe, slot.name), engines, times, slot.name)
         replaced.update(self.denoiser_stand_ins(model, engines, times))
-        return {**replaced, **self.replaced_attributes}
+        replaced = {**replaced, **self.replaced_attributes}
+        if self.image_prompt_components(model):  # diffusers' encode_image: its processor, then the encoder
+            replaced[ip_adapter.IMAGE_ENCODER] = ip_adapter.EngineImageEncoder(
+                getattr(pipe, ip_adapter.IMAGE_ENCODER), engines, times)
+            replaced["feature_extractor"] = pipe.feature_extractor
+        return replaced
 
     def denoiser_stand_ins(self, model: ModelView, engines: Mapping[str, Any], times: EngineTimes) -> dict[str, Any]:
         raise NotImplementedError
@@ -310,6 +334,10 @@ class Family:
 
     def check_arguments(self, kwargs: Mapping[str, Any]) -> None:
         """Family-specific checks of a call's arguments (raise InvalidInput)."""
+
+    def lora_aliases(self, components: Iterable[str]) -> dict[str, str]:
+        """A LoRA file's component prefix -> the engine component it changes, where the two differ."""
+        return {}
 
     def lora_state_dict(self, source, model: ModelView, **kwargs) -> tuple[dict, dict | None, dict | None]:
         """diffusers' reading of a LoRA file for this family's pipelines: (state dict, network alphas, metadata).
@@ -336,6 +364,7 @@ class UNetFamily(Family):
 
     denoiser = "unet"
     step_cache_components = STEP_CACHE_COMPONENTS
+    runs_ip_adapters = True
 
     # ---- the U-Net's components ----------------------------------------------------------------
 
@@ -366,13 +395,29 @@ class UNetFamily(Family):
         """The U-Net's added conditioning inputs (none in SD 1.x/2.x)."""
         return ()
 
+    def ip_adapters(self, model: ModelView) -> tuple[str, ...]:
+        return ip_adapter.adapter_kinds(getattr(model.pipe, self.denoiser))
+
+    def unet_ip_inputs(self, model: ModelView, axes: Axes) -> tuple[TensorSpec, ...]:
+        """The IP-Adapters' inputs of the U-Net (none without adapters); the image encoder must fit them."""
+        if not self.ip_adapters(model):
+            return ()
+        encoder = getattr(model.pipe, ip_adapter.IMAGE_ENCODER, None)
+        if encoder is None:
+            raise ip_adapter.UnsupportedIPAdapter(
+                "the pipeline has IP-Adapters but no image encoder; load the adapter with its image encoder "
+                "(load_ip_adapter(..., image_encoder_folder=...)).")
+        unet_module = getattr(model.pipe, self.denoiser)
+        ip_adapter.check_fits(unet_module, encoder.config)
+        return ip_adapter.embeds_inputs(unet_module, encoder.config, axes)
+
     def denoiser_builders(self, model: ModelView, profile: ShapeProfile, axes: Axes,
                           cache_branch: int) -> dict[str, Callable[[], ComponentSpec]]:
         text_length = self.text_length(model)
 
         def plain() -> ComponentSpec:
             return unet.unet_spec(model.ref(self.denoiser), profile, axes, text_length=text_length,
-                                  added=self.unet_added_inputs(model, axes))
+                                  added=self.unet_added_inputs(model, axes), ip=self.unet_ip_inputs(model, axes))
 
         builders: dict[str, Callable[[], ComponentSpec]] = {
             self.denoiser: plain,
@@ -383,7 +428,7 @@ class UNetFamily(Family):
         if self.controlnet_paths(model.pipe):
             builders[CONTROLNET_UNET] = lambda: unet.residual_unet_spec(
                 model.ref(self.denoiser), profile, axes, text_length=text_length,
-                added=self.unet_added_inputs(model, axes))
+                added=self.unet_added_inputs(model, axes), ip=self.unet_ip_inputs(model, axes))
             for name, path in self.controlnet_components(model.pipe).items():
                 builders[name] = lambda name=name, path=path: self.controlnet_spec(model, name, path, profile, axes)
         return builders
@@ -477,6 +522,12 @@ class UNetFamily(Family):
         return stand_ins[self.denoiser]
 
     # ---- LoRA and the tiny model -------------------------------------------------------------------
+
+    def lora_aliases(self, components: Iterable[str]) -> dict[str, str]:
+        """LoRA files name the U-Net `unet`; in a ControlNet pipeline its engine is the residual-taking one."""
+        components = set(components)
+        return {self.denoiser: CONTROLNET_UNET} if CONTROLNET_UNET in components and \
+            self.denoiser not in components else {}
 
     def lora_state_dict(self, source, model: ModelView, **kwargs) -> tuple[dict, dict | None, dict | None]:
         return self.pipeline_class("txt2img").lora_state_dict(source, unet_config=model.ref(self.denoiser).config,

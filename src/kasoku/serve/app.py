@@ -39,7 +39,8 @@ log = logging.getLogger("kasoku.serve")
 ROUTES = ("/", "/healthz", "/readyz", "/metrics", "/v1/models", "/v1/images/generations", "/v1/images/edits")
 ERROR_TYPES = {400: "invalid_request_error", 401: "invalid_request_error", 404: "invalid_request_error",
                405: "invalid_request_error", 413: "invalid_request_error"}
-MAX_UPLOAD_FILES = 2  # image and mask
+UPLOADS = ("image", "mask", "ip_image")  # the files an edit takes: the picture, its mask, an image prompt
+MAX_UPLOAD_FILES = len(UPLOADS)
 
 
 def create_app(service: ImageService, *, load: Callable[[], None] | None = None):
@@ -115,7 +116,7 @@ def create_app(service: ImageService, *, load: Callable[[], None] | None = None)
         arrived = time.monotonic()
         text, files = await _read_form(request)
         image, mask = files.get("image"), files.get("mask")
-        parsed = await asyncio.to_thread(parse_edit, text, image, mask, service.config)
+        parsed = await asyncio.to_thread(parse_edit, text, image, mask, service.config, files.get("ip_image"))
         return await _answer(parsed, arrived, "/v1/images/edits")
 
     async def _read_form(request: Request) -> tuple[dict[str, str], dict[str, bytes]]:
@@ -131,13 +132,13 @@ def create_app(service: ImageService, *, load: Callable[[], None] | None = None)
                 raise InvalidRequest(f"`{name}` is given more than once; one image (and one mask) per request.",
                                      param=name)
             if isinstance(value, str):
-                if name in ("image", "mask"):
+                if name in UPLOADS:
                     raise InvalidRequest(f"`{name}` must be an uploaded file, not a text field.", param=name)
                 text[name] = value
             else:
-                if name not in ("image", "mask"):
-                    raise InvalidRequest(f"`{name}` is a file, but only `image` and `mask` are files; one image "
-                                         "per request.", param=name)
+                if name not in UPLOADS:
+                    raise InvalidRequest(f"`{name}` is a file, but only {', '.join(f'`{u}`' for u in UPLOADS)} are "
+                                         "files; one each per request.", param=name)
                 files[name] = await value.read()
         await form.close()
         return text, files

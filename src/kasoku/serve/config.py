@@ -60,6 +60,7 @@ class ServeConfig:
     default_steps: int = DEFAULT_STEPS  # a request without `steps` or `guidance` gets the model family's
     default_guidance: float = DEFAULT_GUIDANCE
     loras: tuple[tuple[str, str], ...] = ()  # (name, absolute path): the LoRA adapters requests may name
+    ip_adapter: str | None = None  # an IP-Adapter weights file (absolute): requests may send `ip_image`
 
     @property
     def lora_names(self) -> tuple[str, ...]:
@@ -117,14 +118,15 @@ def prepare_serving(model, options: CompileOptions | None = None, *, sizes: tupl
                     max_batch: int = DEFAULT_BATCH_SIZE, batch_window_ms: float = DEFAULT_WINDOW_MS,
                     max_queue: int = DEFAULT_MAX_QUEUE, timeout: float = DEFAULT_TIMEOUT,
                     api_key: str | None = None, model_name: str | None = None,
-                    loras: tuple[tuple[str, str], ...] = ()):
+                    loras: tuple[tuple[str, str], ...] = (), ip_adapter: str | Path | None = None):
     """Every check before anything is bound or built; returns (ServeConfig, the lazily loaded model).
 
     Reads the model's configs, not its weights nor the engines. The profile is that of engines
     already in the cache that serve every size (built for this server, or for the model's default
     range), else the serving profile (built when the server starts). `loras`: (name, file) of the LoRA
     adapters requests may name; with them the attention projections are run-time weights (rebound per
-    call, as for `kasoku batch`) unless the options name other targets."""
+    call, as for `kasoku batch`) unless the options name other targets. `ip_adapter`: an IP-Adapter weights file
+    (its image encoder beside it) requests may send image prompts for (`ip_image`)."""
     from ..build import cached_profile
     from ..cache import default_cache_dir
     from ..model import Model
@@ -148,6 +150,14 @@ def prepare_serving(model, options: CompileOptions | None = None, *, sizes: tupl
                           f"8x times the U-Net's downsampling) but {', '.join(bad)} "
                           f"{'is' if len(bad) == 1 else 'are'} not.")
     loras = _checked_loras(loras, reference)
+    if ip_adapter is not None:
+        from ..image_prompts import check_adapter_file, image_encoder_for
+
+        check_adapter_file(ip_adapter, "--ip-adapter")
+        image_encoder_for(ip_adapter)
+        if not reference.family.runs_ip_adapters:
+            raise KasokuError(f"--ip-adapter: IP-Adapters on {reference.family.title} engines are not supported yet.")
+        ip_adapter = str(Path(ip_adapter).absolute())
     cache = (options.cache_dir or default_cache_dir()).absolute()
     options = options.replace(cache_dir=cache, components=options.components or reference.components,
                               lora_targets=options.lora_targets or (("attention",) if loras else ()))
@@ -157,7 +167,7 @@ def prepare_serving(model, options: CompileOptions | None = None, *, sizes: tupl
     config = ServeConfig(model=model, model_name=model_name or Path(model).name,
                          options=options.replace(profile=profile), sizes=sizes, max_batch=max_batch,
                          batch_window_ms=batch_window_ms, max_queue=max_queue, timeout=timeout, api_key=api_key,
-                         max_steps=most_steps(reference.scheduler), loras=loras,
+                         max_steps=most_steps(reference.scheduler), loras=loras, ip_adapter=ip_adapter,
                          **dict(zip(("default_steps", "default_guidance"), reference.command_defaults())))
     return config, reference
 

@@ -26,7 +26,8 @@ DEFAULT_STRENGTH = 0.8  # as `kasoku generate --strength`
 RANDOM_SEEDS = 2**32  # a request without `seed` gets one drawn below this (and told which)
 
 GENERATION_FIELDS = ("prompt", "n", "size", "response_format", "model", "user", "quality", "style",
-                     "negative_prompt", "steps", "guidance", "seed", "cache_interval", "cache_schedule", "loras")
+                     "negative_prompt", "steps", "guidance", "seed", "cache_interval", "cache_schedule", "loras",
+                     "ip_image", "ip_scale")
 EDIT_FIELDS = ("image", "mask", "strength") + GENERATION_FIELDS
 # Fields other kasoku issues add; until they land a request that sets them is refused, not ignored.
 NOT_YET: dict[str, str] = {}
@@ -34,6 +35,20 @@ NOT_YET: dict[str, str] = {}
 # no counterpart in these models: it is taken and ignored.
 QUALITY_STEPS = {"low": 0.5, "medium": 1.0, "standard": 1.0, "auto": 1.0, "high": 1.5, "hd": 1.5}
 STYLES = ("vivid", "natural")
+
+
+@dataclass(frozen=True, eq=False)
+class ImagePrompt:
+    """A request's image prompt for the server's IP-Adapter (`kasoku serve --ip-adapter`): the image, its scale,
+    and a digest of its bytes (requests with the same prompt and scale can share a call)."""
+
+    image: Any = field(repr=False)
+    scale: float
+    digest: str
+
+    @property
+    def key(self) -> tuple:
+        return (self.digest, self.scale)
 
 
 @dataclass(frozen=True, eq=False)
@@ -54,12 +69,14 @@ class ServeJob:
     cache_interval: int = 1  # step caching (kasoku.step_cache): 1, none
     cache_schedule: str = DEFAULT_SCHEDULE
     loras: tuple[tuple[str, float], ...] = ()  # (file, scale) of the adapters the image runs
+    image_prompt: ImagePrompt | None = None  # with the server's IP-Adapter: the image prompt and its scale
 
     @property
     def call_key(self) -> tuple:
         return call_key(self.height, self.width, self.steps, self.guidance, self.negative_prompt is not None,
                         task=self.task, strength=self.strength, cache_interval=self.cache_interval,
-                        cache_schedule=self.cache_schedule, loras=self.loras)
+                        cache_schedule=self.cache_schedule, loras=self.loras,
+                        image_prompt=self.image_prompt.key if self.image_prompt else ())
 
 
 @dataclass(frozen=True, eq=False)
@@ -80,6 +97,7 @@ class ImageRequest:
     cache_interval: int = 1
     cache_schedule: str = DEFAULT_SCHEDULE
     loras: tuple[tuple[str, float], ...] = ()
+    image_prompt: ImagePrompt | None = None
 
     @property
     def seeds(self) -> list[int]:
@@ -88,7 +106,7 @@ class ImageRequest:
     def jobs(self) -> list[ServeJob]:
         return [ServeJob(self.prompt, self.negative_prompt, seed, self.steps, self.guidance, self.size.height,
                          self.size.width, self.task, self.strength, self.image, self.mask, self.cache_interval,
-                         self.cache_schedule, self.loras) for seed in self.seeds]
+                         self.cache_schedule, self.loras, self.image_prompt) for seed in self.seeds]
 
     def call_arguments(self, images: int) -> dict[str, Any]:
         """The arguments of a call of `images` of these images, for the pipeline's own checks."""
@@ -102,11 +120,12 @@ class ImageRequest:
 
 def task_arguments(jobs: list[ServeJob]) -> dict[str, Any]:
     """What a call of these jobs takes beside `call_arguments`: the size (img2img keeps its image's),
-    the images and masks, and the strength."""
+    the images and masks, the strength, and the image prompt."""
     first = jobs[0]
+    prompt = {"ip_adapter_image": first.image_prompt.image} if first.image_prompt else {}
     if first.task == "txt2img":
-        return dict(height=first.height, width=first.width)
-    kwargs: dict[str, Any] = dict(image=[job.image for job in jobs], strength=first.strength)
+        return dict(height=first.height, width=first.width, **prompt)
+    kwargs: dict[str, Any] = dict(image=[job.image for job in jobs], strength=first.strength, **prompt)
     if first.task == "inpaint":
         kwargs.update(mask_image=[job.mask for job in jobs], height=first.height, width=first.width)
     return kwargs
@@ -222,6 +241,33 @@ def _common(body: dict, config: ServeConfig, form: bool) -> dict[str, Any]:
     )
 
 
+def image_prompt(data: bytes | str | None, scale: Any, config: ServeConfig, form: bool) -> ImagePrompt | None:
+    """`ip_image` (an upload in edits; base64 in a generation's JSON) and `ip_scale` (default 1): the image prompt
+    for the IP-Adapter the server was started with. A server with one runs requests without it at scale 0."""
+    if data is None:
+        if scale is not None:
+            raise InvalidRequest("`ip_scale` needs `ip_image` (the image prompt it scales).", param="ip_scale")
+        return None
+    if config.ip_adapter is None:
+        raise InvalidRequest("`ip_image`: this server was started without an IP-Adapter; start it with `kasoku serve "
+                             "... --ip-adapter FILE` to take image prompts.", param="ip_image")
+    if isinstance(data, str):
+        import base64
+        import binascii
+
+        try:
+            data = base64.b64decode(data, validate=True)
+        except (binascii.Error, ValueError):
+            raise InvalidRequest("`ip_image` must be a base64-encoded image file (PNG, JPEG, ...) in JSON, or an "
+                                 "uploaded file in /v1/images/edits.", param="ip_image") from None
+    elif not isinstance(data, bytes):
+        raise _bad("ip_image", "a base64-encoded image file", data)
+    import hashlib
+
+    value = _number("ip_scale", 1.0 if scale is None else scale, "a finite number", lambda v: True, form)
+    return ImagePrompt(decode_image(data, "ip_image").convert("RGB"), value, hashlib.sha256(data).hexdigest()[:16])
+
+
 def _loras(value: Any, config: ServeConfig, form: bool) -> tuple[tuple[str, float], ...]:
     """`loras`: adapters the server was started with (`kasoku serve --lora NAME=PATH`), by name, each at a scale
     (default 1): a list of "NAME[:SCALE]" strings or {"name": ..., "scale": ...} objects; in a form, the
@@ -276,13 +322,19 @@ def parse_generation(body: Any, config: ServeConfig) -> ImageRequest:
         raise InvalidRequest(f"`{name}` belongs to /v1/images/edits (img2img and inpaint), not to generations.",
                              param=name)
     _check_fields(body, GENERATION_FIELDS, "/v1/images/generations")
-    return ImageRequest(**_common(body, config, form=False))
+    return ImageRequest(**_common(body, config, form=False),
+                        image_prompt=image_prompt(body.get("ip_image"), body.get("ip_scale"), config, form=False))
 
 
-def parse_edit(form: dict[str, Any], image: bytes | None, mask: bytes | None, config: ServeConfig) -> ImageRequest:
+def parse_edit(form: dict[str, Any], image: bytes | None, mask: bytes | None, config: ServeConfig,
+               ip_image: bytes | None = None) -> ImageRequest:
     """The text fields and uploaded files of POST /v1/images/edits → an ImageRequest: inpaint with a
-    mask, img2img without. `image` is resized to the output size (`size`), and so is `mask`."""
-    _check_fields({**form, **({"image": 1} if image is not None else {})}, EDIT_FIELDS, "/v1/images/edits")
+    mask, img2img without. `image` is resized to the output size (`size`), and so is `mask`; `ip_image` is the
+    image prompt (for the server's IP-Adapter)."""
+    uploaded = {name: 1 for name, data in (("image", image), ("ip_image", ip_image)) if data is not None}
+    if "ip_image" in form:
+        raise InvalidRequest("`ip_image` must be an uploaded file, not a text field.", param="ip_image")
+    _check_fields({**form, **uploaded}, EDIT_FIELDS, "/v1/images/edits")
     if image is None:
         raise InvalidRequest("`image` is missing: upload the picture to edit as a file field.", param="image")
     fields = _common(form, config, form=True)
@@ -299,7 +351,8 @@ def parse_edit(form: dict[str, Any], image: bytes | None, mask: bytes | None, co
     else:
         painted = None
     return ImageRequest(**fields, task="inpaint" if mask is not None else "img2img", strength=strength,
-                        image=resized(picture, size), mask=painted)
+                        image=resized(picture, size), mask=painted,
+                        image_prompt=image_prompt(ip_image, form.get("ip_scale"), config, form=True))
 
 
 def decode_image(data: bytes, name: str):

@@ -9,6 +9,7 @@ import io
 import os
 import socket
 import time
+from pathlib import Path
 from typing import Any
 
 from ..batch.jobs import call_arguments
@@ -53,6 +54,12 @@ class ImageService:
         self.adapters = AdapterSwitch(pipeline)
         for _name, path in self.config.loras:  # each adapter read once, before the first request
             self.adapters.load(path)
+        if self.config.ip_adapter is not None:  # its engines built (or loaded) before the first request
+            from ..image_prompts import image_encoder_for
+
+            adapter = Path(self.config.ip_adapter)
+            pipeline.load_ip_adapter(str(adapter.parent), subfolder="", weight_name=adapter.name,
+                                     image_encoder_folder=str(image_encoder_for(adapter)))
         self.pipeline = pipeline
         self.metrics.ready.set(1)
 
@@ -90,6 +97,8 @@ class ImageService:
         if not self.ready:
             raise NotReady(self._not_ready_message(), retry_after=5)
         kwargs = request.call_arguments(min(request.n, self.config.max_batch))
+        if self.config.ip_adapter is not None and request.image_prompt is None:
+            kwargs.update(self._blank_prompt(request.size.width, request.size.height))
         image, mask = kwargs.pop("image", None), kwargs.pop("mask_image", None)
         try:
             self.pipeline.check_inputs(request.task, kwargs.pop("prompt"), image, mask, **kwargs)
@@ -120,10 +129,28 @@ class ImageService:
         self.metrics.running.set(len(jobs))
         try:
             self.adapters.use(jobs[0].loras)  # a call shares one adapter set (its call key)
-            return self.pipeline(**call_arguments(jobs), **task_arguments(jobs),
+            prompt = self._image_prompt(jobs[0])
+            return self.pipeline(**call_arguments(jobs), **task_arguments(jobs), **prompt,
                                  callback_on_step_end=stop_when_unwanted).images
         finally:
             self.metrics.running.set(0)
+
+    def _image_prompt(self, job: ServeJob) -> dict[str, Any]:
+        """The server's IP-Adapter at the job's scale (its image in `task_arguments`); without an image prompt, at
+        scale 0 on a blank image: the U-Net's own result."""
+        if self.config.ip_adapter is None:
+            return {}
+        if job.image_prompt is not None:
+            self.pipeline.set_ip_adapter_scale(job.image_prompt.scale)
+            return {}
+        self.pipeline.set_ip_adapter_scale(0.0)
+        return self._blank_prompt(job.width, job.height)
+
+    @staticmethod
+    def _blank_prompt(width: int, height: int) -> dict[str, Any]:
+        from PIL import Image
+
+        return {"ip_adapter_image": Image.new("RGB", (width, height))}
 
     def _on_call(self, size: int, seconds: float) -> None:
         self.metrics.call(size, seconds)
