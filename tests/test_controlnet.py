@@ -485,3 +485,28 @@ def test_tensorrt_engines_match_torch(tiny_pipe, controlnets, tmp_path):
             inputs = specs[name].sample_inputs(shape, seed=5)
             results = compare_outputs(name, str(shape), specs[name].run_torch(inputs), engine.run(inputs))
             assert all(r.passed for r in results), [r.line() for r in results]
+
+
+@integration
+def test_ip_adapter_with_lora_on_the_controlnet_pipeline(compiled, tiny_dir, controlnet_dir, tmp_path):
+    """IP-Adapter, LoRA and a ControlNet at once (the U-Net that takes the residuals also takes the image prompt,
+    and LoRA files' `unet` weights reach it): diffusers' image from the same generator."""
+    from kasoku.tiny import tiny_pipeline, write_tiny_ip_adapters
+    from tests.test_ip_adapter import PLUS, image, picture, reference
+    from tests.test_lora import ATTENTION, _save_unet_adapter
+
+    lora = _save_unet_adapter(tmp_path / "lora", seed=1, rank=4, alpha=8, targets=ATTENTION)
+    write_tiny_ip_adapters(tmp_path / "ip", tiny_pipeline().unet)
+    ours = compiled["sd1"]
+    ours.load_lora_weights(str(lora))
+    ours.load_ip_adapter(str(tmp_path / "ip"), subfolder="", weight_name=PLUS)
+    try:
+        theirs = diffusers.StableDiffusionControlNetPipeline.from_pretrained(
+            tiny_dir, controlnet=diffusers.ControlNetModel.from_pretrained(controlnet_dir), safety_checker=None)
+        theirs.load_lora_weights(str(lora))
+        reference(tmp_path, PLUS, folders=("ip",), pipe=theirs)
+        expected = image(theirs, image=picture(4), ip_adapter_image=picture(1))
+        assert psnr(expected, image(ours, control_image=picture(4), ip_adapter_image=picture(1))) >= MIN_PSNR
+    finally:
+        ours.unload_ip_adapter()
+        ours.unload_lora_weights()

@@ -262,3 +262,20 @@ def test_generate_sdxl_from_the_cli(family_dirs, family_kasoku, tiny_cache, tmp_
     assert Image.open(out).size == (64, 64)
     printed = capsys.readouterr().out
     assert "text_encoder_2=onnxruntime" in printed
+
+
+@pytest.mark.integration
+def test_sdxl_runs_an_ip_adapter_image_prompt(family_kasoku, tmp_path):
+    """IP-Adapter on SDXL (its two text encoders, its added conditioning): the family's engines plus the image
+    encoder and the U-Net with image-prompt inputs give diffusers' image (tests/test_ip_adapter.py has the rest)."""
+    from kasoku.tiny import tiny_pipeline, write_tiny_ip_adapters
+    from tests.test_ip_adapter import PLAIN, image, picture, reference
+
+    write_tiny_ip_adapters(tmp_path / "xl", tiny_pipeline(family="sdxl").unet)
+    ours = family_kasoku["sdxl"]
+    ours.load_ip_adapter(str(tmp_path / "xl"), subfolder="", weight_name=PLAIN)
+    try:
+        theirs = reference(tmp_path, PLAIN, folders=("xl",), pipe=tiny_pipeline(family="sdxl"))
+        assert psnr(image(theirs, ip_adapter_image=picture(1)), image(ours, ip_adapter_image=picture(1))) >= 40.0
+    finally:
+        ours.unload_ip_adapter()

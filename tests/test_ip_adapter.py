@@ -21,7 +21,7 @@ from kasoku.components import Precision
 from kasoku.image_prompts import IPAdapterError
 from kasoku.parity import TOLERANCES, psnr
 from kasoku.pipeline import InvalidInput
-from kasoku.tiny import IP_ADAPTER_FILES, write_tiny_ip_adapters, write_tiny_pipeline
+from kasoku.tiny import IP_ADAPTER_FILES, write_tiny_ip_adapters
 from kasoku.tiny import tiny_pipeline as tiny
 
 integration = pytest.mark.integration
@@ -137,35 +137,6 @@ def test_embeds_every_task_and_the_engines_inputs(tiny_cache, adapters):
                              ("inpaint", dict(image=init, mask_image=mask), diffusers.StableDiffusionInpaintPipeline)):
         expected = image(cls.from_pipe(theirs), ip_adapter_image=picture(1), **extra)
         assert psnr(expected, image(ours, ip_adapter_image=picture(1), **extra)) >= MIN_PSNR, task
-
-
-@integration
-def test_ip_adapter_with_lora_and_controlnet_at_once(tiny_cache, adapters, tmp_path):
-    import diffusers
-
-    from tests.test_lora import ATTENTION, _save_unet_adapter
-
-    root = write_tiny_pipeline(tmp_path / "sd", controlnet=True)
-    lora = _save_unet_adapter(tmp_path / "lora", seed=1, rank=4, alpha=8, targets=ATTENTION)
-    ours = kasoku.KasokuPipeline.from_pretrained(root, "openvino", controlnet=str(root / "controlnet"),
-                                                 cache_dir=tiny_cache.root, lora_targets="attention")
-    ours.load_lora_weights(str(lora))
-    ours.load_ip_adapter(str(adapters / "a"), subfolder="", weight_name=PLUS)
-    theirs = diffusers.StableDiffusionControlNetPipeline.from_pretrained(
-        root, controlnet=diffusers.ControlNetModel.from_pretrained(root / "controlnet"), safety_checker=None)
-    theirs.load_lora_weights(str(lora))
-    reference(adapters, PLUS, pipe=theirs)
-    expected = image(theirs, image=picture(4), ip_adapter_image=picture(1))
-    assert psnr(expected, image(ours, control_image=picture(4), ip_adapter_image=picture(1))) >= MIN_PSNR
-
-
-@integration
-def test_sdxl_with_an_image_prompt(tiny_cache, adapters):
-    ours = kasoku.compile(tiny(family="sdxl"), "onnxruntime", cache_dir=tiny_cache.root,
-                          components=("text_encoder", "text_encoder_2", "unet", "vae_decoder"))
-    ours.load_ip_adapter(str(adapters / "xl"), subfolder="", weight_name=PLAIN)
-    theirs = reference(adapters, PLAIN, folders=("xl",), pipe=tiny(family="sdxl"))
-    assert psnr(image(theirs, ip_adapter_image=picture(1)), image(ours, ip_adapter_image=picture(1))) >= MIN_PSNR
 
 
 # ---- bad input: one clear line, before any engine runs ----------------------------------------------------
