@@ -47,7 +47,15 @@ from .model import Model
 from .optimize import optimize
 from .options import FASTEST, CalibrationPlan, CompileOptions
 from .parity import ParityError, parity_against_torch, raise_on_failure
-from .weights import GraphWeight, bindable_tensors, named_parts, onnx_files, read_graph_weights, run_time_weights
+from .weights import (
+    GraphWeight,
+    bind_named_parts,
+    bindable_tensors,
+    named_parts,
+    onnx_files,
+    read_graph_weights,
+    run_time_weights,
+)
 
 ONNX_FILE = "model.onnx"
 AUTO_REPEATS = 3
@@ -202,11 +210,11 @@ class Compiler:
         precision = self.precision(spec)
         parts = {"kind": "engine", "component": spec.name, "source": source, "profile": spec.profile.to_dict(),
                  **backend.key(precision)}
-        if self.binds_weights():
-            parts["weights"] = spec.fingerprint
         if self.keeps_adapter_weights(spec, backend):  # one engine for every adapter of the architecture
             parts["weights"] = digest_key({"architecture": spec.architecture, "base": spec.base_weights()})
             parts["run_time_parts"] = list(spec.run_time_parts)
+        elif self.binds_weights():
+            parts["weights"] = spec.fingerprint
         if self.lora_targets(spec):
             parts["lora_targets"] = list(self.lora_targets(spec))
         return parts
@@ -398,11 +406,8 @@ class Compiler:
     def _bind_adapter_weights(self, spec: ComponentSpec, backend: Backend, engine: Engine) -> None:
         """An engine that keeps adapter weights as inputs starts on the values it was built with: bind the adapters
         the module holds now."""
-        if not self.keeps_adapter_weights(spec, backend):
-            return
-        current = bindable_tensors(spec.module)
-        adapters = named_parts(engine.bound, spec.run_time_parts)
-        engine.bind({**engine.bound, **{name: current[name] for name in adapters}})
+        if self.keeps_adapter_weights(spec, backend):
+            bind_named_parts(engine, spec.module, spec.run_time_parts)
 
     def sources(self, spec: ComponentSpec, backend: Backend, chain: KeyChain,
                 held: contextlib.ExitStack) -> list[CacheEntry]:

@@ -84,6 +84,22 @@ def image_encoder_for(adapter: str | Path, given: str | Path | None = None) -> P
                          "give --ip-image-encoder DIR.")
 
 
+def check_adapter_files(files, image_encoder: str | Path | None = None, flag: str = "IP-Adapter") -> Path:
+    """Before anything heavy: each file is an IP-Adapter (see :func:`check_adapter_file`); the image encoder folder
+    they load with (see :func:`image_encoder_for`)."""
+    for file in files:
+        check_adapter_file(file, flag)
+    return image_encoder_for(files[0], image_encoder)
+
+
+def file_arguments(files, image_encoder: str | Path | None = None) -> tuple[list[str], str, list[str], str]:
+    """diffusers' `load_ip_adapter` arguments for adapter weights files: their folders, no subfolder, their names,
+    and the image encoder folder (beside the first file, or `image_encoder`)."""
+    files = [Path(f) for f in files]
+    return ([str(f.parent) for f in files], "", [f.name for f in files],
+            str(image_encoder_for(files[0], image_encoder)))
+
+
 def load_into(model: Model, source: Any, subfolder: Any, weight_name: Any, image_encoder_folder: str | None,
               **kwargs: Any) -> tuple[str, ...]:
     """diffusers' `load_ip_adapter` on the model's torch pipeline; the adapters' kinds, checked to run on engines
@@ -134,11 +150,9 @@ def _load_image_encoder(model: Model, source: Any, subfolder: Any, folder: str |
 def load_files(model: Model, files, image_encoder: str | Path | None = None) -> tuple[str, ...]:
     """IP-Adapter weights files (each checked first) into the model, with the image encoder beside the first (or
     `image_encoder`): what `--ip-adapter PATH` means to verify and bench."""
-    files = [Path(f) for f in ([files] if isinstance(files, (str, Path)) else files)]
-    for file in files:
-        check_adapter_file(file)
-    encoder = image_encoder_for(files[0], image_encoder)
-    return load_into(model, [str(f.parent) for f in files], "", [f.name for f in files], str(encoder))
+    files = [files] if isinstance(files, (str, Path)) else list(files)
+    check_adapter_files(files, image_encoder)
+    return load_into(model, *file_arguments(files, image_encoder))
 
 
 def unload_from(model: Model) -> None:

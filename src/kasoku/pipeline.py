@@ -35,7 +35,7 @@ from .schedulers import scheduler_named
 from .signature import applicable
 from .standins import EngineTimes, InvalidInput
 from .step_cache import DEFAULT_SCHEDULE
-from .weights import bindable_tensors, named_parts
+from .weights import bind_named_parts, named_parts
 
 __all__ = ["KasokuPipeline", "compile", "InvalidInput", "EngineTimes"]
 
@@ -75,17 +75,12 @@ class KasokuPipeline:
         self._cache_root = cache_root
         self._loras = LoraState()
         self._base_engines: dict[str, Engine] = {}  # the denoiser's engines without IP-Adapters
-        # the image encoder module the image_encoder engine was built from
-        self._encoder_of_engines = getattr(self.model.pipe, IMAGE_ENCODER, None) if IMAGE_ENCODER in engines else None
         self._bindings: dict | None = None
         self._label, self._cache = label, cache  # to build the step-cache engines later
-        self._runtime = EnginePipelines(self.model, engines, self.times)
-        self._pipes = self._runtime.pipes
+        self._start_runtime()
         # `image` is the control image in diffusers' ControlNet text-to-image pipelines (as the class compiled says)
         self._image_is_control = bool(self.controlnets) and type(self.model.pipe) is \
             self.family.pipeline_class("txt2img", controlnet=True)
-        self.checks = CallChecks(self.model, profile, self.engines, scheduler=lambda: self.scheduler,
-                                 can_build_step_cache=options is not None)
         self.__signature__ = self.checks.signature  # diffusers' own (inspect.signature(pipe) shows it)
 
     # ---- construction --------------------------------------------------------------------------
@@ -388,12 +383,19 @@ class KasokuPipeline:
         if self._loras.adapters:
             self._apply_loras()
         scheduler = self.scheduler
+        self._start_runtime()
+        self.scheduler = scheduler
+
+    def _start_runtime(self) -> None:
+        """diffusers' pipelines on stand-ins over the engines, and the checks of their calls (again when IP-Adapters
+        change which engines and diffusers components a call runs)."""
         self._runtime = EnginePipelines(self.model, self.engines, self.times)
         self._pipes = self._runtime.pipes
-        self.scheduler = scheduler
         self.checks = CallChecks(self.model, self.profile, self.engines, scheduler=lambda: self.scheduler,
                                  can_build_step_cache=self._options is not None)
-        self._encoder_of_engines = getattr(self.model.pipe, IMAGE_ENCODER, None)
+        # the image encoder module the image_encoder engine was built from (a rebind keeps that engine)
+        self._encoder_of_engines = getattr(self.model.pipe, IMAGE_ENCODER, None) if IMAGE_ENCODER in self.engines \
+            else None
 
     def _rebind_adapters(self, denoiser: str) -> bool:
         """Adapters of the kinds and sizes the engines take, with the same image encoder: their weights bound into
@@ -404,14 +406,12 @@ class KasokuPipeline:
         if current is None or self._loras.adapters or encoder is None or encoder is not self._encoder_of_engines \
                 or IMAGE_ENCODER not in self.engines:
             return False
-        adapters = named_parts(current.bound, ADAPTER_PARTS)
-        if not adapters or not self.family.ip_adapters(self.model):
+        if not named_parts(current.bound, ADAPTER_PARTS) or not self.family.ip_adapters(self.model):
             return False
         spec = self.model.specs(self.profile, [denoiser])[denoiser]
         if spec.architecture != current.spec.architecture:
             return False
-        tensors = bindable_tensors(spec.module)
-        current.bind({**current.bound, **{name: tensors[name] for name in adapters}})
+        bind_named_parts(current, spec.module, ADAPTER_PARTS)
         return True
 
     @staticmethod

@@ -200,6 +200,13 @@ def named_parts(names: Iterable[str], parts: Iterable[str]) -> frozenset[str]:
     return frozenset(n for n in names if parts and any(p in f".{n}" for p in parts))
 
 
+def bind_named_parts(engine, module: torch.nn.Module, parts: Iterable[str]) -> None:
+    """Bind into `engine` the module's current values of its run-time weights named by `parts` (an adapter's),
+    its other run-time weights as they are."""
+    current = bindable_tensors(module)
+    engine.bind({**engine.bound, **{name: current[name] for name in named_parts(engine.bound, parts)}})
+
+
 def as_numpy(tensor: torch.Tensor) -> np.ndarray:
     """A CPU tensor's memory as a numpy array (no copy; bfloat16 has no numpy type and is refused)."""
     if tensor.dtype == torch.bfloat16:

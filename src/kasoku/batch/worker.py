@@ -127,11 +127,9 @@ class ImagePromptSwitch:
         adapters, images, scales = image_prompt or ((), (), ())
         if adapters != self._running:
             if adapters:
-                from ..image_prompts import image_encoder_for
+                from ..image_prompts import file_arguments
 
-                self.pipeline.load_ip_adapter([str(Path(a).parent) for a in adapters], subfolder="",
-                                              weight_name=[Path(a).name for a in adapters],
-                                              image_encoder_folder=str(image_encoder_for(adapters[0])))
+                self.pipeline.load_ip_adapter(*file_arguments(adapters))
             else:
                 self.pipeline.unload_ip_adapter()
             self._running = adapters

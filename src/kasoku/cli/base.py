@@ -192,11 +192,9 @@ def ip_adapter_files(args: argparse.Namespace) -> list[Path] | None:
     """The --ip-adapter files of verify and bench, checked first (None: no IP-Adapter)."""
     if not args.ip_adapter:
         return None
-    from ..image_prompts import check_adapter_file, image_encoder_for
+    from ..image_prompts import check_adapter_files
 
-    for path in args.ip_adapter:
-        check_adapter_file(path, "--ip-adapter")
-    image_encoder_for(args.ip_adapter[0])
+    check_adapter_files(args.ip_adapter, getattr(args, "ip_image_encoder", None), "--ip-adapter")
     return list(args.ip_adapter)
 
 
@@ -210,11 +208,7 @@ def ip_adapters_from_args(args: argparse.Namespace) -> tuple[list[Path], list, l
         if given:
             raise KasokuError(f"{given[0]} needs --ip-adapter PATH (the IP-Adapter it is for).")
         return [], [], []
-    from ..image_prompts import check_adapter_file, image_encoder_for
-
-    for path in adapters:
-        check_adapter_file(path, "--ip-adapter")
-    image_encoder_for(adapters[0], args.ip_image_encoder)
+    ip_adapter_files(args)
     if len(images) != len(adapters):
         raise KasokuError(f"give one --ip-image per --ip-adapter: {len(adapters)} adapter(s) but {len(images)} "
                           "image(s).")
@@ -229,11 +223,9 @@ def load_ip_adapters(pipe, args: argparse.Namespace, adapters: list[Path], scale
     """The --ip-adapter files on a compiled pipeline, at their scales (diffusers' load_ip_adapter)."""
     if not adapters:
         return
-    from ..image_prompts import image_encoder_for
+    from ..image_prompts import file_arguments
 
-    encoder = image_encoder_for(adapters[0], args.ip_image_encoder)
-    pipe.load_ip_adapter([str(path.parent) for path in adapters], subfolder="",
-                         weight_name=[path.name for path in adapters], image_encoder_folder=str(encoder))
+    pipe.load_ip_adapter(*file_arguments(adapters, args.ip_image_encoder))
     pipe.set_ip_adapter_scale(scales if len(scales) > 1 else scales[0])
 
 

@@ -151,10 +151,9 @@ def prepare_serving(model, options: CompileOptions | None = None, *, sizes: tupl
                           f"{'is' if len(bad) == 1 else 'are'} not.")
     loras = _checked_loras(loras, reference)
     if ip_adapter is not None:
-        from ..image_prompts import check_adapter_file, image_encoder_for
+        from ..image_prompts import check_adapter_files
 
-        check_adapter_file(ip_adapter, "--ip-adapter")
-        image_encoder_for(ip_adapter)
+        check_adapter_files([ip_adapter], flag="--ip-adapter")
         if not reference.family.runs_ip_adapters:
             raise KasokuError(f"--ip-adapter: IP-Adapters on {reference.family.title} engines are not supported yet.")
         ip_adapter = str(Path(ip_adapter).absolute())

@@ -9,7 +9,6 @@ import io
 import os
 import socket
 import time
-from pathlib import Path
 from typing import Any
 
 from ..batch.jobs import call_arguments
@@ -55,11 +54,9 @@ class ImageService:
         for _name, path in self.config.loras:  # each adapter read once, before the first request
             self.adapters.load(path)
         if self.config.ip_adapter is not None:  # its engines built (or loaded) before the first request
-            from ..image_prompts import image_encoder_for
+            from ..image_prompts import file_arguments
 
-            adapter = Path(self.config.ip_adapter)
-            pipeline.load_ip_adapter(str(adapter.parent), subfolder="", weight_name=adapter.name,
-                                     image_encoder_folder=str(image_encoder_for(adapter)))
+            pipeline.load_ip_adapter(*file_arguments([self.config.ip_adapter]))
         self.pipeline = pipeline
         self.metrics.ready.set(1)
 
