@@ -237,6 +237,119 @@ def test_lora_one_adapter_and_two_blended(name, pipes, tiny_cache, tmp_path):
     assert np.array_equal(call(fast, "txt2img"), base)  # the base weights exactly
 
 
+# ---- IP-Adapters on Flux (XLabs' kind): diffusers' loader and arguments, image prompts as engine inputs --------
+
+
+@pytest.fixture(scope="module")
+def flux_adapters(tmp_path_factory, pipes):
+    """Two tiny Flux IP-Adapter folders (each a plain adapter and its image encoder)."""
+    from kasoku.tiny import write_tiny_ip_adapters
+
+    root = tmp_path_factory.mktemp("flux-ip")
+    for folder, seed in (("a", 0), ("b", 5)):
+        write_tiny_ip_adapters(root / folder, pipes["flux"].transformer, seed=seed)
+    return root
+
+
+def flux_ip_arguments(root, *folders):
+    """diffusers' Flux `load_ip_adapter` arguments for the tiny adapters in `folders` (the first's image encoder)."""
+    from kasoku.tiny import IP_ADAPTER_FILES
+
+    return dict(pretrained_model_name_or_path_or_dict=[str(root / f) for f in folders],
+                weight_name=[IP_ADAPTER_FILES["plain"]] * len(folders),
+                image_encoder_pretrained_model_name_or_path=str(root / folders[0] / "image_encoder"),
+                image_encoder_dtype=torch.float32)
+
+
+@pytest.fixture(scope="module")
+def flux_ip(dirs, pipes, tiny_cache, flux_adapters):
+    """(ours, diffusers'): the tiny Flux dev on ONNX Runtime and diffusers' own, the adapter "a" loaded in each."""
+    reference, ours = load_pipeline(dirs["flux"]), kasoku.compile(load_pipeline(dirs["flux"]), "onnxruntime",
+                                                                 profile=profile_of(pipes["flux"]),
+                                                                 cache_dir=tiny_cache.root, label="flux-ip")
+    base = call(ours, "txt2img")
+    for pipe in (reference, ours):
+        pipe.load_ip_adapter(**flux_ip_arguments(flux_adapters, "a"))
+    return ours, reference, base
+
+
+def ip_picture(seed=1):
+    return Image.fromarray((np.random.RandomState(seed).rand(64, 64, 3) * 255).astype("uint8"))
+
+
+@pytest.mark.parametrize("task", ["txt2img", "img2img", "inpaint"])
+def test_flux_ip_adapter_every_task_matches_diffusers(task, flux_ip):
+    ours, reference, base = flux_ip
+    for pipe in (reference, ours):
+        pipe.set_ip_adapter_scale(0.8)
+    assert [t.name for t in ours.engines["transformer"].spec.inputs][-2:] == ["ip_embeds_0", "ip_scale"]
+    prompt = {"ip_adapter_image": ip_picture()}
+    expected = call(Model.of(reference).family.task_pipeline(reference, task), task, **prompt, **ours.fixed_arguments)
+    actual = call(ours, task, **prompt)
+    assert psnr(expected, actual) >= BOUND_DB
+    if task == "txt2img":
+        assert psnr(base, actual) < 60  # the image prompt changes the image
+
+
+def test_flux_ip_scales_per_block_and_true_cfg_build_nothing(flux_ip, tiny_cache):
+    ours, reference, _ = flux_ip
+    built = {entry.key for entry in tiny_cache.list()}
+    layers = reference.transformer.config.num_layers
+    for scale in (0.3, [[0.5] * layers], [0.9] * layers):  # a number, per block per adapter, one adapter's blocks
+        for pipe in (reference, ours):
+            pipe.set_ip_adapter_scale(scale)
+        prompt = {"ip_adapter_image": ip_picture(), "true_cfg_scale": 2.0, "negative_prompt": "blurry",
+                  "negative_ip_adapter_image": ip_picture(2)}
+        ours.times.reset()
+        actual = call(ours, "txt2img", **prompt)
+        assert psnr(call(reference, "txt2img", **prompt, **ours.fixed_arguments), actual) >= BOUND_DB, scale
+        assert ours.times.calls["transformer"] == 2 * STEPS and ours.times.calls["image_encoder"] == 2
+    assert {entry.key for entry in tiny_cache.list()} == built  # scales are inputs: no graph, no engine
+    embeds = ours.prepare_ip_adapter_image_embeds(ip_picture(), None, None, 1)
+    assert psnr(call(ours, "txt2img", ip_adapter_image=ip_picture()),
+                call(ours, "txt2img", ip_adapter_image_embeds=embeds)) >= 100  # embeds == the image they encode
+    with pytest.raises(InvalidInput, match="one image per IP-Adapter"):
+        ours("a cat", ip_adapter_image=[ip_picture(), ip_picture(2)], num_inference_steps=1, height=64, width=64)
+
+
+def test_flux_two_adapters_then_unload_gives_the_base_images_exactly(dirs, pipes, tiny_cache, flux_adapters):
+    reference, ours = load_pipeline(dirs["flux"]), kasoku.compile(load_pipeline(dirs["flux"]), "openvino",
+                                                                 profile=profile_of(pipes["flux"]),
+                                                                 cache_dir=tiny_cache.root, label="flux-ip2")
+    base = call(ours, "txt2img")
+    for pipe in (reference, ours):
+        pipe.load_ip_adapter(**flux_ip_arguments(flux_adapters, "a", "b"))
+        pipe.set_ip_adapter_scale([0.6, 0.4])
+    prompt = {"ip_adapter_image": [ip_picture(), ip_picture(3)]}
+    assert psnr(call(reference, "txt2img", **prompt, **ours.fixed_arguments), call(ours, "txt2img", **prompt)) \
+        >= BOUND_DB
+    ours.unload_ip_adapter()
+    assert "image_encoder" not in ours.engines and np.array_equal(call(ours, "txt2img"), base)
+
+
+def test_flux_ip_adapter_from_the_cli(dirs, tiny_cache, flux_adapters, tmp_path):
+    from kasoku.tiny import IP_ADAPTER_FILES
+
+    out = tmp_path / "ip.png"
+    picture = tmp_path / "prompt.png"
+    ip_picture().save(picture)
+    assert main(["generate", str(dirs["flux"]), "a castle", "--steps", "2", "--height", "64", "--width", "64",
+                 "--backend", "onnxruntime", "--cache-dir", str(tiny_cache.root), "--ip-adapter",
+                 str(flux_adapters / "a" / IP_ADAPTER_FILES["plain"]), "--ip-image", str(picture), "--ip-scale", "0.7",
+                 "-o", str(out)]) == 0
+    assert Image.open(out).size == (64, 64)
+    assert main(["tiny", str(tmp_path / "t"), "--family", "flux", "--ip-adapter"]) == 0
+    assert (tmp_path / "t" / "ip_adapter" / IP_ADAPTER_FILES["plain"]).is_file()
+    assert not (tmp_path / "t" / "ip_adapter" / IP_ADAPTER_FILES["plus"]).exists()  # Flux's come plain only
+
+
+def test_sd3_ip_adapters_are_refused_with_what_runs(pipes, compiled, flux_adapters):
+    from kasoku.image_prompts import IPAdapterError
+
+    with pytest.raises(IPAdapterError, match="not supported yet.*Flux"):
+        compiled[("sd3", "onnxruntime")].load_ip_adapter(str(flux_adapters / "a"))
+
+
 # ---- the commands ---------------------------------------------------------------------------------------
 
 

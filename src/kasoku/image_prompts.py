@@ -92,28 +92,48 @@ def check_adapter_files(files, image_encoder: str | Path | None = None, flag: st
     return image_encoder_for(files[0], image_encoder)
 
 
-def file_arguments(files, image_encoder: str | Path | None = None) -> tuple[list[str], str, list[str], str]:
-    """diffusers' `load_ip_adapter` arguments for adapter weights files: their folders, no subfolder, their names,
-    and the image encoder folder (beside the first file, or `image_encoder`)."""
+def file_arguments(files, image_encoder: str | Path | None = None, family=None) -> dict[str, Any]:
+    """diffusers' `load_ip_adapter` arguments (by name) for adapter weights files: their folders, no subfolder,
+    their names, and the image encoder folder (beside the first file, or `image_encoder`) under the name the
+    family's loader reads it by (see Family.ip_encoder_argument)."""
     files = [Path(f) for f in files]
-    return ([str(f.parent) for f in files], "", [f.name for f in files],
-            str(image_encoder_for(files[0], image_encoder)))
+    encoder_argument = family.ip_encoder_argument if family is not None else "image_encoder_folder"
+    return {"pretrained_model_name_or_path_or_dict": [str(f.parent) for f in files], "subfolder": "",
+            "weight_name": [f.name for f in files], encoder_argument: str(image_encoder_for(files[0], image_encoder))}
 
 
-def load_into(model: Model, source: Any, subfolder: Any, weight_name: Any, image_encoder_folder: str | None,
-              **kwargs: Any) -> tuple[str, ...]:
-    """diffusers' `load_ip_adapter` on the model's torch pipeline; the adapters' kinds, checked to run on engines
-    (anything else is unloaded again and refused)."""
+def bind_load_arguments(model: Model, args: tuple, kwargs: dict[str, Any]) -> dict[str, Any]:
+    """A `load_ip_adapter` call's arguments by name, bound as the model's diffusers pipeline binds them (the U-Net
+    pipelines take (source, subfolder, weight_name, ...), SD3's and Flux's (source, weight_name, subfolder, ...)),
+    with its defaults."""
+    import inspect
+
+    method = getattr(type(model.pipe), "load_ip_adapter", None)
+    if method is None or not model.family.runs_ip_adapters:
+        raise IPAdapterError(f"IP-Adapters on {model.family.title} engines are not supported yet; kasoku runs them "
+                             "on the U-Net families (SD 1.x, 2.x, XL) and Flux.1.")
+    try:
+        bound = inspect.signature(method).bind(model.pipe, *args, **kwargs)
+    except TypeError as error:
+        raise IPAdapterError(f"load_ip_adapter: {error}") from None
+    bound.apply_defaults()
+    arguments = dict(bound.arguments)
+    arguments.pop("self", None)
+    arguments.update(arguments.pop("kwargs", {}))
+    return arguments
+
+
+def load_into(model: Model, *args: Any, **kwargs: Any) -> tuple[str, ...]:
+    """diffusers' `load_ip_adapter` (its arguments as the model's pipeline takes them) on the model's torch
+    pipeline; the adapters' kinds, checked to run on engines (anything else is unloaded again and refused)."""
     family = model.family
-    if not hasattr(model.pipe, "load_ip_adapter") or not family.runs_ip_adapters:
-        raise IPAdapterError(f"IP-Adapters on {family.title} engines are not supported yet; kasoku runs them on the "
-                             "U-Net families (SD 1.x, 2.x, XL).")
-    check_source(source, subfolder, weight_name)
+    arguments = bind_load_arguments(model, args, kwargs)
+    source = arguments["pretrained_model_name_or_path_or_dict"]
+    check_source(source, arguments.get("subfolder"), arguments.get("weight_name"))
     model.changing(family.denoiser)
     try:
-        _load_image_encoder(model, source, subfolder, image_encoder_folder, kwargs)
-        model.pipe.load_ip_adapter(source, subfolder, weight_name, image_encoder_folder=image_encoder_folder,
-                                   **kwargs)
+        _load_image_encoder(model, arguments)
+        model.pipe.load_ip_adapter(**arguments)
     except (OSError, ValueError, KeyError, RuntimeError) as error:  # diffusers' loaders raise these on bad files
         unload_from(model)
         raise IPAdapterError(f"cannot load the IP-Adapter {source if not isinstance(source, dict) else '(dict)'}: "
@@ -132,18 +152,33 @@ def load_into(model: Model, source: Any, subfolder: Any, weight_name: Any, image
     return kinds
 
 
-def _load_image_encoder(model: Model, source: Any, subfolder: Any, folder: str | None, kwargs: dict) -> None:
+def _image_encoder_location(model: Model, arguments: dict[str, Any]) -> tuple[Any, str] | None:
+    """Where diffusers' loader reads the image encoder from: (folder or hub id, subfolder); None where it reads
+    none (no folder given, a state dict)."""
+    if model.family.ip_encoder_argument != "image_encoder_folder":  # Flux: its own path and subfolder
+        where = arguments.get(model.family.ip_encoder_argument)
+        return None if where is None else (where, arguments.get("image_encoder_subfolder") or "")
+    source, folder = arguments["pretrained_model_name_or_path_or_dict"], arguments.get("image_encoder_folder")
+    first = source[0] if isinstance(source, list) else source
+    if folder is None or isinstance(first, dict):
+        return None
+    subfolder = arguments.get("subfolder")
+    sub = subfolder[0] if isinstance(subfolder, list) else subfolder
+    return first, Path(sub or "", folder).as_posix() if folder.count("/") == 0 else Path(folder).as_posix()
+
+
+def _load_image_encoder(model: Model, arguments: dict[str, Any]) -> None:
     """The image encoder where diffusers' loader would read it, on the CPU in fp32: diffusers puts it on the
-    pipeline's device, which a lazily loaded pipeline (modules on the meta device until needed) reports as meta."""
+    pipeline's device, which a lazily loaded pipeline (modules on the meta device until needed) reports as meta,
+    and Flux's loader in fp16 by default."""
     from transformers import CLIPVisionModelWithProjection
 
-    first = source[0] if isinstance(source, list) else source
-    if getattr(model.pipe, ip_adapter.IMAGE_ENCODER, None) is not None or folder is None or isinstance(first, dict):
+    location = _image_encoder_location(model, arguments)
+    if getattr(model.pipe, ip_adapter.IMAGE_ENCODER, None) is not None or location is None:
         return
-    sub = subfolder[0] if isinstance(subfolder, list) else subfolder
-    where = Path(sub or "", folder).as_posix() if folder.count("/") == 0 else Path(folder).as_posix()
-    options = {k: kwargs[k] for k in ("cache_dir", "local_files_only", "revision", "token") if k in kwargs}
-    encoder = CLIPVisionModelWithProjection.from_pretrained(first, subfolder=where, dtype=torch.float32, **options)
+    options = {k: arguments[k] for k in ("cache_dir", "local_files_only", "revision", "token") if k in arguments}
+    encoder = CLIPVisionModelWithProjection.from_pretrained(location[0], subfolder=location[1], dtype=torch.float32,
+                                                            **options)
     model.pipe.register_modules(image_encoder=encoder.eval())
 
 
@@ -152,7 +187,7 @@ def load_files(model: Model, files, image_encoder: str | Path | None = None) -> 
     `image_encoder`): what `--ip-adapter PATH` means to verify and bench."""
     files = [files] if isinstance(files, (str, Path)) else list(files)
     check_adapter_files(files, image_encoder)
-    return load_into(model, *file_arguments(files, image_encoder))
+    return load_into(model, **file_arguments(files, image_encoder, model.family))
 
 
 def unload_from(model: Model) -> None:
@@ -175,6 +210,9 @@ def set_scale(model: Model, scale: Any) -> None:
     if not adapters:
         raise IPAdapterError("no IP-Adapter is loaded; call load_ip_adapter(...) first.")
     scales = scale if isinstance(scale, list) else [scale]
+    if adapters == 1 and len(scales) > 1 and all(_is_number(s) for s in scales) and \
+            model.family.ip_scale_per_block_list:
+        scales = [scales]  # diffusers' Flux: one adapter's list of per-block numbers
     if len(scales) != adapters:
         raise IPAdapterError(f"`scale` must give one value (or per-block mapping) per IP-Adapter: {adapters} "
                              f"adapter(s) loaded but {len(scales)} given.")

@@ -322,15 +322,15 @@ class KasokuPipeline:
 
     # ---- IP-Adapters: diffusers' names, image prompts as engine inputs ------------------------------
 
-    def load_ip_adapter(self, pretrained_model_name_or_path_or_dict, subfolder, weight_name,
-                        image_encoder_folder: str | None = "image_encoder", **kwargs) -> None:
-        """diffusers' `load_ip_adapter` (one adapter, or lists for several): the plain and Plus kinds, with their
-        image encoder; then the image encoder's engine and the U-Net's with image-prompt inputs (from the cache
-        when built: a second adapter of the same kind and size builds no new graph). Calls then take
-        `ip_adapter_image` (one image per adapter) or `ip_adapter_image_embeds`."""
+    def load_ip_adapter(self, *args, **kwargs) -> None:
+        """diffusers' `load_ip_adapter` with the arguments the model's diffusers pipeline takes (the U-Net
+        pipelines': source, subfolder, weight_name, image_encoder_folder; Flux's: source, weight_name, subfolder,
+        image_encoder_pretrained_model_name_or_path; one adapter, or lists for several): the plain and Plus kinds,
+        with their image encoder; then the image encoder's engine and the denoiser's with image-prompt inputs
+        (from the cache when built: a second adapter of the same kind and size builds no new graph). Calls then
+        take `ip_adapter_image` (one image per adapter) or `ip_adapter_image_embeds`."""
         self._needs_options("IP-Adapters")
-        load_into(self.model, pretrained_model_name_or_path_or_dict, subfolder, weight_name, image_encoder_folder,
-                  **kwargs)
+        load_into(self.model, *args, **kwargs)
         try:
             self._rebuild_for_image_prompts()
         except Exception:
@@ -348,14 +348,22 @@ class KasokuPipeline:
         unload_from(self.model)
         self._rebuild_for_image_prompts()
 
-    def prepare_ip_adapter_image_embeds(self, ip_adapter_image, ip_adapter_image_embeds=None, device=None,
-                                        num_images_per_prompt: int = 1, do_classifier_free_guidance: bool = True):
-        """diffusers' own, on the image encoder's engine: the `ip_adapter_image_embeds` a later call can take."""
+    def prepare_ip_adapter_image_embeds(self, *args, **kwargs):
+        """diffusers' own (with its family's arguments: the U-Net pipelines' take do_classifier_free_guidance,
+        Flux's not), on the image encoder's engine: the `ip_adapter_image_embeds` a later call can take. The embeds,
+        device and images per prompt default to none, the pipeline's device and one."""
+        import inspect
+
         if not self.family.ip_adapters(self.model):
             raise IPAdapterError("no IP-Adapter is loaded; call load_ip_adapter(...) first.")
-        return self._pipes["txt2img"].prepare_ip_adapter_image_embeds(
-            ip_adapter_image, ip_adapter_image_embeds, device or self.device, num_images_per_prompt,
-            do_classifier_free_guidance)
+        method = self._pipes["txt2img"].prepare_ip_adapter_image_embeds
+        try:
+            bound = inspect.signature(method).bind_partial(*args, **kwargs)
+        except TypeError as error:
+            raise IPAdapterError(f"prepare_ip_adapter_image_embeds: {error}") from None
+        arguments = {"ip_adapter_image_embeds": None, "num_images_per_prompt": 1, **bound.arguments}
+        arguments["device"] = arguments.get("device") or self.device
+        return method(**arguments)
 
     def _rebuild_for_image_prompts(self) -> None:
         """The engines the model's IP-Adapters (or their absence) need, then diffusers' pipelines over them. The

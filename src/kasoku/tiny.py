@@ -27,7 +27,7 @@ def family_names() -> tuple[str, ...]:
 def check_variant(family: str, *, inpainting: bool = False, prediction: str = "epsilon",
                   controlnet: bool = False, lcm: bool = False, ip_adapter: bool = False) -> None:
     """The tiny variants are the U-Net families': an inpainting U-Net, v-prediction, a ControlNet, an LCM U-Net
-    (not with the others)."""
+    (not with the others); IP-Adapters are every family's that runs them."""
     if isinstance(FAMILIES[family], UNetFamily):
         others = [flag for flag, given in (("--inpainting", inpainting), ("--prediction v_prediction",
                                                                           prediction != "epsilon")) if given]
@@ -38,7 +38,8 @@ def check_variant(family: str, *, inpainting: bool = False, prediction: str = "e
     asked = [flag for flag, given in (("--inpainting", inpainting), ("--prediction v_prediction",
                                                                      prediction != "epsilon"),
                                       ("--controlnet", controlnet), ("--lcm", lcm),
-                                      ("--ip-adapter", ip_adapter)) if given]
+                                      ("--ip-adapter", ip_adapter and not FAMILIES[family].runs_ip_adapters))
+             if given]
     if asked:
         raise KasokuError(f"{asked[0]}: the tiny {FAMILIES[family].title} pipeline has no such variant "
                                       "(they are the U-Net families': sd1, sd2, sdxl); every "
@@ -103,7 +104,7 @@ def write_tiny_pipeline(directory: str | Path, *, family: str = "sd1", inpaintin
     if tiny_vae:
         write_tiny_vae(directory / TINY_VAE_FOLDER, family=family, seed=seed)
     if ip_adapter:
-        write_tiny_ip_adapters(directory / IP_ADAPTER_FOLDER, pipe.unet, seed=seed)
+        write_tiny_ip_adapters(directory / IP_ADAPTER_FOLDER, getattr(pipe, FAMILIES[family].denoiser), seed=seed)
     return directory
 
 
@@ -116,14 +117,18 @@ def write_tiny_ip_adapters(directory: str | Path, unet, *, seed: int = 0) -> Pat
     from .architectures import ip_adapter
     from .architectures.tiny import seeded, tiny_image_encoder
 
-    if not hasattr(unet, "attn_processors"):
-        raise KasokuError("IP-Adapters are for U-Net pipelines (sd1, sd2, sdxl).")
+    flux = type(unet).__name__ == "FluxTransformer2DModel"
+    if not hasattr(unet, "attn_processors") or (not flux and not hasattr(unet, "encoder_hid_proj")):
+        raise KasokuError("tiny IP-Adapters are for the U-Net pipelines (sd1, sd2, sdxl) and Flux (flux, schnell).")
     directory = Path(directory)
     encoder = seeded(seed, 40, tiny_image_encoder).eval()
     encoder.save_pretrained(directory / "image_encoder", safe_serialization=True)
     for offset, (kind, file) in enumerate(IP_ADAPTER_FILES.items()):
-        state = seeded(seed, 41 + offset, lambda kind=kind: ip_adapter.random_adapter_state_dict(unet, encoder.config,
-                                                                                                kind))
+        if flux and kind != ip_adapter.PLAIN:
+            continue  # Flux's IP-Adapters come in the plain kind only
+        state = seeded(seed, 41 + offset, lambda kind=kind: (
+            ip_adapter.random_flux_adapter_state_dict(unet, encoder.config) if flux else
+            ip_adapter.random_adapter_state_dict(unet, encoder.config, kind)))
         save_file({k: v.contiguous() for k, v in state.items()}, str(directory / file))
     return directory
 

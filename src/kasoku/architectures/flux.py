@@ -6,7 +6,8 @@ them: ``hidden_states`` is (images, height/16 x width/16 tokens, 64), its token 
 product of the image's height and width, as are the image position ids (tokens, 3). The text ids are
 (text tokens, 3). dev embeds its guidance scale (``guidance``, one per image; ``guidance_embeds`` in its
 config), schnell has none. Classifier-free guidance, where asked (``true_cfg_scale``), runs the transformer
-twice, so every input has one row per image.
+twice, so every input has one row per image. With IP-Adapters loaded (the plain kind, in the double-stream
+blocks) it takes their image encodings and per-layer scales after those (see :mod:`.ip_adapter`).
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import torch
 
 from ..components import Axis, ComponentSpec, ShapeProfile, TensorSpec, default_sample_input
 from ..standins import EngineModule, InvalidInput, timesteps_for
+from . import ip_adapter
 from .base import Axes, ModuleRef
 
 PATCH = 2  # Flux packs 2x2 latent cells into one token
@@ -29,24 +31,30 @@ class FluxTransformerModule(torch.nn.Module):
     """The transformer on (hidden_states, timestep, encoder_hidden_states, pooled_projections, img_ids, txt_ids
     [, guidance])."""
 
-    def __init__(self, transformer: torch.nn.Module):
+    def __init__(self, transformer: torch.nn.Module, adapters: int = 0):
         super().__init__()
         self.transformer = transformer
+        self.adapters = adapters
 
-    def forward(self, hidden_states, timestep, encoder_hidden_states, pooled_projections, img_ids, txt_ids,
-                *guidance):
-        return (self.transformer(hidden_states=hidden_states, timestep=timestep, guidance=guidance[0] if guidance
-                                 else None, encoder_hidden_states=encoder_hidden_states,
-                                 pooled_projections=pooled_projections, img_ids=img_ids, txt_ids=txt_ids,
-                                 return_dict=False)[0],)
+    def forward(self, hidden_states, timestep, encoder_hidden_states, pooled_projections, img_ids, txt_ids, *rest):
+        guidance, ip_embeds, ip_scale = ip_adapter.split_inputs(rest, self.adapters)
+        arguments = dict(hidden_states=hidden_states, timestep=timestep, guidance=guidance[0] if guidance else None,
+                         encoder_hidden_states=encoder_hidden_states, pooled_projections=pooled_projections,
+                         img_ids=img_ids, txt_ids=txt_ids, return_dict=False)
+        if not self.adapters:
+            return (self.transformer(**arguments)[0],)
+        with ip_adapter.run_time_scales(self.transformer, ip_scale):
+            return (self.transformer(**arguments, joint_attention_kwargs={"ip_adapter_image_embeds": ip_embeds})[0],)
 
 
 def transformer_spec(ref: ModuleRef, profile: ShapeProfile, axes: Axes, *, text_length: int,
-                     name: str = "transformer") -> ComponentSpec:
-    """The transformer at `ref` on `text_length` T5 tokens."""
+                     ip: tuple[TensorSpec, ...] = (), name: str = "transformer") -> ComponentSpec:
+    """The transformer at `ref` on `text_length` T5 tokens; `ip` its IP-Adapters' inputs (see
+    :func:`ip_inputs`)."""
     config = ref.config
     tokens = image_tokens(axes)
     guidance = (TensorSpec("guidance", (axes.images,), always_fp32=True),) if config.guidance_embeds else ()
+    adapters = sum(1 for t in ip if t.name != ip_adapter.IP_SCALE)
     return ComponentSpec(
         name=name,
         inputs=(
@@ -57,13 +65,13 @@ def transformer_spec(ref: ModuleRef, profile: ShapeProfile, axes: Axes, *, text_
             TensorSpec("img_ids", (tokens, 3), always_fp32=True),
             TensorSpec("txt_ids", (text_length, 3), always_fp32=True),
             *guidance,
+            *ip,
         ),
         outputs=(TensorSpec("out_sample", (axes.images, tokens, config.out_channels or config.in_channels)),),
         profile=profile,
-        load_module=lambda: FluxTransformerModule(ref.load()),
-        weights=ref.digest,
+        load_module=lambda: FluxTransformerModule(ref.load(), adapters),
         sample_input=sample_input,
-        config=dict(config),
+        **ip_adapter.weights_and_config(ref, ip),
         graph_kind="mmdit",
         modules=(ref.path,),
         int8="weights",
@@ -83,16 +91,34 @@ def sample_input(tensor: TensorSpec, shape: tuple[int, ...], generator: torch.Ge
     return default_sample_input(tensor, shape, generator)
 
 
+def ip_inputs(transformer, encoder_config, axes: Axes) -> tuple[TensorSpec, ...]:
+    """The IP-Adapters' inputs of the transformer (none without adapters): one row per image, as its others."""
+    if not ip_adapter.adapter_kinds(transformer):
+        return ()
+    ip_adapter.check_fits(transformer, encoder_config)
+    return ip_adapter.embeds_inputs(transformer, encoder_config, axes, axes.images)
+
+
 class EngineFluxTransformer(EngineModule):
     """The transformer as diffusers' Flux pipelines call it."""
+
+    def __init__(self, original: torch.nn.Module, engines, times, component: str = "transformer"):
+        super().__init__(original, engines, times, component)
+        self._original = original  # its IP processors hold the scales diffusers' set_ip_adapter_scale sets
+
+    @property
+    def encoder_hid_proj(self):
+        """diffusers' Flux pipelines count the IP-Adapters in the projection layers here."""
+        return getattr(self._original, "encoder_hid_proj", None)
 
     def forward(self, hidden_states, encoder_hidden_states=None, pooled_projections=None, timestep=None,
                 img_ids=None, txt_ids=None, guidance=None, joint_attention_kwargs=None, controlnet_block_samples=None,
                 controlnet_single_block_samples=None, return_dict=True, controlnet_blocks_repeat=False):
-        if controlnet_block_samples is not None or controlnet_single_block_samples is not None or \
-                joint_attention_kwargs:
+        attention = dict(joint_attention_kwargs or {})
+        ip_embeds = attention.pop("ip_adapter_image_embeds", None)
+        if controlnet_block_samples is not None or controlnet_single_block_samples is not None or attention:
             raise InvalidInput("the compiled Flux transformer takes the latents, timestep, text embeddings, pooled "
-                               "projections, ids and guidance only (no ControlNet, IP-Adapter or LoRA scale).")
+                               "projections, ids, guidance and image prompts only (no ControlNet or LoRA scale).")
         names = self.engine.spec.input_names
         if ("guidance" in names) != (guidance is not None):
             raise InvalidInput("this Flux transformer " + ("embeds a guidance scale (Flux.1 dev): diffusers must pass "
@@ -104,6 +130,7 @@ class EngineFluxTransformer(EngineModule):
                      img_ids=img_ids.to(torch.float32), txt_ids=txt_ids.to(torch.float32))
         if guidance is not None:
             feeds["guidance"] = timesteps_for(guidance, batch)
+        feeds.update(ip_adapter.engine_feeds(self._original, names, ip_embeds))
         out = self._run(self._component, **feeds)["out_sample"]
         if not return_dict:
             return (out,)

@@ -29,7 +29,7 @@ from typing import Any
 
 import torch
 
-from ..components import ComponentSpec, ShapeProfile, TensorSpec
+from ..components import Axis, ComponentSpec, ShapeProfile, TensorSpec
 from ..errors import KasokuError
 from ..standins import EngineModule, InvalidInput
 from .base import Axes, ModuleRef
@@ -51,10 +51,14 @@ class UnsupportedIPAdapter(KasokuError, ValueError):
 
 
 def projection_layers(unet) -> tuple[torch.nn.Module, ...]:
-    """The image projection of each IP-Adapter loaded into `unet` (none: no adapter)."""
-    if unet is None or getattr(unet.config, "encoder_hid_dim_type", None) != "ip_image_proj":  # an attribute only
+    """The image projection of each IP-Adapter loaded into `unet` (a U-Net, or Flux's transformer: both hold them in
+    `encoder_hid_proj`; none: no adapter)."""
+    from diffusers.models.embeddings import MultiIPAdapterImageProjection
+
+    projection = getattr(unet, "encoder_hid_proj", None) if unet is not None else None
+    if not isinstance(projection, MultiIPAdapterImageProjection):
         return ()
-    return tuple(getattr(unet.encoder_hid_proj, "image_projection_layers", ()))
+    return tuple(projection.image_projection_layers)
 
 
 def adapter_kinds(unet) -> tuple[str, ...]:
@@ -92,8 +96,9 @@ def ip_processors(unet) -> tuple[tuple[str, Any], ...]:
 
 def _find_ip_processors(unet) -> tuple[tuple[str, Any], ...]:
     from diffusers.models.attention_processor import IPAdapterAttnProcessor, IPAdapterAttnProcessor2_0
+    from diffusers.models.transformers.transformer_flux import FluxIPAdapterAttnProcessor
 
-    kinds = (IPAdapterAttnProcessor, IPAdapterAttnProcessor2_0)
+    kinds = (IPAdapterAttnProcessor, IPAdapterAttnProcessor2_0, FluxIPAdapterAttnProcessor)
     try:
         from diffusers.models.attention_processor import IPAdapterXFormersAttnProcessor
 
@@ -125,7 +130,7 @@ def architecture(unet) -> dict[str, Any]:
         "kinds": list(adapter_kinds(unet)),
         "projections": [{name: list(t.shape) for name, t in layer.state_dict().items()}
                         for layer in projection_layers(unet)],
-        "layers": [[name, list(proc.num_tokens)] for name, proc in ip_processors(unet)],
+        "layers": [[name, list(getattr(proc, "num_tokens", ()))] for name, proc in ip_processors(unet)],
     }
 
 
@@ -143,12 +148,13 @@ def digest(unet) -> str:
     return sha.hexdigest()[:32]
 
 
-def embeds_inputs(unet, encoder_config, axes: Axes) -> tuple[TensorSpec, ...]:
-    """The U-Net's IP inputs: one image encoding per adapter (one image each), then the scales."""
+def embeds_inputs(unet, encoder_config, axes: Axes, batch: Axis | None = None) -> tuple[TensorSpec, ...]:
+    """The denoiser's IP inputs: one image encoding per adapter (one image each), then the scales. `batch` is the
+    denoiser's batch axis (default: the guided one of a U-Net; Flux's transformer runs one row per image)."""
     tokens = (encoder_config.image_size // encoder_config.patch_size) ** 2 + 1
     shapes = {PLAIN: (encoder_config.projection_dim,), PLUS: (tokens, encoder_config.hidden_size)}
-    kinds = adapter_kinds(unet)
-    return (*(TensorSpec(IP_EMBEDS.format(i), (axes.guided, 1, *shapes[kind])) for i, kind in enumerate(kinds)),
+    kinds, rows = adapter_kinds(unet), batch or axes.guided
+    return (*(TensorSpec(IP_EMBEDS.format(i), (rows, 1, *shapes[kind])) for i, kind in enumerate(kinds)),
             TensorSpec(IP_SCALE, (len(ip_processors(unet)), len(kinds))))
 
 
@@ -198,6 +204,35 @@ def run_time_scales(unet, scale: torch.Tensor) -> Iterator[None]:
 
 def is_ip_input(name: str) -> bool:
     return name == IP_SCALE or name.startswith(IP_EMBEDS.format(""))
+
+
+def weights_and_config(ref: ModuleRef, ip: tuple[TensorSpec, ...]) -> dict[str, Any]:
+    """A denoiser's weight digest and config for its spec; with IP-Adapters (`ip`: their inputs), theirs too (loaded
+    into a module whose digest may have been taken before), and their weights as run-time parts."""
+    if not ip:
+        return {"weights": ref.digest, "config": dict(ref.config)}
+    module = ref.module
+    return {"weights": lambda: f"{ref.digest()}+ip{digest(module)}",
+            "config": {**ref.config, "kasoku_ip_adapters": architecture(module)},
+            "run_time_parts": ADAPTER_PARTS, "base_weights": ref.base_digest}
+
+
+def engine_feeds(denoiser, input_names: Sequence[str], image_embeds, *, what: str = "transformer"
+                 ) -> dict[str, torch.Tensor]:
+    """The image prompts' encodings (diffusers' list, one per adapter) and the current IP scales of the torch
+    `denoiser` as an engine's inputs: none for an engine without IP inputs, which refuses an image prompt; an
+    engine built for them needs them."""
+    names = [n for n in input_names if is_ip_input(n) and n != IP_SCALE]
+    if not names:
+        if image_embeds is not None:
+            raise InvalidInput(f"this {what} engine takes no image prompt: load an IP-Adapter first "
+                               "(pipe.load_ip_adapter(...)).")
+        return {}
+    if image_embeds is None or len(image_embeds) != len(names):
+        raise InvalidInput(f"the compiled {what} takes an image prompt for each of its {len(names)} IP-Adapter(s) "
+                           "(ip_adapter_image or ip_adapter_image_embeds).")
+    return {**{name: embeds.to(torch.float32) for name, embeds in zip(names, image_embeds)},
+            IP_SCALE: scales_of(denoiser)}
 
 
 def split_inputs(rest: Sequence[torch.Tensor], adapters: int) -> tuple[tuple, list | None, torch.Tensor | None]:
@@ -320,4 +355,21 @@ def _random_resampler(embed: int, out: int, tokens: int, hidden: int, depth: int
         state[f"{prefix}.0.to_out.weight"] = linear(hidden, inner)
         state[f"{prefix}.1.1.weight"] = linear(4 * hidden, hidden)
         state[f"{prefix}.1.3.weight"] = linear(hidden, 4 * hidden)
+    return state
+
+
+def random_flux_adapter_state_dict(transformer, encoder_config, *, tokens: int = 4) -> dict[str, torch.Tensor]:
+    """Random weights of a Flux IP-Adapter (the plain kind: XLabs' layout, which diffusers' `load_ip_adapter` on a
+    Flux pipeline reads) for `transformer` and this image encoder: `tokens` image tokens as wide as the text
+    embeddings, and key/value projections (with biases) in every double-stream block."""
+    cross, width = transformer.config.joint_attention_dim, encoder_config.projection_dim
+    hidden = transformer.inner_dim
+    state = {"image_proj.proj.weight": torch.randn(tokens * cross, width) * width ** -0.5,
+             "image_proj.proj.bias": torch.randn(tokens * cross) * 0.02,
+             "image_proj.norm.weight": 1 + torch.randn(cross) * 0.02,
+             "image_proj.norm.bias": torch.randn(cross) * 0.02}
+    for block in range(transformer.config.num_layers):
+        for name in ("to_k_ip", "to_v_ip"):
+            state[f"ip_adapter.{block}.{name}.weight"] = torch.randn(hidden, cross) * cross ** -0.5
+            state[f"ip_adapter.{block}.{name}.bias"] = torch.randn(hidden) * 0.02
     return state

@@ -153,23 +153,12 @@ def unet_spec(ref: ModuleRef, profile: ShapeProfile, axes: Axes, *, text_length:
         outputs=(out_sample(config, axes),),
         profile=profile,
         load_module=lambda: UNetModule(ref.load(), added_names),
-        **_weights_and_config(ref, ip),
+        **ip_adapter.weights_and_config(ref, ip),
         graph_kind="unet",
         modules=(ref.path,),
         **({} if ip else {"int8": "hybrid"}),
         takes_lora=True,
     )
-
-
-def _weights_and_config(ref: ModuleRef, ip: tuple[TensorSpec, ...]) -> dict[str, Any]:
-    """The U-Net's weight digest and config; with IP-Adapters, theirs too (loaded into a module whose digest may
-    have been taken before)."""
-    if not ip:
-        return {"weights": ref.digest, "config": dict(ref.config)}
-    module = ref.module
-    return {"weights": lambda: f"{ref.digest()}+ip{ip_adapter.digest(module)}",
-            "config": {**ref.config, "kasoku_ip_adapters": ip_adapter.architecture(module)},
-            "run_time_parts": ip_adapter.ADAPTER_PARTS, "base_weights": ref.base_digest}
 
 
 def residual_unet_spec(ref: ModuleRef, profile: ShapeProfile, axes: Axes, *, text_length: int,
@@ -186,7 +175,7 @@ def residual_unet_spec(ref: ModuleRef, profile: ShapeProfile, axes: Axes, *, tex
         outputs=(out_sample(config, axes),),
         profile=profile,
         load_module=lambda: ResidualUNetModule(ref.load(), added_names),
-        **_weights_and_config(ref, ip),
+        **ip_adapter.weights_and_config(ref, ip),
         graph_kind="unet",
         modules=(ref.path,),
         takes_lora=True,
@@ -253,19 +242,7 @@ class EngineUNet(EngineModule):
         return getattr(self._original, "encoder_hid_proj", None)
 
     def _ip_feeds(self, image_embeds) -> dict[str, torch.Tensor]:
-        """The image prompts' encodings and the current IP scales as the engine's inputs (none without
-        IP-Adapters; an engine built for them needs them)."""
-        names = [n for n in self.engine.spec.input_names if ip_adapter.is_ip_input(n) and n != ip_adapter.IP_SCALE]
-        if not names:
-            if image_embeds is not None:
-                raise InvalidInput("this U-Net engine takes no image prompt: load an IP-Adapter first "
-                                   "(pipe.load_ip_adapter(...)).")
-            return {}
-        if image_embeds is None or len(image_embeds) != len(names):
-            raise InvalidInput(f"the compiled U-Net takes an image prompt for each of its {len(names)} IP-Adapter(s) "
-                               "(ip_adapter_image or ip_adapter_image_embeds).")
-        return {**{name: embeds.to(torch.float32) for name, embeds in zip(names, image_embeds)},
-                ip_adapter.IP_SCALE: ip_adapter.scales_of(self._original)}
+        return ip_adapter.engine_feeds(self._original, self.engine.spec.input_names, image_embeds, what="U-Net")
 
     def step_cache(self, run):
         """Step caching for one pipeline call (None: none); its state goes with the call."""

@@ -129,7 +129,7 @@ class ImagePromptSwitch:
             if adapters:
                 from ..image_prompts import file_arguments
 
-                self.pipeline.load_ip_adapter(*file_arguments(adapters))
+                self.pipeline.load_ip_adapter(**file_arguments(adapters, family=self.pipeline.family))
             else:
                 self.pipeline.unload_ip_adapter()
             self._running = adapters

@@ -225,7 +225,7 @@ def load_ip_adapters(pipe, args: argparse.Namespace, adapters: list[Path], scale
         return
     from ..image_prompts import file_arguments
 
-    pipe.load_ip_adapter(*file_arguments(adapters, args.ip_image_encoder))
+    pipe.load_ip_adapter(**file_arguments(adapters, args.ip_image_encoder, pipe.family))
     pipe.set_ip_adapter_scale(scales if len(scales) > 1 else scales[0])
 
 

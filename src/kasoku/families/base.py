@@ -84,6 +84,10 @@ class Family:
     # Pipeline attributes the engines replace besides the torch modules (a safety checker on torch images).
     replaced_attributes: ClassVar[Mapping[str, Any]] = {}
     runs_ip_adapters: ClassVar[bool] = False  # image prompts (diffusers' load_ip_adapter) on its engines
+    # the argument of its pipelines' load_ip_adapter that says where the image encoder is
+    ip_encoder_argument: ClassVar[str] = "image_encoder_folder"
+    # whether its set_ip_adapter_scale takes one adapter's per-block numbers as a plain list (Flux's)
+    ip_scale_per_block_list: ClassVar[bool] = False
     # kasoku's defaults for the commands (generate, batch, serve); a Python call keeps diffusers' own
     default_steps: ClassVar[int] = 30
     default_guidance: ClassVar[float] = 7.5
@@ -172,7 +176,16 @@ class Family:
 
     def ip_adapters(self, model: ModelView) -> tuple[str, ...]:
         """The kind of each IP-Adapter loaded into the model's denoiser (none: the family runs none)."""
-        return ()
+        return ip_adapter.adapter_kinds(getattr(model.pipe, self.denoiser)) if self.runs_ip_adapters else ()
+
+    def image_encoder_config(self, model: ModelView):
+        """The config of the image encoder the model's IP-Adapters read (their inputs' sizes); refused without one."""
+        encoder = getattr(model.pipe, ip_adapter.IMAGE_ENCODER, None)
+        if encoder is None:
+            raise ip_adapter.UnsupportedIPAdapter(
+                "the pipeline has IP-Adapters but no image encoder; load the adapter with its image encoder "
+                f"(load_ip_adapter(..., {self.ip_encoder_argument}=...)).")
+        return encoder.config
 
     def ip_adapter_components(self, model: ModelView) -> tuple[str, ...]:
         """What loading or unloading IP-Adapters changes: the image encoder (when there is one) and the
@@ -395,21 +408,14 @@ class UNetFamily(Family):
         """The U-Net's added conditioning inputs (none in SD 1.x/2.x)."""
         return ()
 
-    def ip_adapters(self, model: ModelView) -> tuple[str, ...]:
-        return ip_adapter.adapter_kinds(getattr(model.pipe, self.denoiser))
-
     def unet_ip_inputs(self, model: ModelView, axes: Axes) -> tuple[TensorSpec, ...]:
         """The IP-Adapters' inputs of the U-Net (none without adapters); the image encoder must fit them."""
         if not self.ip_adapters(model):
             return ()
-        encoder = getattr(model.pipe, ip_adapter.IMAGE_ENCODER, None)
-        if encoder is None:
-            raise ip_adapter.UnsupportedIPAdapter(
-                "the pipeline has IP-Adapters but no image encoder; load the adapter with its image encoder "
-                "(load_ip_adapter(..., image_encoder_folder=...)).")
         unet_module = getattr(model.pipe, self.denoiser)
-        ip_adapter.check_fits(unet_module, encoder.config)
-        return ip_adapter.embeds_inputs(unet_module, encoder.config, axes)
+        config = self.image_encoder_config(model)
+        ip_adapter.check_fits(unet_module, config)
+        return ip_adapter.embeds_inputs(unet_module, config, axes)
 
     def denoiser_builders(self, model: ModelView, profile: ShapeProfile, axes: Axes,
                           cache_branch: int) -> dict[str, Callable[[], ComponentSpec]]:

@@ -45,6 +45,9 @@ class Flux(TransformerFamily):
     default_steps = 28
     default_guidance = 3.5
     default_text_tokens = 512
+    runs_ip_adapters = True  # XLabs' kind: the plain projection, key/value projections in the double-stream blocks
+    ip_encoder_argument = "image_encoder_pretrained_model_name_or_path"
+    ip_scale_per_block_list = True
 
     def doubles_batch(self, kwargs: Mapping[str, Any], model: ModelView | None = None) -> bool:
         return False  # embedded guidance; true CFG runs the transformer twice on the same batch
@@ -52,8 +55,13 @@ class Flux(TransformerFamily):
     def denoiser_builders(self, model: ModelView, profile: ShapeProfile, axes: Axes,
                           cache_branch: int) -> dict[str, Callable[[], ComponentSpec]]:
         length = self.text_tokens(profile)
-        return {self.denoiser: lambda: flux.transformer_spec(model.ref(self.denoiser), profile, axes,
-                                                             text_length=length)}
+
+        def build() -> ComponentSpec:
+            ip = flux.ip_inputs(getattr(model.pipe, self.denoiser), self.image_encoder_config(model), axes) \
+                if self.ip_adapters(model) else ()
+            return flux.transformer_spec(model.ref(self.denoiser), profile, axes, text_length=length, ip=ip)
+
+        return {self.denoiser: build}
 
     def denoiser_stand_ins(self, model: ModelView, engines: Mapping[str, Any], times: EngineTimes) -> dict[str, Any]:
         return {self.denoiser: flux.EngineFluxTransformer(getattr(model.pipe, self.denoiser), engines, times,

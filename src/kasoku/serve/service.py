@@ -56,7 +56,7 @@ class ImageService:
         if self.config.ip_adapter is not None:  # its engines built (or loaded) before the first request
             from ..image_prompts import file_arguments
 
-            pipeline.load_ip_adapter(*file_arguments([self.config.ip_adapter]))
+            pipeline.load_ip_adapter(**file_arguments([self.config.ip_adapter], family=pipeline.family))
         self.pipeline = pipeline
         self.metrics.ready.set(1)
 
