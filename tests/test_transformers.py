@@ -343,11 +343,75 @@ def test_flux_ip_adapter_from_the_cli(dirs, tiny_cache, flux_adapters, tmp_path)
     assert not (tmp_path / "t" / "ip_adapter" / IP_ADAPTER_FILES["plus"]).exists()  # Flux's come plain only
 
 
-def test_sd3_ip_adapters_are_refused_with_what_runs(pipes, compiled, flux_adapters):
-    from kasoku.image_prompts import IPAdapterError
+@pytest.fixture(scope="module")
+def sd3_ip(dirs, pipes, tiny_cache, tmp_path_factory):
+    """(ours, diffusers', ours' image before the load, the adapter folder): the tiny SD3.5 layout on ONNX Runtime
+    and diffusers' own, a tiny InstantX-kind IP-Adapter (SigLIP image encoder) loaded in each, by diffusers' SD3
+    arguments (source, weight_name, subfolder, image_encoder_folder)."""
+    from kasoku.tiny import IP_ADAPTER_FILES, write_tiny_ip_adapters
 
-    with pytest.raises(IPAdapterError, match="not supported yet.*Flux"):
-        compiled[("sd3", "onnxruntime")].load_ip_adapter(str(flux_adapters / "a"))
+    folder = write_tiny_ip_adapters(tmp_path_factory.mktemp("sd3-ip") / "a", pipes["sd3"].transformer, seed=0)
+    reference, ours = load_pipeline(dirs["sd3"]), kasoku.compile(load_pipeline(dirs["sd3"]), "onnxruntime",
+                                                                cache_dir=tiny_cache.root, label="sd3-ip")
+    base = call(ours, "txt2img")
+    for pipe in (reference, ours):
+        pipe.load_ip_adapter(str(folder), IP_ADAPTER_FILES["plain"], "", str(folder / "image_encoder"))
+    return ours, reference, base, folder
+
+
+@pytest.mark.parametrize("task", ["txt2img", "img2img", "inpaint"])
+def test_sd3_ip_adapter_every_task_matches_diffusers(task, sd3_ip):
+    ours, reference, base, _ = sd3_ip
+    for pipe in (reference, ours):
+        pipe.set_ip_adapter_scale(0.7)
+    assert [t.name for t in ours.engines["image_encoder"].spec.outputs] == ["penultimate_hidden_states"]  # SigLIP
+    prompt = {"ip_adapter_image": ip_picture()}
+    for guidance in GUIDANCE["sd3"][::2]:  # diffusers' default (guided) and a stronger one with a negative prompt
+        expected = call(Model.of(reference).family.task_pipeline(reference, task), task, **prompt, **guidance,
+                        **ours.fixed_arguments)
+        assert psnr(expected, call(ours, task, **prompt, **guidance)) >= BOUND_DB
+    if task == "txt2img":
+        assert psnr(base, call(ours, task, **prompt)) < 60  # the image prompt changes the image
+
+
+def test_sd3_ip_scale_zero_embeds_and_unload(sd3_ip, tiny_cache):
+    ours, reference, base, _ = sd3_ip
+    built = {entry.key for entry in tiny_cache.list()}
+    for pipe in (reference, ours):
+        pipe.set_ip_adapter_scale(0.0)  # diffusers then passes no image encoding: the engine runs it at scale 0
+    prompt = {"ip_adapter_image": ip_picture()}
+    assert psnr(call(reference, "txt2img", **prompt, **ours.fixed_arguments), call(ours, "txt2img", **prompt)) \
+        >= BOUND_DB
+    ours.set_ip_adapter_scale(0.5)
+    embeds = ours.prepare_ip_adapter_image_embeds(ip_picture(), None, None, 1, True)
+    assert psnr(call(ours, "txt2img", **prompt), call(ours, "txt2img", ip_adapter_image_embeds=embeds)) >= 100
+    assert {entry.key for entry in tiny_cache.list()} == built  # the scale is an input
+    with pytest.raises(InvalidInput, match="ip_adapter_image_embeds"):
+        ours("a cat", ip_adapter_image_embeds=embeds[:, :3], num_inference_steps=1)
+    ours.unload_ip_adapter()
+    try:
+        assert np.array_equal(call(ours, "txt2img"), base)  # the base engine again: exactly its images
+    finally:
+        ours.load_ip_adapter(str(sd3_ip[3]), "ip-adapter.safetensors", "", str(sd3_ip[3] / "image_encoder"))
+
+
+def test_sd3_ip_adapter_on_openvino_and_from_the_cli(dirs, tiny_cache, sd3_ip, tmp_path):
+    from kasoku.tiny import IP_ADAPTER_FILES
+
+    _, reference, _, folder = sd3_ip
+    ours = kasoku.compile(load_pipeline(dirs["sd3"]), "openvino", cache_dir=tiny_cache.root, label="sd3-ip-ov")
+    ours.load_ip_adapter(str(folder), IP_ADAPTER_FILES["plain"], "", str(folder / "image_encoder"))
+    for pipe in (reference, ours):
+        pipe.set_ip_adapter_scale(0.9)
+    prompt = {"ip_adapter_image": ip_picture()}
+    assert psnr(call(reference, "txt2img", **prompt, **ours.fixed_arguments), call(ours, "txt2img", **prompt)) \
+        >= BOUND_DB
+    picture, out = tmp_path / "prompt.png", tmp_path / "ip.png"
+    ip_picture().save(picture)
+    assert main(["generate", str(dirs["sd3"]), "a castle", "--steps", "2", "--backend", "onnxruntime",
+                 "--cache-dir", str(tiny_cache.root), "--ip-adapter", str(folder / IP_ADAPTER_FILES["plain"]),
+                 "--ip-image", str(picture), "-o", str(out)]) == 0
+    assert Image.open(out).size == (64, 64)
 
 
 # ---- the commands ---------------------------------------------------------------------------------------

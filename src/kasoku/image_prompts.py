@@ -98,8 +98,14 @@ def file_arguments(files, image_encoder: str | Path | None = None, family=None) 
     family's loader reads it by (see Family.ip_encoder_argument)."""
     files = [Path(f) for f in files]
     encoder_argument = family.ip_encoder_argument if family is not None else "image_encoder_folder"
-    return {"pretrained_model_name_or_path_or_dict": [str(f.parent) for f in files], "subfolder": "",
-            "weight_name": [f.name for f in files], encoder_argument: str(image_encoder_for(files[0], image_encoder))}
+    arguments = {"pretrained_model_name_or_path_or_dict": [str(f.parent) for f in files], "subfolder": "",
+                 "weight_name": [f.name for f in files],
+                 encoder_argument: str(image_encoder_for(files[0], image_encoder))}
+    if family is not None and family.ip_max_adapters == 1:  # its loader takes one adapter, not lists
+        if len(files) > 1:
+            raise IPAdapterError(f"{family.title} pipelines load one IP-Adapter at a time; {len(files)} given.")
+        arguments.update(pretrained_model_name_or_path_or_dict=str(files[0].parent), weight_name=files[0].name)
+    return arguments
 
 
 def bind_load_arguments(model: Model, args: tuple, kwargs: dict[str, Any]) -> dict[str, Any]:
@@ -110,8 +116,8 @@ def bind_load_arguments(model: Model, args: tuple, kwargs: dict[str, Any]) -> di
 
     method = getattr(type(model.pipe), "load_ip_adapter", None)
     if method is None or not model.family.runs_ip_adapters:
-        raise IPAdapterError(f"IP-Adapters on {model.family.title} engines are not supported yet; kasoku runs them "
-                             "on the U-Net families (SD 1.x, 2.x, XL) and Flux.1.")
+        raise IPAdapterError(f"IP-Adapters on {model.family.title} engines are not supported; kasoku runs them "
+                             "on SD 1.x, 2.x, XL, SD3 and Flux.1.")
     try:
         bound = inspect.signature(method).bind(model.pipe, *args, **kwargs)
     except TypeError as error:
@@ -171,15 +177,19 @@ def _load_image_encoder(model: Model, arguments: dict[str, Any]) -> None:
     """The image encoder where diffusers' loader would read it, on the CPU in fp32: diffusers puts it on the
     pipeline's device, which a lazily loaded pipeline (modules on the meta device until needed) reports as meta,
     and Flux's loader in fp16 by default."""
-    from transformers import CLIPVisionModelWithProjection
+    import transformers
 
     location = _image_encoder_location(model, arguments)
     if getattr(model.pipe, ip_adapter.IMAGE_ENCODER, None) is not None or location is None:
         return
     options = {k: arguments[k] for k in ("cache_dir", "local_files_only", "revision", "token") if k in arguments}
-    encoder = CLIPVisionModelWithProjection.from_pretrained(location[0], subfolder=location[1], dtype=torch.float32,
-                                                            **options)
+    encoder_class = getattr(transformers, model.family.ip_image_encoder)
+    encoder = encoder_class.from_pretrained(location[0], subfolder=location[1], dtype=torch.float32, **options)
     model.pipe.register_modules(image_encoder=encoder.eval())
+    if ip_adapter.is_siglip(encoder.config) and getattr(model.pipe, "feature_extractor", None) is None:
+        # diffusers' SD3 loader reads the image processor beside the encoder only when it loads the encoder itself
+        processor = transformers.SiglipImageProcessor.from_pretrained(location[0], subfolder=location[1], **options)
+        model.pipe.register_modules(feature_extractor=processor)
 
 
 def load_files(model: Model, files, image_encoder: str | Path | None = None) -> tuple[str, ...]:
@@ -220,10 +230,10 @@ def set_scale(model: Model, scale: Any) -> None:
         raise IPAdapterError(f"an IP-Adapter scale is a finite number but {scale!r} is given.")
     processors = [proc for _, proc in ip_adapter.ip_processors(unet)]
     if all(_is_number(s) for s in scales):  # every layer gets its adapter's number: what diffusers sets, at once
-        for proc in processors:
-            proc.scale = [float(s) for s in scales]
+        for proc in processors:  # (SD3's processors hold one number)
+            proc.scale = [float(s) for s in scales] if isinstance(proc.scale, list) else float(scales[0])
         return
-    kept = [list(proc.scale) for proc in processors]
+    kept = [list(proc.scale) if isinstance(proc.scale, list) else proc.scale for proc in processors]
     try:
         model.pipe.set_ip_adapter_scale(scale)
         ip_adapter.scales_of(unet)

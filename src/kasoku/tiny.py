@@ -111,23 +111,32 @@ def write_tiny_pipeline(directory: str | Path, *, family: str = "sd1", inpaintin
 def write_tiny_ip_adapters(directory: str | Path, unet, *, seed: int = 0) -> Path:
     """IP-Adapters for `unet` with random weights, as the published ones are laid out: a folder holding
     ip-adapter.safetensors (plain), ip-adapter-plus.safetensors (Plus: a resampler) and image_encoder/ (a
-    CLIPVisionModelWithProjection). `load_ip_adapter(DIR, subfolder="", weight_name=...)` reads them."""
+    CLIPVisionModelWithProjection). `load_ip_adapter(DIR, subfolder="", weight_name=...)` reads them. For Flux's
+    transformer only the plain one; for SD3's, ip-adapter.safetensors holds InstantX's kind (a timestep-aware
+    resampler) and image_encoder/ a SiglipVisionModel with its image processor."""
     from safetensors.torch import save_file
 
     from .architectures import ip_adapter
-    from .architectures.tiny import seeded, tiny_image_encoder
+    from .architectures.tiny import seeded, tiny_image_encoder, tiny_siglip_encoder
 
-    flux = type(unet).__name__ == "FluxTransformer2DModel"
-    if not hasattr(unet, "attn_processors") or (not flux and not hasattr(unet, "encoder_hid_proj")):
-        raise KasokuError("tiny IP-Adapters are for the U-Net pipelines (sd1, sd2, sdxl) and Flux (flux, schnell).")
+    kind_of_denoiser = type(unet).__name__
+    flux, sd3 = kind_of_denoiser == "FluxTransformer2DModel", kind_of_denoiser == "SD3Transformer2DModel"
+    if not hasattr(unet, "attn_processors") or not (flux or sd3 or hasattr(unet, "encoder_hid_proj")):
+        raise KasokuError("tiny IP-Adapters are for the U-Net pipelines (sd1, sd2, sdxl), SD3 and Flux.")
     directory = Path(directory)
-    encoder = seeded(seed, 40, tiny_image_encoder).eval()
+    encoder = seeded(seed, 40, tiny_siglip_encoder if sd3 else tiny_image_encoder).eval()
     encoder.save_pretrained(directory / "image_encoder", safe_serialization=True)
+    if sd3:  # diffusers' SD3 loader reads SigLIP's image processor beside it
+        from transformers import SiglipImageProcessor
+
+        size = encoder.config.image_size
+        SiglipImageProcessor(size={"height": size, "width": size}).save_pretrained(directory / "image_encoder")
     for offset, (kind, file) in enumerate(IP_ADAPTER_FILES.items()):
-        if flux and kind != ip_adapter.PLAIN:
-            continue  # Flux's IP-Adapters come in the plain kind only
+        if (flux or sd3) and kind != ip_adapter.PLAIN:
+            continue  # one kind each: XLabs' plain one for Flux, InstantX's resampler for SD3 (in the plain file)
         state = seeded(seed, 41 + offset, lambda kind=kind: (
             ip_adapter.random_flux_adapter_state_dict(unet, encoder.config) if flux else
+            ip_adapter.random_sd3_adapter_state_dict(unet, encoder.config) if sd3 else
             ip_adapter.random_adapter_state_dict(unet, encoder.config, kind)))
         save_file({k: v.contiguous() for k, v in state.items()}, str(directory / file))
     return directory

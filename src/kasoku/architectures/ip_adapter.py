@@ -1,4 +1,9 @@
-"""IP-Adapter: image prompts for a U-Net (diffusers' `load_ip_adapter`), and its image encoder.
+"""IP-Adapter: image prompts for a U-Net, SD3's and Flux's transformers (diffusers' `load_ip_adapter`), and the
+image encoder.
+
+The transformers hold them as diffusers does: Flux's in `encoder_hid_proj` (the plain kind) and its double-stream
+blocks' processors, SD3's in `image_proj` (IPAdapterTimeImageProjection, the kind `time`: it reads the timestep)
+and every attention's SD3IPAdapterJointAttnProcessor2_0, over a SiglipVisionModel's penultimate hidden states.
 
 diffusers loads an IP-Adapter into the U-Net: an image projection per adapter (`encoder_hid_proj`, a
 `MultiIPAdapterImageProjection` over an `ImageProjection` for the plain kind or an
@@ -38,9 +43,12 @@ IMAGE_ENCODER = "image_encoder"
 IP_EMBEDS = "ip_embeds_{}"
 IP_SCALE = "ip_scale"
 PLAIN, PLUS = "plain", "plus"
+TIME = "time"  # SD3's: a resampler that reads the timestep too (IPAdapterTimeImageProjection), on SigLIP's states
 IMAGE_OUTPUTS = ("image_embeds", "penultimate_hidden_states")
 # Where the adapters' weights sit in the U-Net: they stay engine inputs where the backend keeps run-time weights.
-ADAPTER_PARTS = ("encoder_hid_proj", "to_k_ip", "to_v_ip")
+# (SD3's: its projection `image_proj`, and its processors' norms beside their key/value projections)
+ADAPTER_PARTS = ("encoder_hid_proj", "to_k_ip", "to_v_ip", "image_proj", "norm_ip", "norm_ip_k", "processor.norm_q",
+                 "processor.norm_k")
 
 
 class UnsupportedIPAdapter(KasokuError, ValueError):
@@ -53,9 +61,13 @@ class UnsupportedIPAdapter(KasokuError, ValueError):
 def projection_layers(unet) -> tuple[torch.nn.Module, ...]:
     """The image projection of each IP-Adapter loaded into `unet` (a U-Net, or Flux's transformer: both hold them in
     `encoder_hid_proj`; none: no adapter)."""
-    from diffusers.models.embeddings import MultiIPAdapterImageProjection
+    from diffusers.models.embeddings import IPAdapterTimeImageProjection, MultiIPAdapterImageProjection
 
-    projection = getattr(unet, "encoder_hid_proj", None) if unet is not None else None
+    if unet is None:
+        return ()
+    if isinstance(getattr(unet, "image_proj", None), IPAdapterTimeImageProjection):  # SD3's transformer: one adapter
+        return (unet.image_proj,)
+    projection = getattr(unet, "encoder_hid_proj", None)
     if not isinstance(projection, MultiIPAdapterImageProjection):
         return ()
     return tuple(projection.image_projection_layers)
@@ -63,7 +75,11 @@ def projection_layers(unet) -> tuple[torch.nn.Module, ...]:
 
 def adapter_kinds(unet) -> tuple[str, ...]:
     """plain or plus per loaded adapter; other kinds (FaceID, Full Face) are refused with what runs."""
-    from diffusers.models.embeddings import ImageProjection, IPAdapterPlusImageProjection
+    from diffusers.models.embeddings import (
+        ImageProjection,
+        IPAdapterPlusImageProjection,
+        IPAdapterTimeImageProjection,
+    )
 
     kinds = []
     for index, layer in enumerate(projection_layers(unet)):
@@ -71,6 +87,8 @@ def adapter_kinds(unet) -> tuple[str, ...]:
             kinds.append(PLAIN)
         elif isinstance(layer, IPAdapterPlusImageProjection):
             kinds.append(PLUS)
+        elif isinstance(layer, IPAdapterTimeImageProjection):
+            kinds.append(TIME)
         else:
             raise UnsupportedIPAdapter(f"IP-Adapter {index + 1} is of the kind {type(layer).__name__}; kasoku's "
                                        "engines run the plain and Plus IP-Adapters (ImageProjection, "
@@ -95,10 +113,15 @@ def ip_processors(unet) -> tuple[tuple[str, Any], ...]:
 
 
 def _find_ip_processors(unet) -> tuple[tuple[str, Any], ...]:
-    from diffusers.models.attention_processor import IPAdapterAttnProcessor, IPAdapterAttnProcessor2_0
+    from diffusers.models.attention_processor import (
+        IPAdapterAttnProcessor,
+        IPAdapterAttnProcessor2_0,
+        SD3IPAdapterJointAttnProcessor2_0,
+    )
     from diffusers.models.transformers.transformer_flux import FluxIPAdapterAttnProcessor
 
-    kinds = (IPAdapterAttnProcessor, IPAdapterAttnProcessor2_0, FluxIPAdapterAttnProcessor)
+    kinds = (IPAdapterAttnProcessor, IPAdapterAttnProcessor2_0, FluxIPAdapterAttnProcessor,
+             SD3IPAdapterJointAttnProcessor2_0)
     try:
         from diffusers.models.attention_processor import IPAdapterXFormersAttnProcessor
 
@@ -113,7 +136,7 @@ def scales_of(unet) -> torch.Tensor:
     rows = []
     for name, proc in ip_processors(unet):
         row = []
-        for scale in proc.scale:
+        for scale in (proc.scale if isinstance(proc.scale, (list, tuple)) else [proc.scale]):  # SD3's: a number
             if isinstance(scale, (list, tuple)):  # one per image of the adapter (diffusers' masks)
                 if len(scale) != 1:
                     raise InvalidInput(f"the IP-Adapter scale of {name} gives {len(scale)} values (one per image); "
@@ -151,18 +174,30 @@ def digest(unet) -> str:
 def embeds_inputs(unet, encoder_config, axes: Axes, batch: Axis | None = None) -> tuple[TensorSpec, ...]:
     """The denoiser's IP inputs: one image encoding per adapter (one image each), then the scales. `batch` is the
     denoiser's batch axis (default: the guided one of a U-Net; Flux's transformer runs one row per image)."""
-    tokens = (encoder_config.image_size // encoder_config.patch_size) ** 2 + 1
-    shapes = {PLAIN: (encoder_config.projection_dim,), PLUS: (tokens, encoder_config.hidden_size)}
+    tokens = image_tokens(encoder_config)
+    # one image per adapter: diffusers' lists hold (rows, images, ...); SD3's one tensor (rows, tokens, width)
+    shapes = {PLAIN: (1, getattr(encoder_config, "projection_dim", 0)), PLUS: (1, tokens, encoder_config.hidden_size),
+              TIME: (tokens, encoder_config.hidden_size)}
     kinds, rows = adapter_kinds(unet), batch or axes.guided
-    return (*(TensorSpec(IP_EMBEDS.format(i), (rows, 1, *shapes[kind])) for i, kind in enumerate(kinds)),
+    return (*(TensorSpec(IP_EMBEDS.format(i), (rows, *shapes[kind])) for i, kind in enumerate(kinds)),
             TensorSpec(IP_SCALE, (len(ip_processors(unet)), len(kinds))))
+
+
+def is_siglip(encoder_config) -> bool:
+    """SD3's image encoder (SiglipVisionModel: hidden states only, no class token) rather than CLIP's."""
+    return getattr(encoder_config, "model_type", "") == "siglip_vision_model"
+
+
+def image_tokens(encoder_config) -> int:
+    """The hidden states' tokens: one per patch, and CLIP's class token."""
+    return (encoder_config.image_size // encoder_config.patch_size) ** 2 + (0 if is_siglip(encoder_config) else 1)
 
 
 def check_fits(unet, encoder_config) -> None:
     """An adapter whose projection does not take this image encoder's output is refused before any export."""
     for index, (kind, layer) in enumerate(zip(adapter_kinds(unet), projection_layers(unet))):
         takes = layer.image_embeds.in_features if kind == PLAIN else layer.proj_in.in_features
-        gives = encoder_config.projection_dim if kind == PLAIN else encoder_config.hidden_size
+        gives = getattr(encoder_config, "projection_dim", None) if kind == PLAIN else encoder_config.hidden_size
         if takes != gives:
             raise UnsupportedIPAdapter(
                 f"IP-Adapter {index + 1} ({kind}) projects image encodings {takes} wide but the image encoder gives "
@@ -195,7 +230,8 @@ def run_time_scales(unet, scale: torch.Tensor) -> Iterator[None]:
     kept = [proc.scale for proc in processors]
     try:
         for row, proc in enumerate(processors):
-            proc.scale = [_RunTimeScale(scale[row, column]) for column in range(len(proc.scale))]
+            proc.scale = [_RunTimeScale(scale[row, column]) for column in range(len(proc.scale))] \
+                if isinstance(proc.scale, (list, tuple)) else _RunTimeScale(scale[row, 0])
         yield
     finally:
         for proc, value in zip(processors, kept):
@@ -246,31 +282,34 @@ def split_inputs(rest: Sequence[torch.Tensor], adapters: int) -> tuple[tuple, li
 
 
 class ImageEncoderModule(torch.nn.Module):
-    """A CLIPVisionModelWithProjection returning the projected embedding and the penultimate hidden states."""
+    """A CLIPVisionModelWithProjection returning the projected embedding and the penultimate hidden states (a
+    SiglipVisionModel: the penultimate hidden states only)."""
 
     def __init__(self, encoder: torch.nn.Module):
         super().__init__()
         self.encoder = encoder
+        self.projected = not is_siglip(encoder.config)
 
     def forward(self, pixel_values: torch.Tensor):
         out = self.encoder(pixel_values, output_hidden_states=True, return_dict=True)
-        return out.image_embeds, out.hidden_states[-2]
+        return (out.image_embeds, out.hidden_states[-2]) if self.projected else (out.hidden_states[-2],)
 
 
 def image_encoder_spec(ref: ModuleRef, profile: ShapeProfile, axes: Axes) -> ComponentSpec:
     """The image encoder at `ref` on images of its own size (what its CLIPImageProcessor makes)."""
     config = ref.config
     size = config.image_size
-    tokens = (size // config.patch_size) ** 2 + 1
+    outputs = IMAGE_OUTPUTS[1:] if is_siglip(config) else IMAGE_OUTPUTS
+    shapes = {"image_embeds": (axes.rows, getattr(config, "projection_dim", 0)),
+              "penultimate_hidden_states": (axes.rows, image_tokens(config), config.hidden_size)}
     return ComponentSpec(
         name=IMAGE_ENCODER,
         inputs=(TensorSpec("pixel_values", (axes.rows, config.num_channels, size, size)),),
-        outputs=(TensorSpec("image_embeds", (axes.rows, config.projection_dim)),
-                 TensorSpec("penultimate_hidden_states", (axes.rows, tokens, config.hidden_size))),
+        outputs=tuple(TensorSpec(name, shapes[name]) for name in outputs),
         profile=profile,
         load_module=lambda: ImageEncoderModule(ref.load()),
         weights=ref.digest,
-        config={**config.to_dict(), "kasoku_outputs": IMAGE_OUTPUTS},
+        config={**config.to_dict(), "kasoku_outputs": outputs},
         graph_kind="clip",
         modules=(ref.path,),
     )
@@ -297,7 +336,7 @@ class EngineImageEncoder(EngineModule):
         from transformers.models.clip.modeling_clip import CLIPVisionModelOutput
 
         out = self._run(self._component, pixel_values=pixel_values.to(torch.float32))
-        return CLIPVisionModelOutput(image_embeds=out["image_embeds"],
+        return CLIPVisionModelOutput(image_embeds=out.get("image_embeds"),
                                      hidden_states=_Penultimate((out["penultimate_hidden_states"],)))
 
 
@@ -372,4 +411,25 @@ def random_flux_adapter_state_dict(transformer, encoder_config, *, tokens: int =
         for name in ("to_k_ip", "to_v_ip"):
             state[f"ip_adapter.{block}.{name}.weight"] = torch.randn(hidden, cross) * cross ** -0.5
             state[f"ip_adapter.{block}.{name}.bias"] = torch.randn(hidden) * 0.02
+    return state
+
+
+def random_sd3_adapter_state_dict(transformer, encoder_config, *, tokens: int = 4, hidden: int = 64
+                                  ) -> dict[str, torch.Tensor]:
+    """Random weights of an SD3 IP-Adapter (InstantX's kind: a timestep-aware resampler of `tokens` queries
+    `hidden` wide over SigLIP's hidden states, an IP key/value and norms in every attention) for `transformer`, in
+    the layout diffusers' SD3 `load_ip_adapter` reads (``image_proj.*``, ``ip_adapter.<layer>.*``)."""
+    from diffusers.models.attention_processor import SD3IPAdapterJointAttnProcessor2_0
+    from diffusers.models.embeddings import IPAdapterTimeImageProjection
+
+    config = transformer.config
+    inner = config.attention_head_dim * config.num_attention_heads
+    projection = IPAdapterTimeImageProjection(embed_dim=encoder_config.hidden_size, output_dim=inner,
+                                              hidden_dim=hidden, heads=max(1, hidden // 64), num_queries=tokens,
+                                              timestep_in_dim=hidden // 2)
+    state = {f"image_proj.{name}": t for name, t in projection.state_dict().items()}
+    for layer, _ in enumerate(transformer.attn_processors):
+        processor = SD3IPAdapterJointAttnProcessor2_0(hidden_size=inner, ip_hidden_states_dim=inner,
+                                                      head_dim=config.attention_head_dim, timesteps_emb_dim=hidden)
+        state.update({f"ip_adapter.{layer}.{name}": t for name, t in processor.state_dict().items()})
     return state

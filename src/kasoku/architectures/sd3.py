@@ -5,7 +5,9 @@ out_sample. The latents go in as the VAE makes them (16 channels at 1/8 of the i
 patches them itself (2x2) and crops its positional embedding to their size, so height and width stay
 dynamic. The text embeddings are the CLIP encoders' penultimate states beside T5's, `77 + text tokens` long,
 and the pooled projection is both CLIP encoders' projected embeddings side by side. SD3.5's dual-attention
-layers and QK RMS norm are part of the config and export as they run.
+layers and QK RMS norm are part of the config and export as they run. With an IP-Adapter loaded (InstantX's
+kind: a timestep-aware resampler over SigLIP's hidden states, an image key/value in every attention) it takes
+the image encoding and one scale per attention layer after those (see :mod:`.ip_adapter`).
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ import torch
 
 from ..components import ComponentSpec, ShapeProfile, TensorSpec
 from ..standins import EngineModule, InvalidInput, timesteps_for
+from . import ip_adapter
 from .base import Axes, ModuleRef
 
 INPUTS = ("hidden_states", "timestep", "encoder_hidden_states", "pooled_projections")
@@ -22,20 +25,27 @@ INPUTS = ("hidden_states", "timestep", "encoder_hidden_states", "pooled_projecti
 class SD3TransformerModule(torch.nn.Module):
     """The transformer on (hidden_states, timestep, encoder_hidden_states, pooled_projections)."""
 
-    def __init__(self, transformer: torch.nn.Module):
+    def __init__(self, transformer: torch.nn.Module, adapters: int = 0):
         super().__init__()
         self.transformer = transformer
+        self.adapters = adapters
 
-    def forward(self, hidden_states, timestep, encoder_hidden_states, pooled_projections):
-        return (self.transformer(hidden_states=hidden_states, timestep=timestep,
-                                 encoder_hidden_states=encoder_hidden_states, pooled_projections=pooled_projections,
-                                 return_dict=False)[0],)
+    def forward(self, hidden_states, timestep, encoder_hidden_states, pooled_projections, *ip):
+        arguments = dict(hidden_states=hidden_states, timestep=timestep, encoder_hidden_states=encoder_hidden_states,
+                         pooled_projections=pooled_projections, return_dict=False)
+        if not self.adapters:
+            return (self.transformer(**arguments)[0],)
+        _, (ip_embeds,), ip_scale = ip_adapter.split_inputs(ip, self.adapters)
+        with ip_adapter.run_time_scales(self.transformer, ip_scale):
+            return (self.transformer(**arguments, joint_attention_kwargs={"ip_adapter_image_embeds": ip_embeds})[0],)
 
 
 def transformer_spec(ref: ModuleRef, profile: ShapeProfile, axes: Axes, *, text_length: int,
-                     name: str = "transformer") -> ComponentSpec:
-    """The transformer at `ref` on `text_length` text tokens (CLIP's and T5's together)."""
+                     ip: tuple[TensorSpec, ...] = (), name: str = "transformer") -> ComponentSpec:
+    """The transformer at `ref` on `text_length` text tokens (CLIP's and T5's together); `ip` its IP-Adapter's
+    inputs (see :func:`kasoku.architectures.ip_adapter.embeds_inputs`)."""
     config = ref.config
+    adapters = sum(1 for t in ip if t.name != ip_adapter.IP_SCALE)
     return ComponentSpec(
         name=name,
         inputs=(
@@ -43,12 +53,12 @@ def transformer_spec(ref: ModuleRef, profile: ShapeProfile, axes: Axes, *, text_
             TensorSpec("timestep", (axes.guided,), always_fp32=True),
             TensorSpec("encoder_hidden_states", (axes.guided, text_length, config.joint_attention_dim)),
             TensorSpec("pooled_projections", (axes.guided, config.pooled_projection_dim)),
+            *ip,
         ),
         outputs=(TensorSpec("out_sample", (axes.guided, config.out_channels, axes.latent_h, axes.latent_w)),),
         profile=profile,
-        load_module=lambda: SD3TransformerModule(ref.load()),
-        weights=ref.digest,
-        config=dict(config),
+        load_module=lambda: SD3TransformerModule(ref.load(), adapters),
+        **ip_adapter.weights_and_config(ref, ip),
         graph_kind="mmdit",
         modules=(ref.path,),
         int8="weights",
@@ -59,17 +69,42 @@ def transformer_spec(ref: ModuleRef, profile: ShapeProfile, axes: Axes, *, text_
 class EngineSD3Transformer(EngineModule):
     """The transformer as diffusers' SD3 pipelines call it."""
 
+    def __init__(self, original: torch.nn.Module, engines, times, component: str = "transformer"):
+        super().__init__(original, engines, times, component)
+        self._original = original  # its IP processors hold the scale diffusers' set_ip_adapter_scale sets
+
+    @property
+    def attn_processors(self):
+        """diffusers' SD3 pipelines read the IP scale here (is_ip_adapter_active)."""
+        return self._original.attn_processors
+
     def forward(self, hidden_states, encoder_hidden_states=None, pooled_projections=None, timestep=None,
                 block_controlnet_hidden_states=None, joint_attention_kwargs=None, return_dict=True, skip_layers=None):
-        if block_controlnet_hidden_states is not None or skip_layers is not None or joint_attention_kwargs:
-            raise InvalidInput("the compiled SD3 transformer takes the latents, timestep, text embeddings and pooled "
-                               "projections only (no ControlNet, skip-layer guidance, IP-Adapter or LoRA scale).")
+        attention = dict(joint_attention_kwargs or {})
+        ip_embeds = attention.pop("ip_adapter_image_embeds", None)
+        if block_controlnet_hidden_states is not None or skip_layers is not None or attention:
+            raise InvalidInput("the compiled SD3 transformer takes the latents, timestep, text embeddings, pooled "
+                               "projections and an image prompt only (no ControlNet, skip-layer guidance or LoRA "
+                               "scale).")
+        ip = self._ip_feeds(ip_embeds, hidden_states.shape[0])
         out = self._run(self._component, hidden_states=hidden_states,
                         timestep=timesteps_for(timestep, hidden_states.shape[0]),
                         encoder_hidden_states=encoder_hidden_states,
-                        pooled_projections=pooled_projections.to(torch.float32))["out_sample"]
+                        pooled_projections=pooled_projections.to(torch.float32), **ip)["out_sample"]
         if not return_dict:
             return (out,)
         from diffusers.models.modeling_outputs import Transformer2DModelOutput
 
         return Transformer2DModelOutput(sample=out)
+
+    def _ip_feeds(self, ip_embeds, rows: int) -> dict[str, torch.Tensor]:
+        """The image prompt's encoding and scales; diffusers passes none while every scale is 0 (its processors
+        then skip the image attention), which an engine with IP inputs computes from zeros at scale 0."""
+        names = self.engine.spec.input_names
+        if ip_embeds is None and ip_adapter.IP_SCALE in names:
+            spec = next(t for t in self.engine.spec.inputs if t.name == ip_adapter.IP_EMBEDS.format(0))
+            zeros = torch.zeros((rows, *spec.dims[1:]), dtype=torch.float32)
+            return {**ip_adapter.engine_feeds(self._original, names, [zeros], what="transformer"),
+                    ip_adapter.IP_SCALE: torch.zeros_like(ip_adapter.scales_of(self._original))}
+        return ip_adapter.engine_feeds(self._original, names, None if ip_embeds is None else [ip_embeds],
+                                       what="transformer")

@@ -258,3 +258,13 @@ def tiny_image_encoder(sizes: TinySizes = TINY_SIZES):
     return CLIPVisionModelWithProjection(CLIPVisionConfig(
         hidden_size=hidden, intermediate_size=hidden * 2, num_hidden_layers=sizes.text_layers,
         num_attention_heads=sizes.text_heads, image_size=224, patch_size=32, projection_dim=sizes.text_projection_2))
+
+
+def tiny_siglip_encoder(sizes: TinySizes = TINY_SIZES):
+    """A SiglipVisionModel (SD3's IP-Adapter image encoder) on 64x64 images with 16x16 patches: 16 tokens."""
+    from transformers import SiglipVisionConfig, SiglipVisionModel
+
+    hidden = sizes.text_hidden
+    return SiglipVisionModel(SiglipVisionConfig(
+        hidden_size=hidden, intermediate_size=hidden * 2, num_hidden_layers=sizes.text_layers,
+        num_attention_heads=sizes.text_heads, image_size=64, patch_size=16))

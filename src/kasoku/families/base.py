@@ -88,6 +88,10 @@ class Family:
     ip_encoder_argument: ClassVar[str] = "image_encoder_folder"
     # whether its set_ip_adapter_scale takes one adapter's per-block numbers as a plain list (Flux's)
     ip_scale_per_block_list: ClassVar[bool] = False
+    # the transformers class of the image encoder its IP-Adapters read (SD3's: SiglipVisionModel)
+    ip_image_encoder: ClassVar[str] = "CLIPVisionModelWithProjection"
+    # how many IP-Adapters its pipelines load at once (None: a list of any length; SD3's take one, not a list)
+    ip_max_adapters: ClassVar[int | None] = None
     # kasoku's defaults for the commands (generate, batch, serve); a Python call keeps diffusers' own
     default_steps: ClassVar[int] = 30
     default_guidance: ClassVar[float] = 7.5

@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from ..architectures import clip, sd3
+from ..architectures import clip, ip_adapter, sd3
 from ..architectures.base import Axes
 from ..architectures.tiny import (
     TINY_IMAGE_SIZE,
@@ -48,13 +48,24 @@ class StableDiffusion3(TransformerFamily):
     default_steps = 28
     default_guidance = 7.0
     default_text_tokens = 256
+    runs_ip_adapters = True  # InstantX's kind (SD3.5's published IP-Adapter) on a SigLIP image encoder
+    ip_image_encoder = "SiglipVisionModel"
+    ip_max_adapters = 1
 
     def denoiser_builders(self, model: ModelView, profile: ShapeProfile, axes: Axes,
                           cache_branch: int) -> dict[str, Callable[[], ComponentSpec]]:
         # the CLIP states (77 tokens) and T5's side by side
         length = self.text_length(model) + self.text_tokens(profile)
-        return {self.denoiser: lambda: sd3.transformer_spec(model.ref(self.denoiser), profile, axes,
-                                                            text_length=length)}
+
+        def build() -> ComponentSpec:
+            ip = ()
+            if self.ip_adapters(model):
+                transformer, config = getattr(model.pipe, self.denoiser), self.image_encoder_config(model)
+                ip_adapter.check_fits(transformer, config)
+                ip = ip_adapter.embeds_inputs(transformer, config, axes)
+            return sd3.transformer_spec(model.ref(self.denoiser), profile, axes, text_length=length, ip=ip)
+
+        return {self.denoiser: build}
 
     def denoiser_stand_ins(self, model: ModelView, engines: Mapping[str, Any], times: EngineTimes) -> dict[str, Any]:
         return {self.denoiser: sd3.EngineSD3Transformer(getattr(model.pipe, self.denoiser), engines, times,

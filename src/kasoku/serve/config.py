@@ -155,7 +155,7 @@ def prepare_serving(model, options: CompileOptions | None = None, *, sizes: tupl
 
         check_adapter_files([ip_adapter], flag="--ip-adapter")
         if not reference.family.runs_ip_adapters:
-            raise KasokuError(f"--ip-adapter: IP-Adapters on {reference.family.title} engines are not supported yet.")
+            raise KasokuError(f"--ip-adapter: IP-Adapters on {reference.family.title} engines are not supported.")
         ip_adapter = str(Path(ip_adapter).absolute())
     cache = (options.cache_dir or default_cache_dir()).absolute()
     options = options.replace(cache_dir=cache, components=options.components or reference.components,
