@@ -215,7 +215,7 @@ def _save_transformer_adapter(pipe, folder, seed, targets):
 
 
 @pytest.mark.parametrize("name", FAMILY_NAMES)
-def test_lora_one_adapter_and_two_blended(name, pipes, tiny_cache, tmp_path):
+def test_lora_one_adapter_and_two_blended(name, pipes, tiny_cache, tmp_path, request):
     from kasoku.tiny import tiny_pipeline
 
     a = _save_transformer_adapter(pipes[name], tmp_path / "a", 1, ["to_q", "to_k", "to_v", "to_out.0"])
@@ -233,6 +233,13 @@ def test_lora_one_adapter_and_two_blended(name, pipes, tiny_cache, tmp_path):
         pipe.load_lora_weights(str(b), adapter_name="b")
         pipe.set_adapters(["a", "b"], [0.7, 0.5])
     assert psnr(call(reference, "txt2img", **fixed), call(fast, "txt2img")) >= BOUND_DB
+    if name == "flux":  # LoRA and an IP-Adapter at once
+        for pipe in (reference, fast):
+            pipe.load_ip_adapter(**flux_ip_arguments(request.getfixturevalue("flux_adapters"), "a"))
+            pipe.set_ip_adapter_scale(0.8)
+        prompt = {"ip_adapter_image": ip_picture()}
+        assert psnr(call(reference, "txt2img", **prompt, **fixed), call(fast, "txt2img", **prompt)) >= BOUND_DB
+        fast.unload_ip_adapter()
     fast.unload_lora_weights()
     assert np.array_equal(call(fast, "txt2img"), base)  # the base weights exactly
 

@@ -372,6 +372,10 @@ class KasokuPipeline:
         denoiser = names[-1]
         if self._rebind_adapters(denoiser):
             return
+        if self._bindings is not None and denoiser in self._bindings:
+            # the engine set aside (or replaced) goes back to its base weights: a later binding takes the weights it
+            # finds as the base
+            self.engines[denoiser] = self._bindings[denoiser].apply([])
         current = self.engines[denoiser]
         adapters = self.family.ip_adapters(self.model)
         if not self._has_image_prompts(current):
