@@ -72,10 +72,40 @@ class EngineModule(torch.nn.Module):
 
     def _run(self, component: str, **inputs: torch.Tensor) -> dict[str, torch.Tensor]:
         start = time.perf_counter()
-        outputs = self._engines[component].run(inputs)
+        engine = self._engines[component]
+        outputs = engine.run(inputs)
         self._times.seconds[component] += time.perf_counter() - start
         self._times.calls[component] += 1
+        check_outputs(component, getattr(engine, "precision", None), outputs)
         return outputs
+
+
+class BrokenEngineOutput(KasokuError, RuntimeError):
+    """An engine gave NaN, Inf or (for an image or a denoiser's prediction) one value everywhere: never an image."""
+
+
+# Outputs a working engine never fills with one value (a decoded image, a denoiser's prediction); others may be
+# (a ControlNet's residuals at conditioning scale 0 are zeros).
+NEVER_CONSTANT = ("sample", "out_sample")
+
+
+def check_outputs(component: str, precision: Any, outputs: Mapping[str, torch.Tensor]) -> None:
+    """Raise :class:`BrokenEngineOutput`, naming the component and precision, for an output that is not finite, or
+    constant where it never is: a black image is an error, not a result."""
+    for name, value in outputs.items():
+        if not isinstance(value, torch.Tensor) or not value.is_floating_point() or value.numel() == 0:
+            continue
+        what = f"the {component} engine ({getattr(precision, 'value', precision) or 'its precision'})"
+        if not bool(torch.isfinite(value).all()):
+            bad = int((~torch.isfinite(value)).sum())
+            raise BrokenEngineOutput(
+                f"{what} gave {bad} NaN/Inf value(s) in {name!r} of {value.numel()}; the image is not returned. "
+                "Check the inputs (prompt embeddings, latents) for NaN/Inf, or compile the component in fp32 "
+                "(--precision fp32) if this precision overflows.")
+        if name in NEVER_CONSTANT and value.numel() > 1 and bool(value.amax() == value.amin()):
+            raise BrokenEngineOutput(
+                f"{what} gave {name!r} as one value everywhere ({float(value.reshape(-1)[0]):g}): a blank image; "
+                "it is not returned. Run `kasoku verify MODEL` to find the component that differs from torch.")
 
 
 def timesteps_for(timestep, batch: int) -> torch.Tensor:
