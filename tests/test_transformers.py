@@ -268,16 +268,23 @@ def flux_ip_arguments(root, *folders):
                 image_encoder_dtype=torch.float32)
 
 
-@pytest.fixture(scope="module")
-def flux_ip(dirs, pipes, tiny_cache, flux_adapters):
-    """(ours, diffusers'): the tiny Flux dev on ONNX Runtime and diffusers' own, the adapter "a" loaded in each."""
-    reference, ours = load_pipeline(dirs["flux"]), kasoku.compile(load_pipeline(dirs["flux"]), "onnxruntime",
-                                                                 profile=profile_of(pipes["flux"]),
-                                                                 cache_dir=tiny_cache.root, label="flux-ip")
+def with_ip_adapter(dirs, pipes, tiny_cache, name, backend, *args, **kwargs):
+    """(ours, diffusers', ours' image before the load): the tiny `name` folder compiled on `backend` and diffusers'
+    own pipeline of it, each given `load_ip_adapter(*args, **kwargs)`."""
+    reference, ours = load_pipeline(dirs[name]), kasoku.compile(load_pipeline(dirs[name]), backend,
+                                                                profile=profile_of(pipes[name]),
+                                                                cache_dir=tiny_cache.root, label=f"{name}-ip")
     base = call(ours, "txt2img")
     for pipe in (reference, ours):
-        pipe.load_ip_adapter(**flux_ip_arguments(flux_adapters, "a"))
+        pipe.load_ip_adapter(*args, **kwargs)
     return ours, reference, base
+
+
+@pytest.fixture(scope="module")
+def flux_ip(dirs, pipes, tiny_cache, flux_adapters):
+    """(ours, diffusers', ours' image before the load): the tiny Flux dev on ONNX Runtime and diffusers' own, the
+    adapter "a" loaded in each."""
+    return with_ip_adapter(dirs, pipes, tiny_cache, "flux", "onnxruntime", **flux_ip_arguments(flux_adapters, "a"))
 
 
 def ip_picture(seed=1):
@@ -320,12 +327,9 @@ def test_flux_ip_scales_per_block_and_true_cfg_build_nothing(flux_ip, tiny_cache
 
 
 def test_flux_two_adapters_then_unload_gives_the_base_images_exactly(dirs, pipes, tiny_cache, flux_adapters):
-    reference, ours = load_pipeline(dirs["flux"]), kasoku.compile(load_pipeline(dirs["flux"]), "openvino",
-                                                                 profile=profile_of(pipes["flux"]),
-                                                                 cache_dir=tiny_cache.root, label="flux-ip2")
-    base = call(ours, "txt2img")
+    ours, reference, base = with_ip_adapter(dirs, pipes, tiny_cache, "flux", "openvino",
+                                            **flux_ip_arguments(flux_adapters, "a", "b"))
     for pipe in (reference, ours):
-        pipe.load_ip_adapter(**flux_ip_arguments(flux_adapters, "a", "b"))
         pipe.set_ip_adapter_scale([0.6, 0.4])
     prompt = {"ip_adapter_image": [ip_picture(), ip_picture(3)]}
     assert psnr(call(reference, "txt2img", **prompt, **ours.fixed_arguments), call(ours, "txt2img", **prompt)) \
@@ -355,15 +359,17 @@ def sd3_ip(dirs, pipes, tiny_cache, tmp_path_factory):
     """(ours, diffusers', ours' image before the load, the adapter folder): the tiny SD3.5 layout on ONNX Runtime
     and diffusers' own, a tiny InstantX-kind IP-Adapter (SigLIP image encoder) loaded in each, by diffusers' SD3
     arguments (source, weight_name, subfolder, image_encoder_folder)."""
-    from kasoku.tiny import IP_ADAPTER_FILES, write_tiny_ip_adapters
+    from kasoku.tiny import write_tiny_ip_adapters
 
     folder = write_tiny_ip_adapters(tmp_path_factory.mktemp("sd3-ip") / "a", pipes["sd3"].transformer, seed=0)
-    reference, ours = load_pipeline(dirs["sd3"]), kasoku.compile(load_pipeline(dirs["sd3"]), "onnxruntime",
-                                                                cache_dir=tiny_cache.root, label="sd3-ip")
-    base = call(ours, "txt2img")
-    for pipe in (reference, ours):
-        pipe.load_ip_adapter(str(folder), IP_ADAPTER_FILES["plain"], "", str(folder / "image_encoder"))
-    return ours, reference, base, folder
+    return (*with_ip_adapter(dirs, pipes, tiny_cache, "sd3", "onnxruntime", *sd3_ip_arguments(folder)), folder)
+
+
+def sd3_ip_arguments(folder):
+    """diffusers' SD3 `load_ip_adapter` arguments, by position, for the tiny adapter in `folder`."""
+    from kasoku.tiny import IP_ADAPTER_FILES
+
+    return str(folder), IP_ADAPTER_FILES["plain"], "", str(folder / "image_encoder")
 
 
 @pytest.mark.parametrize("task", ["txt2img", "img2img", "inpaint"])
@@ -399,7 +405,7 @@ def test_sd3_ip_scale_zero_embeds_and_unload(sd3_ip, tiny_cache):
     try:
         assert np.array_equal(call(ours, "txt2img"), base)  # the base engine again: exactly its images
     finally:
-        ours.load_ip_adapter(str(sd3_ip[3]), "ip-adapter.safetensors", "", str(sd3_ip[3] / "image_encoder"))
+        ours.load_ip_adapter(*sd3_ip_arguments(sd3_ip[3]))
 
 
 def test_sd3_ip_adapter_on_openvino_and_from_the_cli(dirs, tiny_cache, sd3_ip, tmp_path):
@@ -407,7 +413,7 @@ def test_sd3_ip_adapter_on_openvino_and_from_the_cli(dirs, tiny_cache, sd3_ip, t
 
     _, reference, _, folder = sd3_ip
     ours = kasoku.compile(load_pipeline(dirs["sd3"]), "openvino", cache_dir=tiny_cache.root, label="sd3-ip-ov")
-    ours.load_ip_adapter(str(folder), IP_ADAPTER_FILES["plain"], "", str(folder / "image_encoder"))
+    ours.load_ip_adapter(*sd3_ip_arguments(folder))
     for pipe in (reference, ours):
         pipe.set_ip_adapter_scale(0.9)
     prompt = {"ip_adapter_image": ip_picture()}

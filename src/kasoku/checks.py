@@ -405,8 +405,8 @@ class CallChecks:
     def _check_ip_embeds(self, embeds, count: int, guided: bool) -> None:
         import torch
 
-        if isinstance(embeds, torch.Tensor) and self.family.name == "sd3":
-            embeds = [embeds]  # diffusers' SD3 pipelines take their one adapter's encoding as a tensor
+        if isinstance(embeds, torch.Tensor) and self.family.ip_max_adapters == 1:
+            embeds = [embeds]  # pipelines of one adapter (SD3's) take its encoding as a tensor, not a list
         if not isinstance(embeds, (list, tuple)) or len(embeds) != count or \
                 not all(isinstance(e, torch.Tensor) for e in embeds):
             raise InvalidInput(f"`ip_adapter_image_embeds` must be a list of {count} tensor(s), one per IP-Adapter "

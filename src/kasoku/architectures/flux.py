@@ -50,7 +50,7 @@ class FluxTransformerModule(torch.nn.Module):
 def transformer_spec(ref: ModuleRef, profile: ShapeProfile, axes: Axes, *, text_length: int,
                      ip: tuple[TensorSpec, ...] = (), name: str = "transformer") -> ComponentSpec:
     """The transformer at `ref` on `text_length` T5 tokens; `ip` its IP-Adapters' inputs (see
-    :func:`ip_inputs`)."""
+    :func:`kasoku.architectures.ip_adapter.embeds_inputs`)."""
     config = ref.config
     tokens = image_tokens(axes)
     guidance = (TensorSpec("guidance", (axes.images,), always_fp32=True),) if config.guidance_embeds else ()
@@ -89,14 +89,6 @@ def sample_input(tensor: TensorSpec, shape: tuple[int, ...], generator: torch.Ge
     if tensor.name in ("img_ids", "txt_ids"):
         return torch.randint(0, 16, shape, generator=generator).to(torch.float32)
     return default_sample_input(tensor, shape, generator)
-
-
-def ip_inputs(transformer, encoder_config, axes: Axes) -> tuple[TensorSpec, ...]:
-    """The IP-Adapters' inputs of the transformer (none without adapters): one row per image, as its others."""
-    if not ip_adapter.adapter_kinds(transformer):
-        return ()
-    ip_adapter.check_fits(transformer, encoder_config)
-    return ip_adapter.embeds_inputs(transformer, encoder_config, axes, axes.images)
 
 
 class EngineFluxTransformer(EngineModule):

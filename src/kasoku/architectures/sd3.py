@@ -101,10 +101,11 @@ class EngineSD3Transformer(EngineModule):
         """The image prompt's encoding and scales; diffusers passes none while every scale is 0 (its processors
         then skip the image attention), which an engine with IP inputs computes from zeros at scale 0."""
         names = self.engine.spec.input_names
-        if ip_embeds is None and ip_adapter.IP_SCALE in names:
-            spec = next(t for t in self.engine.spec.inputs if t.name == ip_adapter.IP_EMBEDS.format(0))
-            zeros = torch.zeros((rows, *spec.dims[1:]), dtype=torch.float32)
-            return {**ip_adapter.engine_feeds(self._original, names, [zeros], what="transformer"),
-                    ip_adapter.IP_SCALE: torch.zeros_like(ip_adapter.scales_of(self._original))}
-        return ip_adapter.engine_feeds(self._original, names, None if ip_embeds is None else [ip_embeds],
-                                       what="transformer")
+        if ip_embeds is not None or ip_adapter.IP_SCALE not in names:
+            return ip_adapter.engine_feeds(self._original, names, None if ip_embeds is None else [ip_embeds],
+                                           what="transformer")
+        spec = next(t for t in self.engine.spec.inputs if t.name == ip_adapter.IP_EMBEDS.format(0))
+        feeds = ip_adapter.engine_feeds(self._original, names, [torch.zeros((rows, *spec.dims[1:]))],
+                                        what="transformer")
+        feeds[ip_adapter.IP_SCALE].zero_()
+        return feeds

@@ -26,7 +26,7 @@ from typing import Any, ClassVar, Protocol
 from ..architectures import clip, controlnet, deepcache, ip_adapter, t5, unet, vae
 from ..architectures.base import Axes, ModuleRef, module_at
 from ..choices import CONTROLNET_COMPONENT
-from ..components import ComponentSpec, Precision, ShapeProfile, TensorSpec, default_profile
+from ..components import Axis, ComponentSpec, Precision, ShapeProfile, TensorSpec, default_profile
 from ..errors import KasokuError, NotADiffusersPipeline
 from ..standins import EngineTimes
 from ..step_cache import COMPONENTS as STEP_CACHE_COMPONENTS
@@ -190,6 +190,15 @@ class Family:
                 "the pipeline has IP-Adapters but no image encoder; load the adapter with its image encoder "
                 f"(load_ip_adapter(..., {self.ip_encoder_argument}=...)).")
         return encoder.config
+
+    def denoiser_ip_inputs(self, model: ModelView, axes: Axes, batch: Axis | None = None) -> tuple[TensorSpec, ...]:
+        """The IP-Adapters' inputs of the model's denoiser (none without adapters; `batch` its batch axis, default
+        the guided one); the image encoder must fit them."""
+        if not self.ip_adapters(model):
+            return ()
+        denoiser, config = getattr(model.pipe, self.denoiser), self.image_encoder_config(model)
+        ip_adapter.check_fits(denoiser, config)
+        return ip_adapter.embeds_inputs(denoiser, config, axes, batch)
 
     def ip_adapter_components(self, model: ModelView) -> tuple[str, ...]:
         """What loading or unloading IP-Adapters changes: the image encoder (when there is one) and the
@@ -412,22 +421,13 @@ class UNetFamily(Family):
         """The U-Net's added conditioning inputs (none in SD 1.x/2.x)."""
         return ()
 
-    def unet_ip_inputs(self, model: ModelView, axes: Axes) -> tuple[TensorSpec, ...]:
-        """The IP-Adapters' inputs of the U-Net (none without adapters); the image encoder must fit them."""
-        if not self.ip_adapters(model):
-            return ()
-        unet_module = getattr(model.pipe, self.denoiser)
-        config = self.image_encoder_config(model)
-        ip_adapter.check_fits(unet_module, config)
-        return ip_adapter.embeds_inputs(unet_module, config, axes)
-
     def denoiser_builders(self, model: ModelView, profile: ShapeProfile, axes: Axes,
                           cache_branch: int) -> dict[str, Callable[[], ComponentSpec]]:
         text_length = self.text_length(model)
 
         def plain() -> ComponentSpec:
             return unet.unet_spec(model.ref(self.denoiser), profile, axes, text_length=text_length,
-                                  added=self.unet_added_inputs(model, axes), ip=self.unet_ip_inputs(model, axes))
+                                  added=self.unet_added_inputs(model, axes), ip=self.denoiser_ip_inputs(model, axes))
 
         builders: dict[str, Callable[[], ComponentSpec]] = {
             self.denoiser: plain,
@@ -438,7 +438,7 @@ class UNetFamily(Family):
         if self.controlnet_paths(model.pipe):
             builders[CONTROLNET_UNET] = lambda: unet.residual_unet_spec(
                 model.ref(self.denoiser), profile, axes, text_length=text_length,
-                added=self.unet_added_inputs(model, axes), ip=self.unet_ip_inputs(model, axes))
+                added=self.unet_added_inputs(model, axes), ip=self.denoiser_ip_inputs(model, axes))
             for name, path in self.controlnet_components(model.pipe).items():
                 builders[name] = lambda name=name, path=path: self.controlnet_spec(model, name, path, profile, axes)
         return builders

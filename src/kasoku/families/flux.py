@@ -57,8 +57,7 @@ class Flux(TransformerFamily):
         length = self.text_tokens(profile)
 
         def build() -> ComponentSpec:
-            ip = flux.ip_inputs(getattr(model.pipe, self.denoiser), self.image_encoder_config(model), axes) \
-                if self.ip_adapters(model) else ()
+            ip = self.denoiser_ip_inputs(model, axes, axes.images)  # one row per image, as its other inputs
             return flux.transformer_spec(model.ref(self.denoiser), profile, axes, text_length=length, ip=ip)
 
         return {self.denoiser: build}

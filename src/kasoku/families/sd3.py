@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from ..architectures import clip, ip_adapter, sd3
+from ..architectures import clip, sd3
 from ..architectures.base import Axes
 from ..architectures.tiny import (
     TINY_IMAGE_SIZE,
@@ -58,12 +58,8 @@ class StableDiffusion3(TransformerFamily):
         length = self.text_length(model) + self.text_tokens(profile)
 
         def build() -> ComponentSpec:
-            ip = ()
-            if self.ip_adapters(model):
-                transformer, config = getattr(model.pipe, self.denoiser), self.image_encoder_config(model)
-                ip_adapter.check_fits(transformer, config)
-                ip = ip_adapter.embeds_inputs(transformer, config, axes)
-            return sd3.transformer_spec(model.ref(self.denoiser), profile, axes, text_length=length, ip=ip)
+            return sd3.transformer_spec(model.ref(self.denoiser), profile, axes, text_length=length,
+                                        ip=self.denoiser_ip_inputs(model, axes))
 
         return {self.denoiser: build}
 
