@@ -249,8 +249,13 @@ def torch_pipeline(tiny_pipe, tmp_path_factory):
     ({"prompt_2": "a dog"}, "`prompt_2`: only Stable Diffusion XL, Stable Diffusion 3 and Flux.1 pipelines take this "
                             "argument"),
     ({"max_sequence_length": 77}, "`max_sequence_length`: only Stable Diffusion 3 and Flux.1 pipelines take this"),
-    ({"cache_interval": 0}, "`cache_interval` must be a positive int (1: every step runs the whole U-Net, no "
+    ({"cache_interval": 0}, "`cache_interval` must be a positive int (1: every step computed in full, no "
                             "caching) but is 0"),
+    ({"cache_threshold": -1}, "`cache_threshold` must be a number >= 0"),
+    ({"cache_method": "magcache"}, "`cache_method` must be one of deepcache, taylorseer, first-block"),
+    ({"cache_threshold": 0.1}, "`cache_method` 'first-block': this denoiser runs deepcache, taylorseer"),
+    ({"cache_order": 2}, "`cache_order` and `cache_warmup` are TaylorSeer's"),
+    ({"cache_interval": 2, "cache_order": 2}, "`cache_order` is not read by the deepcache cache"),
     ({"cache_interval": -2}, "`cache_interval` must be a positive int"),
     ({"cache_interval": 2.0}, "`cache_interval` must be a positive int"),
     ({"cache_interval": 3, "cache_schedule": "linear"}, "`cache_schedule` must be one of uniform, nonuniform but "

@@ -23,7 +23,7 @@ from kasoku.pipeline import InvalidInput
 from kasoku.tiny import tiny_pipeline
 
 PROFILE = ShapeProfile.from_ranges((1, 1, 2), (32, 64, 64), (32, 64, 64), 16)
-KASOKU_ONLY = ("cache_interval", "cache_schedule")
+KASOKU_ONLY = ("cache_interval", "cache_schedule", "cache_method", "cache_threshold", "cache_order", "cache_warmup")
 
 
 def pipeline_of(class_name: str):

@@ -14,13 +14,15 @@ from PIL import Image
 
 from kasoku.batch.jobs import plan_batches
 from kasoku.components import ImageShape
+from kasoku.families import FAMILIES
 from kasoku.options import CompileOptions
 from kasoku.serve.config import ServeConfig, Size, prepare_serving
 from kasoku.serve.errors import InvalidRequest, QueueFull, TimedOut
 from kasoku.serve.fields import mask_from, parse_edit, parse_generation
 
 CONFIG = ServeConfig(model="/models/tiny-sd", model_name="tiny-sd", options=CompileOptions(),
-                     sizes=(Size(64, 64), Size(96, 64)), max_batch=4, max_queue=8)
+                     sizes=(Size(64, 64), Size(96, 64)), max_batch=4, max_queue=8,
+                     cache_methods=FAMILIES["sd1"].cache_methods)
 
 
 def png(image: Image.Image) -> bytes:
@@ -61,8 +63,12 @@ def test_a_generation_becomes_one_job_per_image_each_with_its_seed():
     ({"prompt": "x", "loras": ["style"]}, "`loras`: this server was started without LoRA adapters; start it with "
                                           "`kasoku serve ... --lora NAME=PATH`"),
     ({"prompt": "x", "loras": "style"}, '`loras` must be a list of "NAME[:SCALE]" strings'),
-    ({"prompt": "x", "cache_interval": 3}, "`cache_interval` needs the step-cache engines, which this server did "
-                                           "not build; start it with `kasoku serve ... --step-cache`"),
+    ({"prompt": "x", "cache_interval": 3}, "`cache_interval` (deepcache interval 3 (uniform)) needs the step-cache "
+                                           "engines, which this server did not build; start it with `kasoku serve ... "
+                                           "--step-cache`"),
+    ({"prompt": "x", "cache_threshold": 0.1}, "`cache_method` 'first-block': this denoiser runs deepcache, "
+                                              "taylorseer"),
+    ({"prompt": "x", "cache_method": "fast"}, "`cache_method` must be one of deepcache, taylorseer, first-block"),
     ({"prompt": "x", "cache_interval": 0}, "`cache_interval` must be an integer in 1..1000 but is 0"),
     ({"prompt": "x", "strength": 0.5}, "`strength` belongs to /v1/images/edits"),
     (["a cat"], "the body must be a JSON object but is list"),

@@ -72,7 +72,7 @@ def test_bad_intervals_and_schedules_are_refused():
 @pytest.fixture(scope="module")
 def family_pipes():
     """The tiny pipelines of every U-Net family (4-channel), and SDXL's 9-channel inpainting one."""
-    cases = [(name, False) for name, family in FAMILIES.items() if family.step_cache_components] + [("sdxl", True)]
+    cases = [(name, False) for name, family in FAMILIES.items() if family.denoiser == "unet"] + [("sdxl", True)]
     return {(name, inpainting): FAMILIES[name].tiny_pipeline(inpainting=inpainting) for name, inpainting in cases}
 
 

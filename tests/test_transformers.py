@@ -191,8 +191,8 @@ def test_u_net_models_are_offered_the_noise_schedulers_only(tiny_kasoku):
 
 
 def test_step_caching_and_controlnets_are_refused_with_the_reason(compiled, dirs):
-    with pytest.raises(InvalidInput, match="Stable Diffusion 3 pipelines have no step caching"):
-        call(compiled[("sd3", "onnxruntime")], "txt2img", cache_interval=2)
+    with pytest.raises(InvalidInput, match="`cache_method` 'deepcache': this denoiser runs first-block, taylorseer"):
+        call(compiled[("sd3", "onnxruntime")], "txt2img", cache_interval=2, cache_method="deepcache")
     with pytest.raises(kasoku.KasokuError, match="ControlNets on the U-Net families"):
         kasoku.KasokuPipeline.from_pretrained(str(dirs["sd3"]), controlnet=FAMILIES["sd1"].tiny_controlnet())
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import math
 import numbers
-from collections.abc import Callable, Container
+from collections.abc import Callable, Container, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -22,7 +22,7 @@ from .model import Model
 from .schedulers import distilled_steps, most_steps
 from .signature import call_signature, check_names, check_task_names, pipeline_classes
 from .standins import InvalidInput
-from .step_cache import DEFAULT_SCHEDULE, InvalidStepCache, check_interval, check_schedule
+from .step_cache import DEEPCACHE, FIRST_BLOCK, InvalidStepCache, StepCaching
 
 
 def _image_size(image) -> tuple[int, int]:
@@ -149,9 +149,10 @@ class CallChecks:
     def scheduler(self):
         return self._scheduler()
 
-    def check(self, task: str, prompt, image=None, mask_image=None, control_image=None, cache_interval: int = 1,
-              cache_schedule: str = DEFAULT_SCHEDULE, **kwargs) -> None:
-        """Everything an engine cannot serve, as one clear error before anything runs."""
+    def check(self, task: str, prompt, image=None, mask_image=None, control_image=None, **kwargs) -> None:
+        """Everything an engine cannot serve, as one clear error before anything runs. Step caching's arguments
+        (kasoku.step_cache.StepCaching.ARGUMENTS) are among `kwargs`."""
+        caching = self.step_caching({name: kwargs.pop(name) for name in StepCaching.ARGUMENTS if name in kwargs})
         # another family's argument, or ControlNet's on a plain pipeline: said so by the checks below
         others = {*family_only_arguments(), *([] if self.controlnets else CONTROL_ARGUMENTS)}
         check_names(self.signature, [name for name in kwargs if name not in others], self.classes)
@@ -163,7 +164,6 @@ class CallChecks:
         if prompt is None and kwargs.get("prompt_embeds") is None:
             raise InvalidInput("give a `prompt` (str or list of str).")
         self._check_steps(task, kwargs)
-        self._check_step_cache(cache_interval, cache_schedule)
         if task == "inpaint":
             if image is None:
                 raise InvalidInput("inpainting needs `image` as well as `mask_image`.")
@@ -197,7 +197,7 @@ class CallChecks:
                                f"(exact-shape engines) but `guidance_scale` is {given}; "
                                "compile for this call (kasoku generate does) or a profile with guidance=None.")
         self._check_text_tokens(kwargs)
-        self._check_image_prompts(kwargs, guided, cache_interval)
+        self._check_image_prompts(kwargs, guided, caching)
         missing = [name for name in self.model.task_components(task) if name not in self.components]
         if missing:
             raise InvalidInput(f"{task} needs the {', '.join(missing)} engine{'s' if len(missing) > 1 else ''}; "
@@ -288,22 +288,26 @@ class CallChecks:
                                f"`strength` {strength} for {type(self.scheduler).__name__} (a subset of its "
                                f"{distilled} distilled steps x the strength); lower the steps or raise the strength.")
 
-    def _check_step_cache(self, interval, schedule) -> None:
+    def step_caching(self, arguments: Mapping[str, Any]) -> StepCaching:
+        """The step caching a call's arguments ask for (kasoku.step_cache), checked against this pipeline: its
+        denoiser's methods, its ControlNets, the graphs it has or can build."""
         try:
-            check_interval(interval)
-            check_schedule(schedule)
+            caching = StepCaching.of(self.family.cache_methods, **arguments)
         except InvalidStepCache as error:
-            raise InvalidInput(str(error)) from None
-        names = self.family.step_cache_components
-        if interval > 1 and not names:
-            raise InvalidInput(f"`cache_interval` {interval}: {self.family.title} pipelines have no step caching; "
-                               "call with cache_interval=1.")
-        if interval > 1 and self.controlnets:
-            raise InvalidInput(f"`cache_interval` {interval}: step caching does not run with ControlNets (the "
-                               "step-cache U-Net graphs take no ControlNet residuals); call with cache_interval=1.")
-        if interval > 1 and not self.can_build_step_cache and not all(n in self.components for n in names):
-            raise InvalidInput(f"`cache_interval` {interval} needs the {' and '.join(names)} engines, which "
-                               "this pipeline has not and cannot build; compile with step_cache=True.")
+            raise InvalidInput(str(error) if self.family.cache_methods else
+                               f"{self.family.title} pipelines have no step caching; leave out "
+                               f"{', '.join(f'`{n}`' for n in arguments)}.") from None
+        if not caching.active:
+            return caching
+        if self.controlnets and caching.method in (DEEPCACHE, FIRST_BLOCK):
+            raise InvalidInput(f"the {caching.method} cache does not run with ControlNets (its graphs take no "
+                               "ControlNet residuals); call with cache_method='taylorseer' (it forecasts the "
+                               "denoiser's output and runs with them) or without step caching.")
+        names = caching.graphs
+        if names and not self.can_build_step_cache and not all(n in self.components for n in names):
+            raise InvalidInput(f"the {caching.method} cache needs the {' and '.join(names)} engines, which this "
+                               "pipeline has not and cannot build; compile with step_cache=True.")
+        return caching
 
     def _output_size(self, task: str, image, height, width) -> tuple[int, int]:
         """The size the call generates, as diffusers derives it; checked to be positive and divisible by 8."""
@@ -365,7 +369,7 @@ class CallChecks:
         """What a call omits that the engines fix (see :attr:`fixed_arguments`)."""
         return {name: value for name, value in self.fixed_arguments.items() if name not in kwargs}
 
-    def _check_image_prompts(self, kwargs, guided: bool, cache_interval: int) -> None:
+    def _check_image_prompts(self, kwargs, guided: bool, caching: StepCaching) -> None:
         """IP-Adapter image prompts: only with adapters loaded, one image (or one encoding) per adapter, of the
         sizes the engines take; with adapters loaded, a call needs them (diffusers' U-Net would fail late)."""
         images, embeds = kwargs.get("ip_adapter_image"), kwargs.get("ip_adapter_image_embeds")
@@ -380,9 +384,9 @@ class CallChecks:
         if images is None and embeds is None:
             raise InvalidInput(f"this pipeline has {count} IP-Adapter(s) loaded: give `ip_adapter_image` (one image "
                                "per adapter) or `ip_adapter_image_embeds`, or call pipe.unload_ip_adapter().")
-        if cache_interval > 1:
-            raise InvalidInput("step caching (cache_interval > 1) does not run with IP-Adapters yet; call with "
-                               "cache_interval=1 or unload the IP-Adapter.")
+        if caching.active:
+            raise InvalidInput(f"step caching ({caching}) does not run with IP-Adapters yet; call without it "
+                               "(cache_interval=1, no cache_threshold) or unload the IP-Adapter.")
         if images is not None:
             self._check_ip_images(images, count)
         else:

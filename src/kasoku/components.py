@@ -315,10 +315,13 @@ class ComponentSpec:
     def output_shapes(self, input_shapes: Mapping[str, tuple[int, ...]]) -> dict[str, tuple[int, ...]]:
         """The shape of every output for inputs of these shapes. An output axis takes the value of
         the input axis of the same name, else the image size it scales (e.g. the VAE decoder's
-        pixel height from its input's latent height)."""
+        pixel height from its input's latent height). Inputs left out are not read (an output shaped as an input
+        that is not known yet)."""
         values: dict[str, int] = {}
         image: dict[str, Fraction] = {}
         for tensor in self.inputs:
+            if tensor.name not in input_shapes:
+                continue
             for index, axis in tensor.dynamic_axes.items():
                 value = int(input_shapes[tensor.name][index])
                 values[axis.name] = value

@@ -34,7 +34,7 @@ from .runtime import EnginePipelines
 from .schedulers import scheduler_named
 from .signature import applicable
 from .standins import EngineTimes, InvalidInput
-from .step_cache import DEFAULT_SCHEDULE
+from .step_cache import StepCaching
 from .weights import bind_named_parts, named_parts
 
 __all__ = ["KasokuPipeline", "compile", "InvalidInput", "EngineTimes"]
@@ -53,12 +53,19 @@ class KasokuPipeline:
     controlnet_conditioning_scale (a number, or one per ControlNet), guess_mode and
     control_guidance_start / control_guidance_end.
 
-    Step caching (DeepCache, see kasoku.step_cache) is kasoku's own argument: ``cache_interval=N``
-    runs the whole U-Net on one step in N (``cache_schedule="uniform"``, or the paper's
-    ``"nonuniform"`` spacing) and only its outer layers on the others. It is off by default
-    (``cache_interval=1``: every step runs the plain U-Net engine, exactly as without it); the first
-    call that asks builds the step-cache engines (or loads them from the cache), unless the pipeline
-    was compiled with ``step_cache=True``.
+    Step caching (see kasoku.step_cache) is kasoku's own arguments, per call, off by default:
+    - ``cache_interval=N`` on a U-Net runs DeepCache: the whole U-Net on one step in N (``cache_schedule=
+      "uniform"``, or the paper's ``"nonuniform"`` spacing) and only its outer layers on the others;
+    - ``cache_interval=N`` on a transformer (or ``cache_method="taylorseer"`` on any denoiser) runs TaylorSeer:
+      after ``cache_warmup`` computed steps (3), one step in N is computed and the others forecast from them by
+      a Taylor series up to ``cache_order`` (1), as diffusers' TaylorSeerCacheConfig;
+    - ``cache_threshold=T`` on a transformer runs the first-block cache: the other blocks are skipped on a step
+      whose first-block residual changed by at most T (relative) since the last step that ran them, as
+      diffusers' FirstBlockCacheConfig (0: every step runs them).
+    ``cache_interval=1`` without a threshold runs the plain denoiser engine, exactly as without it. The first
+    call that needs step-cache graphs builds them (or loads them from the cache), unless the pipeline was
+    compiled with ``step_cache=True``; ``last_step_cache`` is the last call's run (its skipped and forecast
+    steps).
     """
 
     def __init__(self, model, engines: dict[str, Engine], profile: ShapeProfile,
@@ -68,6 +75,7 @@ class KasokuPipeline:
         self.family = self.model.family
         self.controlnets = self.model.controlnets  # how many ControlNets steer it
         self.profile = profile
+        self.last_step_cache = None  # the last call's step-cache run (kasoku.step_cache), None without one
         self.engines = engines  # the stand-ins read this dict on every call: rebinding weights swaps entries
         self.compile_report = report
         self.times = EngineTimes()
@@ -139,13 +147,11 @@ class KasokuPipeline:
         prompt = kwargs.pop("prompt", None)
         image, mask_image, control_image = (kwargs.pop(name, None) for name in ("image", "mask_image",
                                                                                  "control_image"))
-        cache_interval = kwargs.pop("cache_interval", 1)
-        cache_schedule = kwargs.pop("cache_schedule", DEFAULT_SCHEDULE)
+        caching_arguments = {name: kwargs.pop(name) for name in StepCaching.ARGUMENTS if name in kwargs}
         if self._image_is_control and control_image is None and mask_image is None:
             image, control_image = None, image  # diffusers' meaning in this class
         task = self.task(image, mask_image)
-        self.check_inputs(task, prompt, image, mask_image, control_image=control_image, cache_interval=cache_interval,
-                          cache_schedule=cache_schedule, **kwargs)
+        self.check_inputs(task, prompt, image, mask_image, control_image=control_image, **caching_arguments, **kwargs)
         for note in self.checks.truncation_notes(prompt, kwargs):
             warnings.warn(note, PromptTruncated, stacklevel=2)
         if task != "txt2img":
@@ -157,10 +163,12 @@ class KasokuPipeline:
             kwargs.update(self._control_scales(kwargs))
         kwargs.update(self.checks.defaults(kwargs))
         kwargs = applicable(self.model.pipeline_class(task), kwargs)
+        caching = self.checks.step_caching(caching_arguments)
         run = None
-        if cache_interval > 1:
-            self.enable_step_cache()
-            run = self._runtime.step_cache_run(task, cache_interval, cache_schedule)
+        if caching.active:
+            self.enable_step_cache(caching.graphs)
+            run = self._runtime.step_cache_run(task, caching)
+        self.last_step_cache = run
         return self._runtime(task, step_cache=run, prompt=prompt, **kwargs)
 
     def _by_name(self, args: tuple, kwargs: dict[str, Any]) -> dict[str, Any]:
@@ -188,10 +196,11 @@ class KasokuPipeline:
         return {"controlnet_conditioning_scale": [float(s) for s in scale] if isinstance(scale, (list, tuple))
                 else float(scale)}
 
-    def enable_step_cache(self, on_stage=None) -> None:
-        """Load the step-cache engines (unet_full, unet_shallow) of this pipeline's denoiser, on its
-        backend and in its precision; built first when the cache does not hold them."""
-        names = self.family.step_cache_components
+    def enable_step_cache(self, names: tuple[str, ...] | None = None, on_stage=None) -> None:
+        """Load step-cache engines of this pipeline's denoiser (`names`; default: every graph of its family's
+        methods, as U-Nets' unet_full and unet_shallow, transformers' transformer_first and transformer_rest), on
+        its backend and in its precision; built first when the cache does not hold them."""
+        names = self.family.step_cache_components if names is None else names
         missing = [name for name in names if name not in self.engines]
         if not missing:
             return
@@ -209,11 +218,10 @@ class KasokuPipeline:
 
     # ---- checks first --------------------------------------------------------------------------
 
-    def check_inputs(self, task: str, prompt, image, mask_image, control_image=None, cache_interval: int = 1,
-                     cache_schedule: str = DEFAULT_SCHEDULE, **kwargs) -> None:
-        """Everything an engine cannot serve, as one clear error before anything runs (kasoku.checks)."""
-        self.checks.check(task, prompt, image, mask_image, control_image=control_image, cache_interval=cache_interval,
-                          cache_schedule=cache_schedule, **kwargs)
+    def check_inputs(self, task: str, prompt, image, mask_image, control_image=None, **kwargs) -> None:
+        """Everything an engine cannot serve, as one clear error before anything runs (kasoku.checks); step
+        caching's arguments are among `kwargs`."""
+        self.checks.check(task, prompt, image, mask_image, control_image=control_image, **kwargs)
 
     @property
     def fixed_arguments(self) -> dict[str, Any]:

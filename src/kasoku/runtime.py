@@ -19,7 +19,7 @@ from .backends import Engine
 from .families import TASKS
 from .model import Model
 from .standins import EngineTimes
-from .step_cache import StepCacheRun
+from .step_cache import StepCaching, run_for
 
 __all__ = ["EnginePipelines"]
 
@@ -38,7 +38,7 @@ class EnginePipelines:
         self.pipes = {task: model.task_pipeline(task, **self.stand_ins) for task in tasks}
         self._step_cache_target = model.family.step_cache_target(self.stand_ins)
 
-    def __call__(self, task: str, *, step_cache: StepCacheRun | None = None, **kwargs: Any):
+    def __call__(self, task: str, *, step_cache=None, **kwargs: Any):
         """diffusers' call of the `task` pipeline (its own arguments), with `step_cache` for this call only."""
         pipe = self.pipes[task]
         if step_cache is None:
@@ -46,7 +46,8 @@ class EnginePipelines:
         with self._step_cache_target.step_cache(step_cache):
             return pipe(**kwargs)
 
-    def step_cache_run(self, task: str, interval: int, schedule: str) -> StepCacheRun:
-        """One call's step-caching state; the loop's length is read from the pipeline once its timesteps are set."""
+    def step_cache_run(self, task: str, caching: StepCaching):
+        """One call's step-caching state (None when `caching` is off); a DeepCache loop's length is read from the
+        pipeline once its timesteps are set."""
         pipe = self.pipes[task]
-        return StepCacheRun(interval, schedule, loop_length=lambda: pipe.num_timesteps)
+        return run_for(caching, loop_length=lambda: pipe.num_timesteps)

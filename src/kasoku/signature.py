@@ -22,7 +22,8 @@ from .standins import InvalidInput
 # what diffusers' pipelines still take through **kwargs (deprecated, with a warning)
 DEPRECATED = ("callback", "callback_steps")
 # kasoku's own call arguments, and what they default to
-KASOKU_ARGUMENTS = {"control_image": None, "cache_interval": 1, "cache_schedule": "uniform"}
+KASOKU_ARGUMENTS = {"control_image": None, "cache_interval": 1, "cache_schedule": "uniform", "cache_method": None,
+                    "cache_threshold": None, "cache_order": None, "cache_warmup": None}
 
 
 def pipeline_classes(model: Model) -> list[type]:

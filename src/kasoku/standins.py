@@ -65,10 +65,17 @@ class EngineModule(torch.nn.Module):
     def device(self) -> torch.device:
         return self.engine.device
 
-    def cache_context(self, name: str) -> contextlib.AbstractContextManager:
-        """diffusers' CacheMixin names the branch of a step it runs (cond, uncond); the engines keep no torch
-        hooks, so there is nothing to switch."""
-        return contextlib.nullcontext()
+    _cache_branch: str | None = None
+
+    @contextlib.contextmanager
+    def cache_context(self, name: str, **_where: Any) -> Iterator[None]:
+        """diffusers' CacheMixin: the pipeline names the branch of a step it runs (Flux's true CFG: "cond", then
+        "uncond"); step caching keeps a state per branch (kasoku.step_cache), as diffusers' hooks do."""
+        before, self._cache_branch = self._cache_branch, name
+        try:
+            yield
+        finally:
+            self._cache_branch = before
 
     def _run(self, component: str, **inputs: torch.Tensor) -> dict[str, torch.Tensor]:
         start = time.perf_counter()

@@ -27,9 +27,9 @@ from .fidelity import (  # noqa: F401 - verify's prompts and seed, where callers
 from .image_prompts import load_files
 from .model import Model
 from .options import CompileOptions
-from .parity import STEP_CACHE, STEP_CACHE_INTERVAL, TOLERANCES, OutputParity, parity_against_torch, psnr, ssim
+from .parity import STEP_CACHE_INTERVAL, TOLERANCES, OutputParity, parity_against_torch, psnr, ssim, step_cache_contract
 from .pipeline import KasokuPipeline, compile
-from .step_cache import DEFAULT_SCHEDULE, check_interval, check_schedule
+from .step_cache import DEFAULT_SCHEDULE, FIRST_BLOCK, InvalidStepCache, StepCaching
 
 
 @dataclass
@@ -90,21 +90,30 @@ def verify(
     cache_interval: int = 1,
     cache_schedule: str = DEFAULT_SCHEDULE,
     ip_adapter=None,
+    cache_method: str | None = None,
+    cache_threshold: float | None = None,
+    cache_order: int | None = None,
+    cache_warmup: int | None = None,
     **fields,
 ) -> VerifyReport:
     """Compare every engine with torch at three shapes, and an image with diffusers; check the full
     checksums of the engines' cache entries. `controlnet` (ControlNet folders or models) verifies the
     ControlNet pipeline, `tiny_vae` (an AutoencoderTiny or its folder) the pipeline on it. `options` (or
-    its fields as keywords) as for compile. With `cache_interval` > 1 the step-cache engines are verified
-    too, and the images of calls with that interval and `cache_schedule` are compared with the same
-    engines' without step caching. `ip_adapter` (IP-Adapter weights files, their image encoder beside the first)
-    verifies the image encoder and the U-Net with image prompts, and images with a random image prompt."""
-    check_interval(cache_interval)
-    check_schedule(cache_schedule)
+    its fields as keywords) as for compile. With step caching (`cache_interval` > 1, `cache_threshold`, ...:
+    the pipeline's call arguments, kasoku.step_cache) its engines are verified too, and the images of calls
+    with it are compared with the same engines' without step caching. `ip_adapter` (IP-Adapter weights files,
+    their image encoder beside the first) verifies the image encoder and the U-Net with image prompts, and
+    images with a random image prompt."""
     options = CompileOptions.of(options, backend=backend, **fields).replace(check_parity=False)
-    if cache_interval > 1:
-        options = options.replace(step_cache=True)
     reference = Model.load(model, controlnet=controlnet, tiny_vae=tiny_vae)
+    try:
+        caching = StepCaching.of(reference.family.cache_methods, cache_interval=cache_interval,
+                                 cache_schedule=cache_schedule, cache_method=cache_method,
+                                 cache_threshold=cache_threshold, cache_order=cache_order, cache_warmup=cache_warmup)
+    except InvalidStepCache as error:
+        raise InvalidStepCache(f"{reference.family.title}: {error}") from None
+    if caching.graphs:
+        options = options.replace(step_cache=True)
     if ip_adapter:
         load_files(reference, ip_adapter)
     label = reference.label
@@ -129,8 +138,8 @@ def verify(
         report.components += parity_against_torch(specs[name], engine.run, shapes, built_in, seed=11)
     if image:
         report.image = image_parity(reference, pipe, _image_precision(pipe), options, on_stage)
-    if image and cache_interval > 1:
-        report.step_cache = step_cache_parity(reference, pipe, cache_interval, cache_schedule)
+    if image and caching.active:
+        report.step_cache = step_cache_parity(reference, pipe, caching)
     return report
 
 
@@ -161,11 +170,11 @@ def image_parity(reference: Model, pipe: KasokuPipeline, precision: Precision, o
                            tolerance, shape, tolerance.image_reference)
 
 
-def step_cache_parity(reference: Model, pipe: KasokuPipeline, interval: int,
-                      schedule: str = DEFAULT_SCHEDULE) -> ImageParity:
-    """Step caching's contract: the images of calls with `cache_interval` against the same engines' without
-    it, on FIDELITY_PROMPTS at the contract's steps, with the same initial latents (the same seed)."""
-    tolerance = TOLERANCES[STEP_CACHE]
+def step_cache_parity(reference: Model, pipe: KasokuPipeline, caching: StepCaching) -> ImageParity:
+    """Step caching's contract (its method's entry of the tolerance table): the images of calls with `caching`
+    against the same engines' without it, on FIDELITY_PROMPTS at the contract's steps, with the same initial
+    latents (the same seed)."""
+    tolerance = TOLERANCES[step_cache_contract(caching.method)]
     task = reference.task
     shape = pipe.profile.opt
     extra = inpaint_inputs(shape) if task == "inpaint" else {}
@@ -174,11 +183,11 @@ def step_cache_parity(reference: Model, pipe: KasokuPipeline, interval: int,
         return pipe(prompt, num_inference_steps=tolerance.image_steps, height=shape.height, width=shape.width,
                     generator=torch.Generator().manual_seed(VERIFY_SEED), output_type="np", **extra, **cache).images
 
-    beyond = f"; beyond the contract's interval {STEP_CACHE_INTERVAL}" if interval > STEP_CACHE_INTERVAL else ""
-    return _compare_images(FIDELITY_PROMPTS, run, lambda prompt: run(prompt, cache_interval=interval,
-                                                                      cache_schedule=schedule),
-                           tolerance, shape, f"{tolerance.image_reference} (cache interval {interval}, {schedule} "
-                                             f"schedule{beyond})")
+    beyond = ""
+    if caching.method != FIRST_BLOCK and caching.interval > STEP_CACHE_INTERVAL:
+        beyond = f"; beyond the contract's interval {STEP_CACHE_INTERVAL}"
+    return _compare_images(FIDELITY_PROMPTS, run, lambda prompt: run(prompt, **caching.arguments()),
+                           tolerance, shape, f"{tolerance.image_reference} ({caching}{beyond})")
 
 
 def _compare_images(prompts, expected, actual, tolerance, shape: ImageShape, reference: str) -> ImageParity:

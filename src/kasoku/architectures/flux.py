@@ -15,8 +15,8 @@ from __future__ import annotations
 import torch
 
 from ..components import Axis, ComponentSpec, ShapeProfile, TensorSpec, default_sample_input
-from ..standins import EngineModule, InvalidInput, timesteps_for
-from . import ip_adapter
+from ..standins import EngineModule, InvalidInput, call_state, timesteps_for
+from . import blockcache, ip_adapter
 from .base import Axes, ModuleRef
 
 PATCH = 2  # Flux packs 2x2 latent cells into one token
@@ -91,12 +91,70 @@ def sample_input(tensor: TensorSpec, shape: tuple[int, ...], generator: torch.Ge
     return default_sample_input(tensor, shape, generator)
 
 
+# ---- the first-block cache's graphs (kasoku.step_cache) ------------------------------------------------------
+
+
+class FluxLayers:
+    """FluxTransformer2DModel block by block (diffusers 0.42's forward: x and context embedders, time, guidance
+    and pooled text embedding, rotary embedding of the text and image ids, the double-stream blocks, then the
+    single-stream ones, final norm and projection), without ControlNet residuals or image prompts. Image tokens
+    cross graphs packed, as its latents are."""
+
+    def __init__(self, transformer: torch.nn.Module):
+        self.transformer = transformer
+        self.double = len(transformer.transformer_blocks)
+        self.blocks = self.double + len(transformer.single_transformer_blocks)
+
+    def context(self, inputs):
+        t = self.transformer
+        timestep = inputs["timestep"] * 1000  # as diffusers: the pipeline passes a fraction of the schedule
+        guidance = inputs.get("guidance")
+        temb = t.time_text_embed(timestep, inputs["pooled_projections"]) if guidance is None else \
+            t.time_text_embed(timestep, guidance * 1000, inputs["pooled_projections"])
+        rotary = t.pos_embed(torch.cat((inputs["txt_ids"], inputs["img_ids"]), dim=0))
+        return {"temb": temb, "rotary": rotary}
+
+    def embed(self, inputs):
+        t = self.transformer
+        return t.x_embedder(inputs["hidden_states"]), t.context_embedder(inputs["encoder_hidden_states"]), None
+
+    def block(self, index, hidden, encoder, context):
+        t = self.transformer
+        block = t.transformer_blocks[index] if index < self.double else t.single_transformer_blocks[index - self.double]
+        return block(hidden_states=hidden, encoder_hidden_states=encoder, temb=context["temb"],
+                     image_rotary_emb=context["rotary"], joint_attention_kwargs=None)
+
+    def output(self, hidden, context, layout):
+        return self.transformer.proj_out(self.transformer.norm_out(hidden, context["temb"]))
+
+    def to_graph(self, hidden, layout):
+        return hidden
+
+    def from_graph(self, hidden):
+        return hidden, None
+
+
+def block_cache_specs(plain: ComponentSpec, ref: ModuleRef, axes: Axes) -> dict[str, ComponentSpec]:
+    """transformer_first and transformer_rest of the transformer whose plain spec is `plain`."""
+    config = ref.config
+    width = config.num_attention_heads * config.attention_head_dim
+    hidden = TensorSpec("tokens", (axes.images, image_tokens(axes), width))
+    encoder = TensorSpec("text_tokens", (axes.images, plain.inputs[2].dims[1], width))
+    return {blockcache.FIRST: blockcache.first_block_spec(plain, hidden, encoder, FluxLayers, ref.load),
+            blockcache.REST: blockcache.rest_blocks_spec(plain, hidden, encoder, FluxLayers, ref.load)}
+
+
 class EngineFluxTransformer(EngineModule):
     """The transformer as diffusers' Flux pipelines call it."""
 
     def __init__(self, original: torch.nn.Module, engines, times, component: str = "transformer"):
         super().__init__(original, engines, times, component)
         self._original = original  # its IP processors hold the scales diffusers' set_ip_adapter_scale sets
+        self._step_cache = None
+
+    def step_cache(self, run):
+        """Step caching for one pipeline call (None: none; see kasoku.step_cache); its state goes with the call."""
+        return call_state(self, "_step_cache", run)
 
     @property
     def encoder_hid_proj(self):
@@ -123,7 +181,8 @@ class EngineFluxTransformer(EngineModule):
         if guidance is not None:
             feeds["guidance"] = timesteps_for(guidance, batch)
         feeds.update(ip_adapter.engine_feeds(self._original, names, ip_embeds))
-        out = self._run(self._component, **feeds)["out_sample"]
+        run = self._step_cache
+        out = self._run(self._component, **feeds)["out_sample"] if run is None else run.denoise(self, feeds)
         if not return_dict:
             return (out,)
         from diffusers.models.modeling_outputs import Transformer2DModelOutput

@@ -14,9 +14,9 @@ from __future__ import annotations
 
 import torch
 
-from ..components import ComponentSpec, ShapeProfile, TensorSpec
-from ..standins import EngineModule, InvalidInput, timesteps_for
-from . import ip_adapter
+from ..components import Axis, ComponentSpec, ShapeProfile, TensorSpec
+from ..standins import EngineModule, InvalidInput, call_state, timesteps_for
+from . import blockcache, ip_adapter
 from .base import Axes, ModuleRef
 
 INPUTS = ("hidden_states", "timestep", "encoder_hidden_states", "pooled_projections")
@@ -66,12 +66,68 @@ def transformer_spec(ref: ModuleRef, profile: ShapeProfile, axes: Axes, *, text_
     )
 
 
+# ---- the first-block cache's graphs (kasoku.step_cache) ------------------------------------------------------
+
+
+class SD3Layers:
+    """SD3Transformer2DModel block by block (diffusers 0.42's forward: patch and position embedding, time and
+    pooled text embedding, context embedding, the joint blocks, final norm, projection, unpatchify), without
+    ControlNet residuals, skipped layers or image prompts. Image tokens cross graphs as a (rows, height / 2,
+    width / 2, width) grid."""
+
+    def __init__(self, transformer: torch.nn.Module):
+        self.transformer = transformer
+        self.blocks = len(transformer.transformer_blocks)
+
+    def context(self, inputs):
+        return {"temb": self.transformer.time_text_embed(inputs["timestep"], inputs["pooled_projections"])}
+
+    def embed(self, inputs):
+        latents = inputs["hidden_states"]
+        patch = self.transformer.config.patch_size
+        grid = (latents.shape[-2] // patch, latents.shape[-1] // patch)
+        hidden = self.transformer.pos_embed(latents).contiguous()
+        return hidden, self.transformer.context_embedder(inputs["encoder_hidden_states"]), grid
+
+    def block(self, index, hidden, encoder, context):
+        return self.transformer.transformer_blocks[index](hidden_states=hidden, encoder_hidden_states=encoder,
+                                                          temb=context["temb"], joint_attention_kwargs=None)
+
+    def output(self, hidden, context, grid):
+        t = self.transformer
+        hidden = t.proj_out(t.norm_out(hidden, context["temb"]))
+        patch, channels = t.config.patch_size, t.out_channels
+        height, width = grid
+        hidden = hidden.reshape(hidden.shape[0], height, width, patch, patch, channels)
+        hidden = torch.einsum("nhwpqc->nchpwq", hidden)
+        return hidden.reshape(hidden.shape[0], channels, height * patch, width * patch)
+
+    def to_graph(self, hidden, grid):
+        return hidden.reshape(hidden.shape[0], grid[0], grid[1], hidden.shape[-1])
+
+    def from_graph(self, hidden):
+        return hidden.flatten(1, 2), (hidden.shape[1], hidden.shape[2])
+
+
+def block_cache_specs(plain: ComponentSpec, ref: ModuleRef, axes: Axes) -> dict[str, ComponentSpec]:
+    """transformer_first and transformer_rest of the transformer whose plain spec is `plain`."""
+    config = ref.config
+    width = config.num_attention_heads * config.attention_head_dim
+    grid = axes.vae_scale / config.patch_size
+    hidden = TensorSpec("tokens", (axes.guided, Axis("token_height", "height", grid),
+                                   Axis("token_width", "width", grid), width))
+    encoder = TensorSpec("text_tokens", (axes.guided, plain.inputs[2].dims[1], width))
+    return {blockcache.FIRST: blockcache.first_block_spec(plain, hidden, encoder, SD3Layers, ref.load),
+            blockcache.REST: blockcache.rest_blocks_spec(plain, hidden, encoder, SD3Layers, ref.load)}
+
+
 class EngineSD3Transformer(EngineModule):
     """The transformer as diffusers' SD3 pipelines call it."""
 
     def __init__(self, original: torch.nn.Module, engines, times, component: str = "transformer"):
         super().__init__(original, engines, times, component)
         self._original = original  # its IP processors hold the scale diffusers' set_ip_adapter_scale sets
+        self._step_cache = None
 
     @property
     def attn_processors(self):
@@ -86,16 +142,21 @@ class EngineSD3Transformer(EngineModule):
             raise InvalidInput("the compiled SD3 transformer takes the latents, timestep, text embeddings, pooled "
                                "projections and an image prompt only (no ControlNet, skip-layer guidance or LoRA "
                                "scale).")
-        ip = self._ip_feeds(ip_embeds, hidden_states.shape[0])
-        out = self._run(self._component, hidden_states=hidden_states,
-                        timestep=timesteps_for(timestep, hidden_states.shape[0]),
-                        encoder_hidden_states=encoder_hidden_states,
-                        pooled_projections=pooled_projections.to(torch.float32), **ip)["out_sample"]
+        feeds = dict(hidden_states=hidden_states, timestep=timesteps_for(timestep, hidden_states.shape[0]),
+                     encoder_hidden_states=encoder_hidden_states,
+                     pooled_projections=pooled_projections.to(torch.float32),
+                     **self._ip_feeds(ip_embeds, hidden_states.shape[0]))
+        run = self._step_cache
+        out = self._run(self._component, **feeds)["out_sample"] if run is None else run.denoise(self, feeds)
         if not return_dict:
             return (out,)
         from diffusers.models.modeling_outputs import Transformer2DModelOutput
 
         return Transformer2DModelOutput(sample=out)
+
+    def step_cache(self, run):
+        """Step caching for one pipeline call (None: none; see kasoku.step_cache); its state goes with the call."""
+        return call_state(self, "_step_cache", run)
 
     def _ip_feeds(self, ip_embeds, rows: int) -> dict[str, torch.Tensor]:
         """The image prompt's encoding and scales; diffusers passes none while every scale is 0 (its processors

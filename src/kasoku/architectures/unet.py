@@ -229,7 +229,7 @@ class EngineUNet(EngineModule):
         inputs = dict(sample=sample, timestep=timesteps_for(timestep, sample.shape[0]),
                       encoder_hidden_states=encoder_hidden_states, **cond, **added, **residuals, **ip)
         run = self._step_cache
-        out = self._run(self._component, **inputs)["out_sample"] if run is None else run.denoise(self._run, inputs)
+        out = self._run(self._component, **inputs)["out_sample"] if run is None else run.denoise(self, inputs)
         if not return_dict:
             return (out,)
         from diffusers.models.unets.unet_2d_condition import UNet2DConditionOutput

@@ -13,7 +13,8 @@ from typing import Any, Protocol
 from ..choices import DEFAULT_BATCH_SIZE
 from ..errors import KasokuError
 from ..options import CompileOptions
-from .jobs import Job, check_jobs, plan_batches, with_native_size
+from ..step_cache import InvalidStepCache, StepCaching
+from .jobs import InvalidJobs, Job, check_jobs, plan_batches, with_native_size
 from .output import JobResult, OutputDir, check_output_dir
 from .worker import BatchWorker, PipelineRecipe, StageHook, WorkerInfo, batch_profile, describe_backends
 
@@ -61,13 +62,25 @@ def prepare(model, jobs: list[Job], out_dir: str | Path, *, batch_size: int = DE
     check_jobs(jobs, profile, batch_size, max_steps=most_steps(reference.scheduler),
                max_side=MAX_SIZE_FACTOR * native,
                controlnets=reference.controlnets)
-    if any(job.cache_interval > 1 for job in jobs):  # the driver builds the step-cache engines before any worker
+    if _needs_step_cache_graphs(jobs, reference.family.cache_methods):  # built by the driver before any worker
         options = options.replace(step_cache=True)
     out = check_output_dir(out_dir)
     cache = (options.cache_dir or default_cache_dir()).absolute()
     recipe = PipelineRecipe(model=model, options=options.replace(cache_dir=cache, profile=profile),
                             controlnets=controlnets)
     return BatchPlan(jobs=jobs, out_dir=out, recipe=recipe, batch_size=batch_size, reference=reference)
+
+
+def _needs_step_cache_graphs(jobs: list[Job], methods: tuple[str, ...]) -> bool:
+    """Whether any job's step caching runs graphs of its own (DeepCache's, the first-block cache's); a job whose
+    step caching this model cannot run is refused with its line."""
+    needed = False
+    for job in jobs:
+        try:
+            needed |= bool(StepCaching.of(methods, **job.caching_arguments).graphs)
+        except InvalidStepCache as error:
+            raise InvalidJobs(f"{job.source}: {error}") from None
+    return needed
 
 
 # ---- running ---------------------------------------------------------------------------------

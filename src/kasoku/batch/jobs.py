@@ -6,7 +6,7 @@ import hashlib
 import json
 import math
 import re
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Protocol, TypeVar
@@ -14,14 +14,16 @@ from typing import Any, Protocol, TypeVar
 from ..choices import DEFAULT_GUIDANCE, DEFAULT_STEPS
 from ..components import ImageShape, ShapeOutOfProfile, ShapeProfile
 from ..errors import KasokuError
-from ..step_cache import DEFAULT_SCHEDULE, SCHEDULES
+from ..step_cache import DEFAULT_SCHEDULE, METHODS, SCHEDULES
 
 JOB_FIELDS = ("id", "prompt", "negative_prompt", "seed", "steps", "guidance", "height", "width", "control_image",
-              "control_scale", "loras", "cache_interval", "cache_schedule", "ip_adapter", "ip_image", "ip_scale")
+              "control_scale", "loras", "cache_interval", "cache_schedule", "ip_adapter", "ip_image", "ip_scale",
+              "cache_method", "cache_threshold")
 # Fields added after the first release: part of a job's key only when set to other than their default, so the
 # results of jobs that do not use them keep their keys (a re-run skips them).
 LATER_FIELDS = {"control_image": (), "control_scale": None, "loras": (), "cache_interval": 1,
-                "cache_schedule": DEFAULT_SCHEDULE, "ip_adapter": (), "ip_image": (), "ip_scale": ()}
+                "cache_schedule": DEFAULT_SCHEDULE, "ip_adapter": (), "ip_image": (), "ip_scale": (),
+                "cache_method": None, "cache_threshold": None}
 RESULTS_FILE = "results.jsonl"
 STATE_DIR = ".kasoku-batch"  # images being written and each worker's status; removed after a run
 ID_PATTERN = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")  # ids name files: no slashes, no hidden files
@@ -52,8 +54,10 @@ class Job:
     control_image: tuple[str, ...] = ()  # one image file per ControlNet (absolute paths)
     control_scale: float | tuple[float, ...] | None = None  # one for all ControlNets, or one each; None: diffusers'
     loras: tuple[tuple[str, float], ...] = ()  # LoRA adapters (absolute path, weight); () runs the base weights
-    cache_interval: int = 1  # step caching: the whole U-Net on one step in N (1: off)
+    cache_interval: int = 1  # step caching (kasoku.step_cache): one step in N computed (1: off)
     cache_schedule: str = DEFAULT_SCHEDULE
+    cache_method: str | None = None  # None: the denoiser's default for an interval, first-block for a threshold
+    cache_threshold: float | None = None  # the first-block cache's
     ip_adapter: tuple[str, ...] = ()  # IP-Adapter weights files (absolute paths); () runs no image prompt
     ip_image: tuple[str, ...] = ()  # the image prompt of each adapter (absolute paths)
     ip_scale: tuple[float, ...] = ()  # one scale per adapter (default 1.0 each)
@@ -73,8 +77,13 @@ class Job:
     @property
     def call_key(self) -> tuple:
         return call_key(self.height, self.width, self.steps, self.guidance, self.negative_prompt is not None,
-                        control_scale=self.control_scale, loras=self.loras, cache_interval=self.cache_interval,
-                        cache_schedule=self.cache_schedule, image_prompt=self.image_prompt)
+                        control_scale=self.control_scale, loras=self.loras, caching=self.caching_arguments,
+                        image_prompt=self.image_prompt)
+
+    @property
+    def caching_arguments(self) -> dict[str, Any]:
+        """The pipeline's step-caching arguments of this job (those it sets)."""
+        return caching_arguments(self)
 
     @property
     def image_prompt(self) -> tuple:
@@ -88,21 +97,31 @@ class Job:
 
 def call_key(height: int | None, width: int | None, steps: int, guidance: float, negative: bool, *,
              task: str = "txt2img", strength: float | None = None,
-             control_scale: float | tuple[float, ...] | None = None, loras: tuple = (), cache_interval: int = 1,
-             cache_schedule: str = DEFAULT_SCHEDULE, image_prompt: tuple = ()) -> tuple:
+             control_scale: float | tuple[float, ...] | None = None, loras: tuple = (),
+             caching: Mapping[str, Any] | None = None, image_prompt: tuple = ()) -> tuple:
     """Jobs with equal call keys can share one pipeline call: one task, adapter set (LoRA paths and
     weights), size, steps, guidance and step caching (and strength for img2img and inpaint, the control
     scale with ControlNets, the image prompt with IP-Adapters), and negative prompts for all or for none (SDXL
     encodes a missing one as zeros, not as "")."""
-    return (task, loras, height, width, steps, guidance, negative, strength, control_scale, cache_interval,
-            cache_schedule, *((image_prompt,) if image_prompt else ()))
+    return (task, loras, height, width, steps, guidance, negative, strength, control_scale,
+            tuple(sorted((caching or {}).items())), *((image_prompt,) if image_prompt else ()))
+
+
+def caching_arguments(job: Any) -> dict[str, Any]:
+    """The step-caching arguments (kasoku.step_cache) a batch or server job sets: its interval and schedule, its
+    method and threshold where given."""
+    given = {"cache_interval": getattr(job, "cache_interval", 1), "cache_schedule": getattr(job, "cache_schedule",
+                                                                                               DEFAULT_SCHEDULE)}
+    given.update({name: getattr(job, name) for name in ("cache_method", "cache_threshold")
+                  if getattr(job, name, None) is not None})
+    return given
 
 
 def call_arguments(jobs: Sequence) -> dict[str, Any]:
     """The pipeline arguments of one call for jobs with one call key (anything with `prompt`,
     `negative_prompt`, `seed`, `steps` and `guidance`): their prompts, and one generator per job
     seeded with its seed, so each image gets its own noise whatever it is batched with; their step
-    caching where they have it (batch jobs do, `cache_interval` and `cache_schedule`). The caller
+    caching where they have it (:func:`caching_arguments`). The caller
     adds what its task takes (the size; the images and strength of img2img and inpaint)."""
     import torch
 
@@ -111,9 +130,7 @@ def call_arguments(jobs: Sequence) -> dict[str, Any]:
         prompt=[job.prompt for job in jobs],
         negative_prompt=None if first.negative_prompt is None else [job.negative_prompt for job in jobs],
         generator=[torch.Generator().manual_seed(job.seed) for job in jobs],
-        num_inference_steps=first.steps, guidance_scale=first.guidance,
-        cache_interval=getattr(first, "cache_interval", 1), cache_schedule=getattr(first, "cache_schedule",
-                                                                                   DEFAULT_SCHEDULE),
+        num_inference_steps=first.steps, guidance_scale=first.guidance, **caching_arguments(first),
     )
 
 
@@ -291,6 +308,9 @@ def parse_job(line: str, number: int, source: str, folder: Path = Path(".")) -> 
                               "an integer >= 1 (1: no step caching)", 1),
         cache_schedule=_field(record, "cache_schedule", lambda v: v in SCHEDULES, f"one of {', '.join(SCHEDULES)}",
                               DEFAULT_SCHEDULE),
+        cache_method=_field(record, "cache_method", lambda v: v in METHODS, f"one of {', '.join(METHODS)}", None),
+        cache_threshold=_float_or_none(_field(record, "cache_threshold", lambda v: _is_number(v) and v >= 0,
+                                              "a number >= 0 (0: every step runs every block)", None)),
         **_image_prompt(record, folder),
         source=source,
     )

@@ -9,7 +9,7 @@ import math
 import re
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import ClassVar
+from typing import Any, ClassVar
 
 from ..errors import KasokuError
 
@@ -52,6 +52,10 @@ def positive_int(text: str) -> int:
 
 def non_negative_int(text: str) -> int:
     return _number(int, text, "an integer >= 0", lambda v: v >= 0)
+
+
+def non_negative_float(text: str) -> float:
+    return _number(float, text, "a finite number >= 0", lambda v: math.isfinite(v) and v >= 0)
 
 
 MAX_SEED = 2**63 - 1  # torch.Generator.manual_seed takes up to 64 bits; batch jobs and the server take 0..2**63-1
@@ -302,21 +306,45 @@ def add_engine_arguments(parser: argparse.ArgumentParser, *, profile_flags: bool
 def add_step_cache_arguments(parser: argparse.ArgumentParser, *, per_call: bool) -> None:
     """Step caching (DeepCache, kasoku.step_cache): a call's interval and schedule (`per_call`), or
     `--step-cache` to build its engines ahead; and the U-Net's skip branch."""
-    from ..step_cache import DEFAULT_SCHEDULE, SCHEDULES
+    from ..step_cache import DEFAULT_ORDER, DEFAULT_SCHEDULE, DEFAULT_WARMUP, METHODS, SCHEDULES
 
     if per_call:
         parser.add_argument("--cache-interval", type=positive_int, default=1, metavar="N",
-                            help="step caching (DeepCache): the whole U-Net runs on one denoising step in N, only its "
-                                 "outer layers on the others (default 1: off, every step exact). N > 1 builds the "
-                                 "step-cache engines (unet_full, unet_shallow) when the cache does not hold them")
+                            help="step caching: one denoising step in N computed in full (default 1: off, every step "
+                                 "exact). U-Nets run DeepCache (the other steps run only the outer layers), "
+                                 "transformers TaylorSeer (the other steps forecast). DeepCache builds its engines "
+                                 "(unet_full, unet_shallow) when the cache does not hold them")
         parser.add_argument("--cache-schedule", choices=SCHEDULES, default=DEFAULT_SCHEDULE,
-                            help="which steps run the whole U-Net with --cache-interval: uniform (every N-th, the "
-                                 "default) or nonuniform (the paper's: as many, denser around 30%% of the loop)")
+                            help="DeepCache: which steps run the whole U-Net with --cache-interval: uniform (every "
+                                 "N-th, the default) or nonuniform (the paper's: as many, denser around 30%% of the "
+                                 "loop)")
+        parser.add_argument("--cache-method", choices=METHODS, default=None,
+                            help="the step-caching method (default: deepcache for a U-Net's --cache-interval, "
+                                 "taylorseer for a transformer's, first-block for --cache-threshold); taylorseer runs "
+                                 "on every denoiser, U-Nets and ControlNet pipelines included")
+        parser.add_argument("--cache-threshold", type=non_negative_float, default=None, metavar="T",
+                            help="first-block cache (transformers): skip the other blocks on a step whose first-block "
+                                 "residual changed by at most T (relative mean) since the last full step; 0 skips "
+                                 "none (exact); diffusers suggests 0.05 to 0.12. Builds transformer_first and "
+                                 "transformer_rest when the cache does not hold them")
+        parser.add_argument("--cache-order", type=positive_int, default=None, metavar="K",
+                            help=f"TaylorSeer: the forecast's highest Taylor order (default {DEFAULT_ORDER})")
+        parser.add_argument("--cache-warmup", type=non_negative_int, default=None, metavar="S",
+                            help=f"TaylorSeer: steps always computed before any forecast (default {DEFAULT_WARMUP})")
     else:
         parser.add_argument("--step-cache", action="store_true",
-                            help="also build the step-cache engines (unet_full, unet_shallow) that calls with "
-                                 "cache_interval > 1 run (DeepCache); without it the first such call builds them")
+                            help="also build the step-cache engines that calls with step caching run (U-Nets' "
+                                 "DeepCache: unet_full, unet_shallow; transformers' first-block cache: "
+                                 "transformer_first, transformer_rest); without it the first such call builds them")
     add_cache_branch(parser)
+
+
+def step_caching_from_args(args: argparse.Namespace) -> dict[str, Any]:
+    """The step-caching call arguments of the flags add_step_cache_arguments(per_call=True) gave (those set)."""
+    given = {"cache_interval": args.cache_interval, "cache_schedule": args.cache_schedule}
+    given.update({name: value for name in ("cache_method", "cache_threshold", "cache_order", "cache_warmup")
+                  if (value := getattr(args, name, None)) is not None})
+    return given
 
 
 def add_cache_branch(parser: argparse.ArgumentParser) -> None:
@@ -340,7 +368,7 @@ def options_from_args(args: argparse.Namespace, profile=None, *, cuda_graph: boo
         trt_opt_level=getattr(args, "trt_opt_level", CompileOptions.trt_opt_level),
         keep_intermediate=getattr(args, "keep_intermediate", False),
         lora_targets=getattr(args, "lora_targets", None) or (),
-        step_cache=getattr(args, "step_cache", False) or getattr(args, "cache_interval", 1) > 1,
+        step_cache=getattr(args, "step_cache", False),
         cache_branch=getattr(args, "cache_branch", CompileOptions.cache_branch),
         cuda_graph=getattr(args, "cuda_graph", False) if cuda_graph is None else cuda_graph,
     )
@@ -391,6 +419,8 @@ GENERATE_FLAGS = {"num_inference_steps": "--steps", "guidance_scale": "--guidanc
                   "control_image": "--control-image",
                   "controlnet_conditioning_scale": "--control-scale", "guess_mode": "--guess-mode",
                   "cache_interval": "--cache-interval", "cache_schedule": "--cache-schedule",
+                  "cache_method": "--cache-method", "cache_threshold": "--cache-threshold",
+                  "cache_order": "--cache-order", "cache_warmup": "--cache-warmup",
                   "true_cfg_scale": "--true-cfg", "max_sequence_length": "--text-tokens"}
 
 

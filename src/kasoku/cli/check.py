@@ -23,6 +23,7 @@ from .base import (
     profile_from_args,
     repeats,
     show_stage,
+    step_caching_from_args,
     tiny_vae_from_args,
 )
 
@@ -57,8 +58,8 @@ class Verify(Command):
         with stage("verifying"):
             report = verify(args.model, controlnet=controlnets_from_args(args), tiny_vae=tiny_vae_from_args(args),
                             options=options,
-                            image=not args.no_image, on_stage=show_stage, cache_interval=args.cache_interval,
-                            cache_schedule=args.cache_schedule, ip_adapter=ip_adapter_files(args))
+                            image=not args.no_image, on_stage=show_stage, ip_adapter=ip_adapter_files(args),
+                            **step_caching_from_args(args))
         console.print(Markdown(markdown(report)))
         for line in (c.line() for c in report.components if not c.passed):
             console.print(line, markup=False)

@@ -38,6 +38,7 @@ from .base import (
     seed,
     show_stage,
     size_range,
+    step_caching_from_args,
     text,
     tiny_vae_from_args,
 )
@@ -110,6 +111,7 @@ class Generate(Command):
         from ..model import Model
         from ..pipeline import compile
         from ..schedulers import scheduler_named
+        from ..step_cache import StepCaching
 
         output = check_output_file(args.output, suffixes=IMAGE_SUFFIXES)
         image = open_image(args.image, "--image") if args.image else None
@@ -148,6 +150,8 @@ class Generate(Command):
         with flags_named():  # every argument checked before a compile that can take minutes
             checks = CallChecks(reference, options.profile, planned, scheduler=lambda: scheduler)
             checks.check(task_of(image, mask), args.prompt, **kwargs)
+            caching = checks.step_caching({n: kwargs[n] for n in StepCaching.ARGUMENTS if n in kwargs})
+        options = options.replace(step_cache=options.step_cache or bool(caching.graphs))
         for note in checks.truncation_notes(args.prompt, kwargs):
             console.print(f"note: {note}", markup=False)
         pipe = compile(reference, options=options, on_stage=show_stage, label=str(args.model))
@@ -199,7 +203,7 @@ def _call_arguments(args: argparse.Namespace, image, mask, controls: list) -> di
     kwargs = dict(negative_prompt=args.negative, num_inference_steps=args.steps,
                   guidance_scale=args.guidance, num_images_per_prompt=args.num_images, height=args.height,
                   width=args.width, generator=torch.Generator().manual_seed(args.seed),
-                  cache_interval=args.cache_interval, cache_schedule=args.cache_schedule)
+                  **step_caching_from_args(args))
     kwargs.update({k: v for k, v in (("prompt_2", args.prompt_2), ("negative_prompt_2", args.negative_2),
                                      ("prompt_3", args.prompt_3), ("true_cfg_scale", args.true_cfg)) if v})
     if image is not None:
@@ -272,8 +276,9 @@ class Batch(Command):
     "height": 512, "width": 512, "id": "cat-1", "loras": ["style.safetensors:0.8"], "cache_interval": 3}; only
     prompt is required (seed and id default to the line number, the size to the model's; loras are
     PATH[:SCALE] strings or {"path": ..., "scale": ...} objects, and jobs with the same adapters share calls;
-    cache_interval defaults to 1, no step caching, and a job's above 1 builds the step-cache engines too, with
-    cache_schedule "uniform" or "nonuniform"). With --controlnet, each job also gives "control_image" (a file,
+    cache_interval defaults to 1, no step caching, and a job's above 1 runs the model's step caching, with
+    cache_schedule "uniform" or "nonuniform" for DeepCache; cache_method names another, and cache_threshold runs a
+    transformer's first-block cache). With --controlnet, each job also gives "control_image" (a file,
     or a list with one per ControlNet, relative to the JSONL file's folder) and may give "control_scale" (a
     number, or one per ControlNet). DIR gets <id>.png per job and results.jsonl (one line per job). Every line
     and size is checked before any work starts; running the same command again after an interruption does
@@ -286,7 +291,8 @@ class Batch(Command):
         add_model(p)
         p.add_argument("prompts", type=Path, metavar="PROMPTS.jsonl",
                        help="one job per line: prompt, negative_prompt, seed, steps, guidance, height, width, id, "
-                            "control_image, control_scale, loras, cache_interval, cache_schedule")
+                            "control_image, control_scale, loras, cache_interval, cache_schedule, cache_method, "
+                            "cache_threshold")
         p.add_argument("--out", type=Path, required=True, metavar="DIR",
                        help="folder for <id>.png per job and results.jsonl (created if missing; jobs already "
                             "there are skipped)")

@@ -29,8 +29,8 @@ from ..choices import CONTROLNET_COMPONENT
 from ..components import Axis, ComponentSpec, Precision, ShapeProfile, TensorSpec, default_profile
 from ..errors import KasokuError, NotADiffusersPipeline
 from ..standins import EngineTimes
+from ..step_cache import BLOCK_COMPONENTS, DEEPCACHE, DEFAULT_BRANCH, FIRST_BLOCK, TAYLORSEER
 from ..step_cache import COMPONENTS as STEP_CACHE_COMPONENTS
-from ..step_cache import DEFAULT_BRANCH
 
 TASKS = ("txt2img", "img2img", "inpaint")
 # A ControlNet pipeline runs one ControlNet engine per distinct ControlNet model and, in place of the
@@ -95,7 +95,9 @@ class Family:
     # kasoku's defaults for the commands (generate, batch, serve); a Python call keeps diffusers' own
     default_steps: ClassVar[int] = 30
     default_guidance: ClassVar[float] = 7.5
-    # capabilities: the step-cache graphs of the denoiser (empty: no step caching)
+    # capabilities: the step-caching methods its denoiser runs (kasoku.step_cache; the first that reads an interval
+    # is what `cache_interval` > 1 runs by default), and the step-cache graphs they build (empty: none)
+    cache_methods: ClassVar[tuple[str, ...]] = ()
     step_cache_components: ClassVar[tuple[str, ...]] = ()
     # the tokens its long-prompt encoder reads when the profile does not say (diffusers' max_sequence_length
     # default); None: it has no such encoder
@@ -389,6 +391,7 @@ class UNetFamily(Family):
     step-cache graphs (DeepCache) are two more components of its weights."""
 
     denoiser = "unet"
+    cache_methods = (DEEPCACHE, TAYLORSEER)
     step_cache_components = STEP_CACHE_COMPONENTS
     runs_ip_adapters = True
 
@@ -579,6 +582,14 @@ class TransformerFamily(Family):
     denoiser = "transformer"
     patch = 2  # latent cells per token side
     latent_channels = 16
+    cache_methods = (FIRST_BLOCK, TAYLORSEER)
+    step_cache_components = BLOCK_COMPONENTS
+
+    def extra_components(self, model: ModelView) -> tuple[str, ...]:
+        return BLOCK_COMPONENTS
+
+    def step_cache_target(self, stand_ins: Mapping[str, Any]):
+        return stand_ins[self.denoiser]
 
     def native_size(self, model: ModelView) -> int:
         config = model.ref(self.denoiser).config

@@ -60,7 +60,8 @@ class Flux(TransformerFamily):
             ip = self.denoiser_ip_inputs(model, axes, axes.images)  # one row per image, as its other inputs
             return flux.transformer_spec(model.ref(self.denoiser), profile, axes, text_length=length, ip=ip)
 
-        return {self.denoiser: build}
+        return {self.denoiser: build, **{name: lambda name=name: flux.block_cache_specs(
+            build(), model.ref(self.denoiser), axes)[name] for name in self.step_cache_components}}
 
     def denoiser_stand_ins(self, model: ModelView, engines: Mapping[str, Any], times: EngineTimes) -> dict[str, Any]:
         return {self.denoiser: flux.EngineFluxTransformer(getattr(model.pipe, self.denoiser), engines, times,

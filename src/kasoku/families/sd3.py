@@ -61,7 +61,8 @@ class StableDiffusion3(TransformerFamily):
             return sd3.transformer_spec(model.ref(self.denoiser), profile, axes, text_length=length,
                                         ip=self.denoiser_ip_inputs(model, axes))
 
-        return {self.denoiser: build}
+        return {self.denoiser: build, **{name: lambda name=name: sd3.block_cache_specs(
+            build(), model.ref(self.denoiser), axes)[name] for name in self.step_cache_components}}
 
     def denoiser_stand_ins(self, model: ModelView, engines: Mapping[str, Any], times: EngineTimes) -> dict[str, Any]:
         return {self.denoiser: sd3.EngineSD3Transformer(getattr(model.pipe, self.denoiser), engines, times,

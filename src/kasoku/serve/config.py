@@ -61,6 +61,7 @@ class ServeConfig:
     default_guidance: float = DEFAULT_GUIDANCE
     loras: tuple[tuple[str, str], ...] = ()  # (name, absolute path): the LoRA adapters requests may name
     ip_adapter: str | None = None  # an IP-Adapter weights file (absolute): requests may send `ip_image`
+    cache_methods: tuple[str, ...] = ()  # the step-caching methods of the model's denoiser (kasoku.step_cache)
 
     @property
     def lora_names(self) -> tuple[str, ...]:
@@ -167,6 +168,7 @@ def prepare_serving(model, options: CompileOptions | None = None, *, sizes: tupl
                          options=options.replace(profile=profile), sizes=sizes, max_batch=max_batch,
                          batch_window_ms=batch_window_ms, max_queue=max_queue, timeout=timeout, api_key=api_key,
                          max_steps=most_steps(reference.scheduler), loras=loras, ip_adapter=ip_adapter,
+                         cache_methods=reference.family.cache_methods,
                          **dict(zip(("default_steps", "default_guidance"), reference.command_defaults())))
     return config, reference
 

@@ -14,8 +14,8 @@ import secrets
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..batch.jobs import MAX_SEED, call_key
-from ..step_cache import DEFAULT_SCHEDULE, SCHEDULES
+from ..batch.jobs import MAX_SEED, caching_arguments, call_key
+from ..step_cache import DEFAULT_SCHEDULE, METHODS, SCHEDULES, InvalidStepCache, StepCaching
 from .config import ServeConfig, Size
 from .errors import InvalidRequest
 
@@ -27,7 +27,7 @@ RANDOM_SEEDS = 2**32  # a request without `seed` gets one drawn below this (and 
 
 GENERATION_FIELDS = ("prompt", "n", "size", "response_format", "model", "user", "quality", "style",
                      "negative_prompt", "steps", "guidance", "seed", "cache_interval", "cache_schedule", "loras",
-                     "ip_image", "ip_scale")
+                     "ip_image", "ip_scale", "cache_method", "cache_threshold")
 EDIT_FIELDS = ("image", "mask", "strength") + GENERATION_FIELDS
 # Fields other kasoku issues add; until they land a request that sets them is refused, not ignored.
 NOT_YET: dict[str, str] = {}
@@ -70,12 +70,13 @@ class ServeJob:
     cache_schedule: str = DEFAULT_SCHEDULE
     loras: tuple[tuple[str, float], ...] = ()  # (file, scale) of the adapters the image runs
     image_prompt: ImagePrompt | None = None  # with the server's IP-Adapter: the image prompt and its scale
+    cache_method: str | None = None
+    cache_threshold: float | None = None
 
     @property
     def call_key(self) -> tuple:
         return call_key(self.height, self.width, self.steps, self.guidance, self.negative_prompt is not None,
-                        task=self.task, strength=self.strength, cache_interval=self.cache_interval,
-                        cache_schedule=self.cache_schedule, loras=self.loras,
+                        task=self.task, strength=self.strength, caching=caching_arguments(self), loras=self.loras,
                         image_prompt=self.image_prompt.key if self.image_prompt else ())
 
 
@@ -98,6 +99,8 @@ class ImageRequest:
     cache_schedule: str = DEFAULT_SCHEDULE
     loras: tuple[tuple[str, float], ...] = ()
     image_prompt: ImagePrompt | None = None
+    cache_method: str | None = None
+    cache_threshold: float | None = None
 
     @property
     def seeds(self) -> list[int]:
@@ -106,13 +109,13 @@ class ImageRequest:
     def jobs(self) -> list[ServeJob]:
         return [ServeJob(self.prompt, self.negative_prompt, seed, self.steps, self.guidance, self.size.height,
                          self.size.width, self.task, self.strength, self.image, self.mask, self.cache_interval,
-                         self.cache_schedule, self.loras, self.image_prompt) for seed in self.seeds]
+                         self.cache_schedule, self.loras, self.image_prompt, self.cache_method, self.cache_threshold)
+                for seed in self.seeds]
 
     def call_arguments(self, images: int) -> dict[str, Any]:
         """The arguments of a call of `images` of these images, for the pipeline's own checks."""
         kwargs: dict[str, Any] = dict(prompt=[self.prompt] * images, num_inference_steps=self.steps,
-                                      guidance_scale=self.guidance, cache_interval=self.cache_interval,
-                                      cache_schedule=self.cache_schedule)
+                                      guidance_scale=self.guidance, **caching_arguments(self))
         if self.negative_prompt is not None:
             kwargs["negative_prompt"] = [self.negative_prompt] * images
         return kwargs | task_arguments(self.jobs()[:images])
@@ -225,9 +228,22 @@ def _common(body: dict, config: ServeConfig, form: bool) -> dict[str, Any]:
     _choice("style", body.get("style", "vivid"), STYLES)  # taken, and ignored: see STYLES
     steps = min(config.max_steps, max(1, round(config.default_steps * QUALITY_STEPS[quality])))
     cache_interval = _integer("cache_interval", body.get("cache_interval", 1), 1, config.max_steps, form)
-    if cache_interval > 1 and not config.options.step_cache:
-        raise InvalidRequest("`cache_interval` needs the step-cache engines, which this server did not build; start "
-                             "it with `kasoku serve ... --step-cache`.", param="cache_interval")
+    cache_schedule = _choice("cache_schedule", body.get("cache_schedule", DEFAULT_SCHEDULE), SCHEDULES)
+    cache_method = body.get("cache_method")
+    if cache_method is not None:
+        _choice("cache_method", cache_method, METHODS)
+    cache_threshold = body.get("cache_threshold")
+    if cache_threshold is not None:
+        cache_threshold = _number("cache_threshold", cache_threshold, "a number >= 0", lambda v: v >= 0, form)
+    try:
+        caching = StepCaching.of(config.cache_methods, cache_interval=cache_interval, cache_schedule=cache_schedule,
+                                 cache_method=cache_method, cache_threshold=cache_threshold)
+    except InvalidStepCache as error:
+        raise InvalidRequest(str(error), param="cache_method" if cache_method else "cache_interval") from None
+    if caching.graphs and not config.options.step_cache:
+        param = "cache_threshold" if cache_threshold is not None else "cache_interval"
+        raise InvalidRequest(f"`{param}` ({caching}) needs the step-cache engines, which this server did not build; "
+                             "start it with `kasoku serve ... --step-cache`.", param=param)
     return dict(
         prompt=_text("prompt", body.get("prompt"), required=True),
         negative_prompt=_text("negative_prompt", body.get("negative_prompt")),
@@ -235,8 +251,8 @@ def _common(body: dict, config: ServeConfig, form: bool) -> dict[str, Any]:
         steps=_integer("steps", body.get("steps", steps), 1, config.max_steps, form),
         guidance=_number("guidance", body.get("guidance", config.default_guidance), "a finite number", lambda v: True,
                          form),
-        cache_interval=cache_interval,
-        cache_schedule=_choice("cache_schedule", body.get("cache_schedule", DEFAULT_SCHEDULE), SCHEDULES),
+        cache_interval=cache_interval, cache_schedule=cache_schedule, cache_method=cache_method,
+        cache_threshold=cache_threshold,
         loras=_loras(body.get("loras"), config, form),
     )
 
