@@ -3,6 +3,7 @@ and the VAE decoder, torch eager fp32 against kasoku's engines in fp32, bf16 and
 kinds at full width.
 
     python benchmarks/full_sd35.py [--stages sd35,flux] [--components transformer@512,transformer@1024,vae_decoder@1024]
+    python benchmarks/full_sd35.py --stages sd35 --components transformer@512,transformer_first@512,transformer_rest@512
                                    [--contenders onnxruntime:fp32,openvino:fp32,openvino:bf16,openvino:int8]
                                    [--repeats 3] [--threads 2] [--smoke]
 
@@ -15,6 +16,10 @@ times the engine after a warm-up and compares it with torch's saved outputs (max
 engines are exact-shape (static, as `kasoku generate` builds them). T5-XXL (4.7B parameters, 19 GB in fp32)
 does not fit beside its own export here: kasoku refuses it before reading a weight (see the README), and this
 benchmark leaves it out. The text embeddings are the transformer's inputs: 77 CLIP + 256 T5 tokens.
+
+The first-block cache (kasoku.step_cache): `transformer_first` and `transformer_rest` are components like the
+transformer; with all three measured at a size, the report adds the 20-step loop they make at several counts of
+full steps.
 
 Flux.1 at full size is 12B parameters (48 GB in fp32) and cannot be built on this machine at all: the `flux`
 stage measures one full-width double-stream block (FluxTransformerBlock) and one single-stream block
@@ -176,7 +181,8 @@ def flux_block_spec(name: str, real: bool):
 def _component_spec(component: str, size: int, real: bool):
     if component in FLUX_BLOCKS:
         return flux_block_spec(component, real)
-    pipe = sd35_pipeline(real=(("vae",) if component.startswith("vae") else (component,)) if real else ())
+    # the first-block cache's graphs (transformer_first, transformer_rest) are the transformer's weights
+    pipe = sd35_pipeline(real=(("vae",) if component.startswith("vae") else ("transformer",)) if real else ())
     return _spec(pipe, component, _size(size))
 
 
@@ -306,8 +312,41 @@ def markdown(report: dict) -> str:
                          f"{base / median:.2f}× | {floor:.2f} | {median / floor:.2f} | {check} | {compile_s} | "
                          f"{run['peak_mb']:.0f} |")
         lines.append(f"| {key} | shapes | {torch_run['shapes']} | {torch_run['gflop']:.0f} GFLOP | | | | | | |")
+    lines += first_block_loop(report)
     lines += ["", f"Peak resident memory of the run (largest stage): {report['peak_mb'] / 1024:.1f} GiB."]
     return "\n".join(lines)
+
+
+LOOP_STEPS = 20
+
+
+def first_block_loop(report: dict) -> list[str]:
+    """The first-block cache's loop from the measured step of each graph (per size and contender measured for all
+    three): a full step runs transformer_first and transformer_rest, a skipped step transformer_first alone. How
+    many steps skip is the threshold's and the weights' (random weights say nothing of it), so the loop is given
+    for 20 steps at several counts of full steps."""
+    lines = []
+    components = report["components"]
+    for key in [k for k in components if k.startswith("transformer@")]:
+        size = key.partition("@")[2]
+        parts = [components.get(f"transformer{p}@{size}") for p in ("", "_first", "_rest")]
+        if any(p is None for p in parts):
+            continue
+        for contender in parts[0]["engines"]:
+            runs = [p["engines"].get(contender) or {"failed": True} for p in parts]
+            if any(r.get("failed") for r in runs):
+                continue
+            plain, first, rest = (statistics.median(r["seconds"]) for r in runs)
+            if not lines:
+                lines += ["", f"First-block cache, a {LOOP_STEPS}-step transformer loop from the measured steps "
+                              "(full step: first + rest; skipped step: first):", "",
+                          "| size | contender | plain step s | first s | rest s | full steps of 20: 20 | 10 | 7 | 5 |",
+                          "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+            loops = [LOOP_STEPS * plain / (full * (first + rest) + (LOOP_STEPS - full) * first)
+                     for full in (20, 10, 7, 5)]
+            lines.append(f"| {size} | {contender} | {plain:.2f} | {first:.2f} | {rest:.2f} | "
+                         + " | ".join(f"{x:.2f}×" for x in loops) + " |")
+    return lines
 
 
 def main(argv: list[str] | None = None) -> int:

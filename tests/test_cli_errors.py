@@ -60,6 +60,10 @@ BAD = {
         ["generate", "{model}", "a cat", "-o", "{out}", "--cache-interval", "3", "--cache-schedule", "linear"],
         ["generate", "{model}", "a cat", "-o", "{out}", "--cache-interval", "3", "--cache-branch", "-1"],
         ["generate", "{model}", "a cat", "-o", "{out}", "--cache-interval", "3", "--cache-branch", "4"],
+        ["generate", "{model}", "a cat", "-o", "{out}", "--cache-threshold", "-0.5"],
+        ["generate", "{model}", "a cat", "-o", "{out}", "--cache-method", "magcache"],
+        ["generate", "{model}", "a cat", "-o", "{out}", "--cache-threshold", "0.1"],
+        ["generate", "{model}", "a cat", "-o", "{out}", "--cache-interval", "2", "--cache-order", "2"],
         ["generate", "{missing}", "a cat", "-o", "{out}"],
         ["generate", "{model}", "a cat", "-o", "{new}/x.png"],
         ["generate", "{model}", "a cat", "-o", "{full}"],
@@ -91,6 +95,7 @@ BAD = {
         ["batch", "{model}", "{jobs}", "--out", "{new}", "--controlnet", "{controlnet}"],
         ["batch", "{model}", "{lora_jobs}", "--out", "{new}"],
         ["batch", "{model}", "{bad_cache_jobs}", "--out", "{new}"],
+        ["batch", "{model}", "{bad_method_jobs}", "--out", "{new}"],
         ["batch", "{model}", "{jobs}", "--out", "{new}", "--cache-branch", "-1"],
         ["batch", "{model}", "{huge_jobs}", "--out", "{new}"],
     ],
@@ -184,6 +189,7 @@ def places(tmp_path, tiny_dir, controlnet_folder):
     (tmp_path / "bad.jsonl").write_text('{"prompt": "a cat", "steps": 0}\n')
     (tmp_path / "lora.jsonl").write_text(json.dumps({"prompt": "a cat", "loras": [str(tmp_path / "none")]}) + "\n")
     (tmp_path / "bad_cache.jsonl").write_text('{"prompt": "a cat", "cache_interval": 0}\n')
+    (tmp_path / "bad_method.jsonl").write_text('{"prompt": "a cat", "cache_threshold": 0.1}\n')
     (tmp_path / "huge.jsonl").write_text('{"prompt": "a cat", "height": 64, "width": 100000}\n')
     (tmp_path / "truncated.png").write_bytes((tmp_path / "in.png").read_bytes()[:60])
     partial, damaged = tmp_path / "partial", tmp_path / "damaged"
@@ -196,6 +202,7 @@ def places(tmp_path, tiny_dir, controlnet_folder):
             "full": str(full), "file": str(tmp_path / "file.txt"), "image": str(tmp_path / "in.png"),
             "missing": str(tmp_path / "missing"), "jobs": str(tmp_path / "jobs.jsonl"),
             "bad_jobs": str(tmp_path / "bad.jsonl"), "bad_cache_jobs": str(tmp_path / "bad_cache.jsonl"),
+            "bad_method_jobs": str(tmp_path / "bad_method.jsonl"),
             "cache": str(tmp_path / "cache"), "controlnet": str(controlnet_folder),
             "small": str(tmp_path / "small.png"),
             "control_jobs": str(tmp_path / "control.jsonl"), "lora_jobs": str(tmp_path / "lora.jsonl"),

@@ -184,7 +184,7 @@ def test_verify_reports_the_cached_images_against_the_uncached(tiny_dir, tiny_ca
     assert all(c["passed"] for c in report["components"])
     step_cache = report["step_cache"]
     tolerance = TOLERANCES[STEP_CACHE]
-    assert len(step_cache["per_prompt"]) == 3 and "cache interval 3, uniform" in step_cache["reference"]
+    assert len(step_cache["per_prompt"]) == 3 and "deepcache interval 3 (uniform)" in step_cache["reference"]
     assert step_cache["bound_db"] == tolerance.image_psnr_db and step_cache["bound_ssim"] == tolerance.image_ssim
     assert step_cache["passed"] == (step_cache["psnr_db"] >= tolerance.image_psnr_db
                                     and step_cache["ssim"] >= tolerance.image_ssim)

@@ -272,8 +272,8 @@ BAD_GENERATIONS = [
     (dict(extra_body={"seed": -1}), "`seed` must be an integer"),
     (dict(extra_body={"strength": 0.5}), "`strength` belongs to /v1/images/edits"),
     (dict(extra_body={"colour": "blue"}), "unknown field `colour`"),
-    (dict(extra_body={"cache_interval": 2}), "`cache_interval` needs the step-cache engines, which this server did "
-                                             "not build"),
+    (dict(extra_body={"cache_interval": 2}), "`cache_interval` (deepcache interval 2 (uniform)) needs the step-cache "
+                                             "engines, which this server did not build"),
     (dict(extra_body={"loras": [{"name": "x"}]}), "`loras`: this server was started without LoRA adapters"),
 ]
 
