@@ -37,6 +37,11 @@ the largest stage's VmHWM):
                      built into benchmarks/.models/sd15-random-2), the switch between two adapters (ranks 4 and
                      64 on the U-Net's attention projections) with run-time weights and with constant weights,
                      and the U-Net's speed with bound weights against constant and run-time weights.
+- image:kasoku-tuned-32, image:kasoku-tuned-40  `kasoku tune` at 512x512 and the largest --steps (every precision x
+                     step-caching setting on exact-shape engines, judged against the fp32 engines' images; shared by
+                     both, its time reported), then `recipe="fastest"` at 32 and at 40 dB, timed as the others:
+                     `--stages image --images diffusers,openvino-genai,kasoku-fp32-static,kasoku-bf16-static,`
+                     `kasoku-tuned-32,kasoku-tuned-40 --steps 20`.
 - deepcache:<backend> step caching: a 20-step 512x512 image with guidance at cache intervals 1, 2, 3, 5
                      (and 3 non-uniform) on one backend, fp32: loop and image seconds, the shallow graph's
                      share of the U-Net's FLOPs, PSNR and SSIM against interval 1
@@ -428,6 +433,9 @@ KASOKU_IMAGES = {f"kasoku-{p}-{shape}": ("auto", p, shape) for p in ("fp32", "bf
                  for shape in ("static", "dynamic")}
 INDUCTOR_IMAGES = {f"kasoku-inductor-{p}-{shape}": ("inductor", p, shape) for p in ("fp32", "bf16")
                    for shape in ("static", "dynamic")}
+# kasoku's tuned recipe (`kasoku tune`, then recipe="fastest") at each bound in dB from the fp32 engines; the tuning
+# (every precision x step-caching setting, exact-shape engines, at the largest --steps) is shared by both and timed
+TUNED_IMAGES = {"kasoku-tuned-32": 32.0, "kasoku-tuned-40": 40.0}
 # peers: the virtual environment each runs in (created when missing; their pins conflict with kasoku's)
 PEERS = {"optimum-intel-f32-static": "optimum-intel", "optimum-intel-default-dynamic": "optimum-intel",
          "optimum-intel-default-static": "optimum-intel", "openvino-genai": "optimum-intel",
@@ -479,7 +487,9 @@ def stage_image(contender: str, args) -> dict:
     latents = torch.from_numpy(np.load(latents_file(args)))
     result: dict = {}
     start = time.perf_counter()
-    if contender == "diffusers":
+    if contender in TUNED_IMAGES:
+        pipe = tuned_pipeline(contender, args, result)
+    elif contender == "diffusers":
         pipe = FAMILIES["sd1"].task_pipeline(load_pipeline(MODEL_DIR), "txt2img")
         result["load_s"] = time.perf_counter() - start
     else:
@@ -506,9 +516,39 @@ def stage_image(contender: str, args) -> dict:
         result["seconds"][str(steps)], image = _repeat(lambda steps=steps: generate(steps), args.repeats)
         images[f"steps{steps}"] = np.asarray(image, np.float32)
     np.savez(out.with_suffix(".npz"), **images)
-    if contender != "diffusers":
+    if contender in TUNED_IMAGES:
+        if contender == list(TUNED_IMAGES)[-1]:
+            shutil.rmtree(args.work / "images" / "tuned-cache", ignore_errors=True)
+    elif contender != "diffusers":
         shutil.rmtree(args.work / "images" / f"{contender}-cache", ignore_errors=True)  # several GB each
     return {**result, "peak_mb": peak_mb()}
+
+
+def tuned_pipeline(contender: str, args, result: dict):
+    """`kasoku tune` at this size and the largest --steps (resumed when an earlier contender tuned), then the
+    pipeline of the recorded winner at the contender's bound."""
+    import kasoku
+    from kasoku.tune import TUNE_PROMPTS, tune
+
+    cache = args.work / "images" / "tuned-cache"
+    min_psnr = TUNED_IMAGES[contender]
+    begun = time.perf_counter()
+    report = tune(MODEL_DIR, steps=max(args.steps), size=(SIZE, SIZE), guidance=7.5, min_psnr=min_psnr,
+                  cache_dir=cache, threads=args.threads, prompts=TUNE_PROMPTS[:args.tune_prompts],
+                  on_trial=lambda t, done, total: print(f"tune {done}/{total}: {t.recipe.label}: {t.seconds or 0:.1f} "
+                                                        f"s, {t.psnr_db or 0:.1f} dB {t.error or ''}", flush=True))
+    result["tune_s"] = time.perf_counter() - begun
+    result["front"] = [{"recipe": t.recipe.label, "seconds": t.seconds, "psnr_db": t.psnr_db, "ssim": t.ssim}
+                       for t in report.front]
+    result["trials"] = [t.to_dict() for t in report.record.trials]
+    begun = time.perf_counter()
+    pipe = kasoku.KasokuPipeline.from_pretrained(MODEL_DIR, recipe="fastest", min_psnr=min_psnr, components=TXT2IMG,
+                                                 cache_dir=cache, threads=args.threads)
+    chosen = pipe.recipe
+    result.update(compile_s=time.perf_counter() - begun, backends=pipe.compile_report.backends,
+                  precisions=pipe.compile_report.precisions, recipe=chosen.recipe.label,
+                  tuned_psnr_db=chosen.trial.psnr_db, tuned_ssim=chosen.trial.ssim, cache_bytes=cache_bytes(cache))
+    return pipe
 
 
 def compare_images(args) -> dict:
@@ -754,7 +794,7 @@ def _run_stage(stage: str, target: str, args, log) -> dict:
     log(f"stage {stage}:{target}")
     command = [sys.executable, __file__, "--stage", stage, "--target", target, "--stage-json", str(out),
                "--threads", str(args.threads), "--repeats", str(args.repeats), "--cache", str(args.cache),
-               "--steps", ",".join(map(str, args.steps)),
+               "--steps", ",".join(map(str, args.steps)), "--tune-prompts", str(args.tune_prompts),
                *(["--smoke"] if args.smoke else [])]
     start = time.perf_counter()
     code = subprocess.run(command).returncode
@@ -788,12 +828,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--backends", default="onnxruntime,openvino", help="kasoku backends (cold, warm, runtime)")
     parser.add_argument("--contenders", default="torch,onnxruntime,openvino",
                         help="for the speed and controlnet stages (torch first: the others are checked against it)")
-    parser.add_argument("--images", default=",".join(["diffusers", *KASOKU_IMAGES, *PEERS]),
+    parser.add_argument("--images", default=",".join(["diffusers", *KASOKU_IMAGES, *TUNED_IMAGES, *PEERS]),
                         help="for the image stage: diffusers, kasoku-{fp32,bf16,int8}-{static,dynamic} (auto), "
+                             f"{', '.join(TUNED_IMAGES)} (kasoku tune, then its recipe at 32 and 40 dB), "
                              f"kasoku-inductor-{{fp32,bf16}}-{{static,dynamic}}, and the peers {', '.join(PEERS)}")
     parser.add_argument("--steps", default=",".join(map(str, DEFAULT_IMAGE_STEPS)),
                         type=lambda text: tuple(int(s) for s in text.split(",")),
                         help="for the image stage: the step counts timed (default %(default)s)")
+    parser.add_argument("--tune-prompts", type=int, default=3,
+                        help="for the tuned contenders: prompts each recipe is timed and judged on (default 3)")
     parser.add_argument("--threads", type=int, default=torch.get_num_threads())
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--cache", type=Path, default=WORK / "cache", help="the benchmark's kasoku cache")
@@ -1063,7 +1106,10 @@ def _image_table(report: dict) -> list[str]:
             v = versus.get(name, {}).get(f"steps{steps}")
             cells.append("—" if name == "diffusers" else (f"{v['psnr_db']:.1f} dB / {v['ssim']:.4f}" if v else "-"))
         detail = ""
-        if "backends" in r:
+        if "recipe" in r:
+            detail = (f" (recipe: {r['recipe']}, tuned {r['tuned_psnr_db']:.1f} dB / {r['tuned_ssim']:.4f} from the "
+                      f"fp32 engines; tuning {r['tune_s']:.0f} s)")
+        elif "backends" in r:
             detail = " (" + ", ".join(f"{c}: {r['backends'][c]} {r['precisions'][c]}" for c in r["backends"]) + ")"
         lines.append(f"| {name}{detail} | {'-' if built is None else f'{built:.0f}'} | " + " | ".join(cells)
                      + f" | {r['peak_mb'] / 1024:.1f} GiB |")

@@ -313,11 +313,39 @@ def markdown(report: dict) -> str:
                          f"{run['peak_mb']:.0f} |")
         lines.append(f"| {key} | shapes | {torch_run['shapes']} | {torch_run['gflop']:.0f} GFLOP | | | | | | |")
     lines += first_block_loop(report)
+    lines += taylorseer_loop(report)
     lines += ["", f"Peak resident memory of the run (largest stage): {report['peak_mb'] / 1024:.1f} GiB."]
     return "\n".join(lines)
 
 
 LOOP_STEPS = 20
+
+
+def taylorseer_loop(report: dict) -> list[str]:
+    """TaylorSeer's loop from the measured plain step: a computed step is one transformer call, a forecast step a
+    few tensor operations on the output (no call), so the loop's speed-up is the steps over the computed steps
+    (diffusers' rule: warm-up 3, then one in the interval)."""
+    from kasoku.step_cache import TaylorSeerRun
+
+    computed = {n: sum(TaylorSeerRun(n).computes(s) for s in range(LOOP_STEPS)) for n in (2, 3, 4)}
+    lines = ["", f"TaylorSeer, a {LOOP_STEPS}-step transformer loop (warm-up 3): computed steps "
+             + ", ".join(f"interval {n}: {k} of {LOOP_STEPS}" for n, k in computed.items()) + "; the loop's "
+             "speed-up is the steps over the computed ones (forecasts are not engine calls):", "",
+             "| size | contender | plain step s | " + " | ".join(f"interval {n}" for n in computed) + " |",
+             "| --- | --- | --- | " + " | ".join("---" for _ in computed) + " |"]
+    rows = 0
+    for key, part in report["components"].items():
+        if not key.startswith("transformer@"):
+            continue
+        for contender, run in part["engines"].items():
+            if run.get("failed"):
+                continue
+            plain = statistics.median(run["seconds"])
+            lines.append(f"| {key.partition('@')[2]} | {contender} | {plain:.2f} | "
+                         + " | ".join(f"{plain * LOOP_STEPS / k:.1f} s ({LOOP_STEPS / k:.2f}×)"
+                                      for k in computed.values()) + " |")
+            rows += 1
+    return lines if rows else []
 
 
 def first_block_loop(report: dict) -> list[str]:

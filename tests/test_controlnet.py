@@ -510,3 +510,48 @@ def test_ip_adapter_with_lora_on_the_controlnet_pipeline(compiled, tiny_dir, con
     finally:
         ours.unload_ip_adapter()
         ours.unload_lora_weights()
+
+
+# ---- step caching with ControlNets: DeepCache's full graph takes the residuals, the shallow steps need none ---------
+
+CACHED_STEPS = 7  # the tiny scheduler (PNDM) makes 8 denoiser calls of it
+CALLS = 8
+
+
+@pytest.fixture(scope="module")
+def deepcached(pipes, controlnets, tiny_cache, sd_multi):
+    """Two ControlNets with DeepCache's graphs (the plain engines are sd_multi's, from the cache)."""
+    return kasoku.compile(pipes["sd1"], "onnxruntime", controlnet=controlnets["sd1"], cache_dir=tiny_cache.root,
+                          step_cache=True)
+
+
+@integration
+def test_deepcache_full_graph_adds_the_residuals_as_diffusers_does(deepcached):
+    from kasoku.step_cache import StepCacheRun
+
+    control = [random_image(1), random_image(2)]
+    plain = run_kasoku(deepcached, "txt2img", control, steps=CACHED_STEPS)
+    deepcached.times.reset()
+    # every step through unet_full (interval 1): the same image as unet_controlnet's
+    with deepcached._runtime._step_cache_target.step_cache(StepCacheRun(1, "uniform", lambda: CALLS)):
+        every = run_kasoku(deepcached, "txt2img", control, steps=CACHED_STEPS)
+    assert deepcached.times.calls["unet_full"] == CALLS and "unet_controlnet" not in deepcached.times.calls
+    assert_same_image(plain, every)
+
+
+@integration
+def test_deepcache_with_controlnets_runs_them_on_full_steps_only(deepcached):
+    from kasoku.step_cache import full_steps
+
+    control = [random_image(1), random_image(2)]
+    plain = run_kasoku(deepcached, "txt2img", control, steps=CACHED_STEPS)
+    deepcached.times.reset()
+    cached = run_kasoku(deepcached, "txt2img", control, steps=CACHED_STEPS, cache_interval=3)
+    calls = deepcached.times.calls
+    full = len(full_steps(CALLS, 3, "uniform"))
+    assert (calls["unet_full"], calls["unet_shallow"]) == (full, CALLS - full)
+    assert calls["controlnet_0"] == calls["controlnet_1"] == full  # a shallow step reads no residuals
+    assert 25.0 <= psnr(plain, cached) < 80.0  # DeepCache's drift: bounded, and not nothing
+    weaker = run_kasoku(deepcached, "txt2img", control, steps=CACHED_STEPS, cache_interval=3,
+                        controlnet_conditioning_scale=0.2)
+    assert psnr(cached, weaker) < 40  # the residuals of the full steps still steer the image

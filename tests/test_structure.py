@@ -30,9 +30,9 @@ PLACES = {
     "backends": ("backends",),
     "build": ("export", "optimize", "build"),
     "runtime": ("runtime", "lora", "image_prompts"),
-    "policies": ("fidelity", "calibration", "fastest"),
+    "policies": ("fidelity", "calibration", "fastest", "recipes"),
     "pipeline": ("signature", "checks", "compiling", "pipeline"),
-    "tools": ("verification", "benchmark", "demo", "info", "tiny"),
+    "tools": ("verification", "benchmark", "demo", "info", "tiny", "tune"),
     "apps": ("cli", "batch", "serve"),
 }
 # Stricter than the order: what these layers may import besides themselves.

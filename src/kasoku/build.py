@@ -621,12 +621,14 @@ def cached_profile(model, options: CompileOptions, profiles, *, cache: Cache | N
 
 def requested_components(model: Model, options: CompileOptions) -> tuple[str, ...] | None:
     """The components `options` asks for (None: every component the model has), with the step-cache
-    graphs right after the denoiser where `step_cache` is set (and the denoiser is asked for)."""
+    graphs right after the denoiser (the ControlNets' U-Net in a ControlNet pipeline) where `step_cache` is set (and
+    the denoiser is asked for)."""
     if not options.step_cache:
         return options.components
     family = model.family
     names = list(options.components or model.components)
-    if family.denoiser in names and family.step_cache_components:
-        at = names.index(family.denoiser) + 1
+    denoiser = family.denoiser_components(model)[-1]  # unet_controlnet in a ControlNet pipeline
+    if denoiser in names and family.step_cache_components:
+        at = names.index(denoiser) + 1
         names[at:at] = [name for name in family.step_cache_components if name not in names]
     return tuple(names)

@@ -22,7 +22,7 @@ from .model import Model
 from .schedulers import distilled_steps, most_steps
 from .signature import call_signature, check_names, check_task_names, pipeline_classes
 from .standins import InvalidInput
-from .step_cache import DEEPCACHE, FIRST_BLOCK, InvalidStepCache, StepCaching
+from .step_cache import FIRST_BLOCK, InvalidStepCache, StepCaching
 
 
 def _image_size(image) -> tuple[int, int]:
@@ -299,7 +299,7 @@ class CallChecks:
                                f"{', '.join(f'`{n}`' for n in arguments)}.") from None
         if not caching.active:
             return caching
-        if self.controlnets and caching.method in (DEEPCACHE, FIRST_BLOCK):
+        if self.controlnets and caching.method == FIRST_BLOCK:
             raise InvalidInput(f"the {caching.method} cache does not run with ControlNets (its graphs take no "
                                "ControlNet residuals); call with cache_method='taylorseer' (it forecasts the "
                                "denoiser's output and runs with them) or without step caching.")

@@ -35,6 +35,7 @@ BACKEND_NAMES = ("tensorrt", "onnxruntime", "openvino", "inductor", "torch")
 PROVIDER_ALIASES = {"onnxruntime-cpu": "cpu", "onnxruntime-cuda": "cuda", "onnxruntime-tensorrt": "tensorrt"}
 BACKEND_CHOICES = ("auto", *BACKEND_NAMES, *PROVIDER_ALIASES)
 TRT_OPT_LEVELS = range(0, 6)  # TensorRT's builder optimization levels
+TUNE_PRECISIONS = ("fp32", "bf16", "int8")  # what `kasoku tune` tries by default (kasoku.tune)
 
 # ---- batch and serve ----------------------------------------------------------------------------------------
 

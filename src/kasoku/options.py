@@ -21,6 +21,7 @@ if TYPE_CHECKING:
     from .components import ShapeProfile
 
 FASTEST = "fastest"  # a precision request: per component, the fastest precision whose measured drift fits min_psnr
+RECIPES = (None, FASTEST)  # `recipe`: none, or the tuned winner (kasoku.recipes)
 DEFAULT_MIN_PSNR = 35.0  # dB against the fp32 engines: bf16's floor in the fidelity contract
 DEFAULT_EXPORTER = "dynamo"
 EXPORTERS = ("dynamo", "torchscript")
@@ -46,7 +47,7 @@ class CompileOptions:
     backend: str | Mapping[str, str] = "auto"
     # a Precision, FASTEST (resolved per component when compiling), or a mapping component -> Precision
     precision: Precision | str | Mapping[str, Precision] = Precision.FP32
-    min_psnr: float = DEFAULT_MIN_PSNR  # with FASTEST: the image drift each choice must stay within
+    min_psnr: float = DEFAULT_MIN_PSNR  # with FASTEST (precision or recipe): the image drift a choice must stay within
     profile: ShapeProfile | None = None  # None: the model's default (half to double its native size)
     components: tuple[str, ...] | None = None  # None: every component the model has
     cache_dir: Path | None = None  # None: $KASOKU_CACHE or ~/.cache/kasoku
@@ -67,6 +68,9 @@ class CompileOptions:
     # cache_interval > 1 builds them when they are missing), for this skip branch of the U-Net
     step_cache: bool = False
     cache_branch: int = DEFAULT_BRANCH
+    # "fastest": run the winner of `kasoku tune`'s record for this model and machine at min_psnr (its precision,
+    # step caching, VAE and shape; kasoku.recipes); resolved by kasoku.compile into the fields above
+    recipe: str | None = None
 
     def __post_init__(self) -> None:
         set_ = object.__setattr__  # normalise once, here, so every reader sees one form
@@ -92,6 +96,12 @@ class CompileOptions:
                                  f"the default) but is {self.cache_branch!r}.")
         if self.cuda_graph:
             check_cuda_graph_profile(self.profile)
+        if self.recipe not in RECIPES:
+            raise InvalidOptions(f"`recipe` must be one of {', '.join(map(str, RECIPES[1:]))} (or None) but is "
+                                 f"{self.recipe!r}.")
+        if self.recipe is not None and self.precision == FASTEST:
+            raise InvalidOptions("`recipe` and precision 'fastest' both choose the precision; give one: the recipe "
+                                 "(precision, step caching and VAE, from `kasoku tune`) or precision 'fastest'.")
 
     def replace(self, **changes: Any) -> CompileOptions:
         return dataclasses.replace(self, **changes)

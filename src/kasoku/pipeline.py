@@ -29,7 +29,8 @@ from .errors import KasokuError
 from .image_prompts import IPAdapterError, load_into, set_scale, unload_from
 from .lora import AdapterWeight, LoraError, LoraState, read_adapter, weight_binding
 from .model import Model
-from .options import CompileOptions
+from .options import CompileOptions, InvalidOptions
+from .recipes import with_recipe
 from .runtime import EnginePipelines
 from .schedulers import scheduler_named
 from .signature import applicable
@@ -62,7 +63,8 @@ class KasokuPipeline:
     - ``cache_threshold=T`` on a transformer runs the first-block cache: the other blocks are skipped on a step
       whose first-block residual changed by at most T (relative) since the last step that ran them, as
       diffusers' FirstBlockCacheConfig (0: every step runs them).
-    ``cache_interval=1`` without a threshold runs the plain denoiser engine, exactly as without it. The first
+    ``cache_interval=1`` without a threshold runs the plain denoiser engine, exactly as without it; on a pipeline
+    compiled with ``recipe="fastest"`` such a call runs the recipe's step caching instead. The first
     call that needs step-cache graphs builds them (or loads them from the cache), unless the pipeline was
     compiled with ``step_cache=True``; ``last_step_cache`` is the last call's run (its skipped and forecast
     steps).
@@ -70,12 +72,13 @@ class KasokuPipeline:
 
     def __init__(self, model, engines: dict[str, Engine], profile: ShapeProfile,
                  report: CompileReport | None = None, *, options: CompileOptions | None = None,
-                 cache_root: Path | None = None, label: str | None = None, cache=None):
+                 cache_root: Path | None = None, label: str | None = None, cache=None, recipe=None):
         self.model = Model.of(model, label=label)  # a live diffusers pipeline, or a Model
         self.family = self.model.family
         self.controlnets = self.model.controlnets  # how many ControlNets steer it
         self.profile = profile
         self.last_step_cache = None  # the last call's step-cache run (kasoku.step_cache), None without one
+        self.recipe = recipe  # the tuned recipe it runs (kasoku.recipes.ChosenRecipe), None without one
         self.engines = engines  # the stand-ins read this dict on every call: rebinding weights swaps entries
         self.compile_report = report
         self.times = EngineTimes()
@@ -164,6 +167,8 @@ class KasokuPipeline:
         kwargs.update(self.checks.defaults(kwargs))
         kwargs = applicable(self.model.pipeline_class(task), kwargs)
         caching = self.checks.step_caching(caching_arguments)
+        if self.recipe is not None and not caching.active:  # the recipe's, unless the call turns on its own
+            caching = self.checks.step_caching(self.recipe.call_arguments)
         run = None
         if caching.active:
             self.enable_step_cache(caching.graphs)
@@ -466,17 +471,27 @@ def compile(
     `controlnet` (ControlNet folders or models, one or a list) adds ControlNets to a pipeline without them;
     `tiny_vae` (an AutoencoderTiny, TAESD, or its folder) runs in place of its VAE (`pipe` is left as it is).
     `options` is a :class:`CompileOptions`; its fields may also be given as keywords (backend,
-    precision, profile, components, cache_dir, threads, step_cache, cache_branch, ...). `pipe` may also be a
+    precision, profile, components, cache_dir, threads, step_cache, cache_branch, ...). ``recipe="fastest"``
+    runs what `kasoku tune` recorded as fastest for this model and machine with images at least ``min_psnr`` dB
+    from the fp32 engines' (its precision, step caching, VAE and shape). `pipe` may also be a
     :class:`kasoku.model.Model` (what `KasokuPipeline.from_pretrained` hands it)."""
     model = _compiled_model(pipe, controlnet, tiny_vae, label)
     options = CompileOptions.of(options, backend=backend, **fields)
+    root = cache.root if isinstance(cache, Cache) else Path(cache or options.cache_dir or default_cache_dir())
+    recipe = None
+    if options.recipe is not None:
+        if fields.get("precision") is not None:
+            raise InvalidOptions(f"`recipe` ({options.recipe}) sets the precision; leave `precision` out, or compile "
+                                 "without a recipe.")
+        model, options, recipe = with_recipe(model, options, root)
     if options.profile is None:
         options = options.replace(profile=model.default_profile())
     kwargs: dict[str, Any] = {"on_stage": on_stage} if on_stage else {}
     engines, report = compile_components(model, options, cache=cache, label=label, **kwargs)
-    root = cache.root if isinstance(cache, Cache) else Path(cache or options.cache_dir or default_cache_dir())
+    if recipe is not None:
+        report.notes.insert(0, recipe.note)
     return KasokuPipeline(model, engines, options.profile, report, options=options, cache_root=root, label=label,
-                          cache=cache)
+                          cache=cache, recipe=recipe)
 
 
 def _compiled_model(pipe, controlnet, tiny_vae, label: str | None) -> Model:

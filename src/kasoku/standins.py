@@ -120,6 +120,21 @@ def timesteps_for(timestep, batch: int) -> torch.Tensor:
     return torch.as_tensor(timestep, dtype=torch.float32).reshape(-1).expand(batch).contiguous()
 
 
+class StepCacheTargets:
+    """Stand-ins that share one call's step-cache run: a U-Net, and the ControlNets that feed it (they skip the steps
+    the run does not compute in full)."""
+
+    def __init__(self, targets: Iterator[Any] | tuple[Any, ...]):
+        self.targets = tuple(targets)
+
+    @contextlib.contextmanager
+    def step_cache(self, run) -> Iterator[None]:
+        with contextlib.ExitStack() as stack:
+            for target in self.targets:
+                stack.enter_context(target.step_cache(run))
+            yield
+
+
 @contextlib.contextmanager
 def call_state(owner: Any, attribute: str, value: Any) -> Iterator[None]:
     """`owner.attribute` is `value` for one pipeline call (a step-cache run), and None again after it."""

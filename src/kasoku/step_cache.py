@@ -254,15 +254,24 @@ class StepCacheRun:
             outputs = run(FULL, **inputs)
             self.feature = outputs[FEATURE]
             return outputs["out_sample"]
-        return run(SHALLOW, **inputs, **{FEATURE: self.feature})["out_sample"]
+        # the shallow graph takes no ControlNet residuals: they fed the full step whose deep feature it reads
+        shallow = {n: v for n, v in inputs.items() if n in stand_in._engines[SHALLOW].spec.input_names}
+        return run(SHALLOW, **shallow, **{FEATURE: self.feature})["out_sample"]
 
     def next_is_full(self) -> bool:
         """Whether the next step runs the whole U-Net (and count it)."""
-        if self.full is None:
-            self.full = frozenset(full_steps(self.loop_length(), self.interval, self.schedule))
-        full = self.feature is None or self.step in self.full
+        full = self._is_full(self.step)
         self.step += 1
         return full
+
+    def skips_next(self, _branch: str | None = None) -> bool:
+        """Whether the next step runs the shallow graph only (a ControlNet need not run for it); counts nothing."""
+        return not self._is_full(self.step)
+
+    def _is_full(self, step: int) -> bool:
+        if self.full is None:
+            self.full = frozenset(full_steps(self.loop_length(), self.interval, self.schedule))
+        return self.feature is None or step in self.full
 
 
 
@@ -319,6 +328,11 @@ class TaylorSeerRun:
     def computes(self, step: int) -> bool:
         return step < self.warmup or (step - self.warmup - 1) % self.interval == 0
 
+    def skips_next(self, branch: str | None = None) -> bool:
+        """Whether the next step of `branch` is forecast (a ControlNet need not run for it); counts nothing."""
+        state = self._states.get(branch)
+        return state is not None and state.updated is not None and not self.computes(state.step + 1)
+
     def denoise(self, stand_in: EngineRunner, inputs: dict[str, torch.Tensor]) -> torch.Tensor:
         state = self._states.setdefault(stand_in._cache_branch, _Forecast())
         state.step += 1
@@ -354,6 +368,10 @@ class FirstBlockRun:
     skipped: int = 0
     changes: list[float] = field(default_factory=list)  # each step's measured change (inf: none measured)
     _states: dict[str | None, _BlockCache] = field(default_factory=dict, repr=False)
+
+    def skips_next(self, _branch: str | None = None) -> bool:
+        """Never known ahead: the first block decides, on the step itself."""
+        return False
 
     def denoise(self, stand_in: EngineRunner, inputs: dict[str, torch.Tensor]) -> torch.Tensor:
         state = self._states.setdefault(stand_in._cache_branch, _BlockCache())

@@ -18,7 +18,7 @@ import torch
 
 from ..components import ComponentSpec, ShapeProfile, TensorSpec
 from ..errors import NotADiffusersPipeline
-from ..standins import EngineModule, InvalidInput, timesteps_for
+from ..standins import EngineModule, InvalidInput, call_state, timesteps_for
 from .base import Axes, ModuleRef
 from .unet import controlnet_residuals, denoiser_inputs, residual_specs
 
@@ -119,6 +119,12 @@ class EngineControlNet(EngineModule):
         self._engines = engines
         self._times = times
         self._component = component
+        self._step_cache = None
+
+    def step_cache(self, run):
+        """Step caching for one pipeline call (None: none): a step whose U-Net call the run skips or forecasts needs
+        no residuals, so the ControlNet is not run for it."""
+        return call_state(self, "_step_cache", run)
 
     def forward(self, sample, timestep, encoder_hidden_states, controlnet_cond, conditioning_scale=1.0,
                 class_labels=None, timestep_cond=None, attention_mask=None, added_cond_kwargs=None,
@@ -138,8 +144,10 @@ class EngineControlNet(EngineModule):
                      conditioning_scale=residual_scales(len(spec.outputs), conditioning_scale, guess_mode,
                                                         sample.device),
                      **{name: added_cond_kwargs[name].to(torch.float32) for name in added_names})
-        if float(conditioning_scale) == 0.0:
-            # Outside the control-guidance window diffusers multiplies every residual by 0: zeros, without the call.
+        run = self._step_cache
+        if float(conditioning_scale) == 0.0 or (run is not None and run.skips_next(self._cache_branch)):
+            # Outside the control-guidance window diffusers multiplies every residual by 0, and a step the U-Net does
+            # not compute in full reads none: zeros, without the call.
             shapes = spec.output_shapes({name: tuple(value.shape) for name, value in feeds.items()})
             out = {name: torch.zeros(shape, dtype=self.dtype, device=sample.device) for name, shape in shapes.items()}
         else:

@@ -10,6 +10,10 @@ Branches are the U-Net's skip connections counted from the outside in: branch 0 
 which the last layer of the last up block reads; the deepest branch is the last down layer's output.
 Branch 0 is the reference implementation's default (DeepCache's ``cache_branch_id``; for U-Nets with
 two layers per block, as SD 1.x/2.x/XL have, branch b is its (block, layer) = (b // 3, b % 3)).
+
+In a ControlNet pipeline ``unet_full`` also takes the ControlNets' residuals (as ``unet_controlnet`` does, added
+where diffusers adds them), so the deep feature it caches carries their guidance; ``unet_shallow`` takes none: the
+ControlNets run only on the steps that run the full graph.
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ import torch
 from ..components import Axis, ComponentSpec, TensorSpec
 from ..step_cache import FEATURE, FULL, SHALLOW, InvalidStepCache
 from .base import Axes, ModuleRef
+from .unet import residual_names
 
 # The block types whose layers kasoku runs one by one (every SD 1.x, 2.x and XL U-Net's).
 DOWN_BLOCKS = ("CrossAttnDownBlock2D", "DownBlock2D")
@@ -173,11 +178,17 @@ class UNetLayers:
             h = unet.conv_act(unet.conv_norm_out(h))
         return unet.conv_out(h)
 
-    def full(self, sample, timestep, ehs, added=None) -> tuple[torch.Tensor, torch.Tensor]:
-        """The whole U-Net: (noise prediction, the deep feature at the branch)."""
+    def full(self, sample, timestep, ehs, added=None, residuals=()) -> tuple[torch.Tensor, torch.Tensor]:
+        """The whole U-Net: (noise prediction, the deep feature at the branch); with a ControlNet's `residuals`
+        (one per skip, then the mid block's) added where diffusers adds them: to the skips the up layers read, and
+        to the mid block's output."""
         emb, ehs, h, sizes = self.prologue(sample, timestep, ehs, added)
         h, skips = self.down_path(h, emb, ehs, len(self.down))
+        if residuals:
+            skips = [skip + residual for skip, residual in zip(skips, residuals[:-1])]
         h = self.mid(h, emb, ehs)
+        if residuals:
+            h = h + residuals[-1]
         feature = self.up_path(h, emb, ehs, skips, slice(0, self.branch.up_layer), sizes)
         h = self.up_path(feature, emb, ehs, skips, slice(self.branch.up_layer, None), sizes)
         return self.epilogue(h), feature
@@ -207,8 +218,8 @@ def _sampled(samplers, h):
 
 
 class StepCacheFullModule(torch.nn.Module):
-    """unet_full: the whole U-Net on (sample, timestep, encoder_hidden_states, *added conditioning), returning
-    the noise prediction and the deep feature."""
+    """unet_full: the whole U-Net on (sample, timestep, encoder_hidden_states, *added conditioning, [*a ControlNet's
+    residuals]), returning the noise prediction and the deep feature."""
 
     def __init__(self, unet: torch.nn.Module, branch: Branch, added: tuple[str, ...] = ()):
         super().__init__()
@@ -216,8 +227,10 @@ class StepCacheFullModule(torch.nn.Module):
         self.layers = UNetLayers(unet, branch)
         self.added = added
 
-    def forward(self, sample, timestep, encoder_hidden_states, *added):
-        return self.layers.full(sample, timestep, encoder_hidden_states, dict(zip(self.added, added)) or None)
+    def forward(self, sample, timestep, encoder_hidden_states, *rest):
+        added, residuals = rest[:len(self.added)], rest[len(self.added):]
+        return self.layers.full(sample, timestep, encoder_hidden_states, dict(zip(self.added, added)) or None,
+                                residuals)
 
 
 class StepCacheShallowModule(torch.nn.Module):
@@ -249,15 +262,20 @@ def _step_cache_spec(plain: ComponentSpec, ref: ModuleRef, branch: int, name: st
     """The plain U-Net's spec (the same inputs and weights) made into a step-cache graph: the branch is
     part of its architecture; int8 quantizes its weights only (calibration records the plain U-Net)."""
     geometry = Branch.of(ref.config, branch)
-    added = plain.input_names[3:]  # after sample, timestep and encoder_hidden_states
+    residuals = set(residual_names(len(plain.input_names)))
+    # after sample, timestep and encoder_hidden_states; a ControlNet's residuals, where taken, come last
+    added = tuple(n for n in plain.input_names[3:] if n not in residuals)
+    controlled = any(n in residuals for n in plain.input_names)
     spec = dataclasses.replace(plain, name=name, load_module=lambda: build_module(ref.load(), geometry, added),
-                               config={**plain.config, "kasoku_step_cache": {"graph": name, "branch": branch}},
+                               config={**plain.config, "kasoku_step_cache": {"graph": name, "branch": branch,
+                                                                             "controlnet_residuals": controlled}},
                                int8="weights")
     return spec, geometry
 
 
 def unet_full_spec(plain: ComponentSpec, ref: ModuleRef, axes: Axes, branch: int) -> ComponentSpec:
-    """unet_full of the U-Net whose plain spec is `plain`."""
+    """unet_full of the U-Net whose plain spec is `plain` (unet_controlnet's in a ControlNet pipeline: it takes the
+    residuals too)."""
     spec, geometry = _step_cache_spec(plain, ref, branch, FULL, StepCacheFullModule)
     return dataclasses.replace(spec, outputs=(*spec.outputs, deep_feature(axes, geometry)))
 

@@ -66,7 +66,9 @@ def cpu_name() -> str:
 
 
 # The CPU features that decide which precisions run fast (printed by every benchmark).
-CPU_FLAGS = ("avx2", "avx512f", "avx512_vnni", "avx512_bf16", "amx_tile", "amx_bf16", "amx_int8")
+CPU_FLAGS = ("avx2", "avx512f", "avx512_vnni", "avx_vnni", "avx512_bf16", "amx_tile", "amx_bf16", "amx_int8")
+# An int8 dot product that accumulates in 32 bits (VNNI, AMX); without one, u8 x s8 products saturate 16-bit sums.
+INT8_DOT_PRODUCT_FLAGS = ("avx512_vnni", "avx_vnni", "amx_int8")
 
 
 def cpu_flags() -> list[str]:
@@ -79,6 +81,12 @@ def cpu_flags() -> list[str]:
     except OSError:
         pass
     return []
+
+
+def has_int8_dot_product() -> bool:
+    """Whether this CPU multiplies int8 without saturating (VNNI or AMX): OpenVINO's int8 kernels on older CPUs (AVX2,
+    AVX-512 without VNNI) saturate, which NNCF's overflow fix avoids with 7-bit weights."""
+    return any(flag in INT8_DOT_PRODUCT_FLAGS for flag in cpu_flags())
 
 
 @dataclass(frozen=True)

@@ -145,6 +145,17 @@ class OpenVinoBackend(Backend):
     def optimization_passes(self, precision: Precision) -> list[str]:
         return list(self.passes)  # precision is an inference hint (or NNCF's rewrite), not an ONNX pass
 
+    def key(self, precision: Precision) -> dict[str, Any]:
+        """An int8 engine built with NNCF's overflow fix (a CPU without VNNI decides it; CPU names do not tell) is keyed
+        so (engines built without it keep their keys)."""
+        key = super().key(precision)
+        if Precision(precision) == Precision.INT8:
+            from .int8 import overflow_fix
+
+            if overflow_fix() == "enable":
+                key["int8_overflow_fix"] = "enable"
+        return key
+
     def needs_calibration(self, spec: ComponentSpec, precision: Precision) -> bool:
         return Precision(precision) == Precision.INT8 and spec.int8 == "hybrid"
 

@@ -15,12 +15,12 @@ from ..errors import KasokuError
 from .admin import CacheCommand, Info
 from .base import Command
 from .build import Compile, Export, Tiny
-from .check import Bench, Demo, Verify
+from .check import Bench, Demo, Tune, Verify
 from .generate import Batch, Generate
 from .serve import Serve
 
 COMMANDS: dict[str, Command] = {c.name: c for c in (Demo(), Generate(), Batch(), Serve(), Tiny(), Export(), Compile(),
-                                                     CacheCommand(), Verify(), Bench(), Info())}
+                                                     CacheCommand(), Verify(), Bench(), Tune(), Info())}
 
 
 class _Parser(argparse.ArgumentParser):

@@ -128,6 +128,16 @@ def add_lora_targets(parser: argparse.ArgumentParser) -> None:
                              "(default: none; every weight is a constant, and an adapter rebuilds the engine)")
 
 
+def image_size(text: str):
+    """WIDTHxHEIGHT, as the OpenAI API writes a size (kasoku.choices.Size)."""
+    from ..choices import Size
+
+    try:
+        return Size.parse(text)
+    except ValueError as error:
+        raise argparse.ArgumentTypeError(str(error)) from None
+
+
 def size_range(text: str) -> tuple[int, ...]:
     """MIN:MAX or MIN:OPT:MAX, positive integers."""
     rule = "MIN:MAX or MIN:OPT:MAX (positive integers)"
@@ -268,8 +278,24 @@ def add_backend_arguments(parser: argparse.ArgumentParser) -> None:
                              "component the fastest precision whose image drift stays within --min-psnr. Each has "
                              "a fidelity contract (`kasoku verify --precision X` checks it)")
     parser.add_argument("--min-psnr", type=finite_float, default=DEFAULT_MIN_PSNR, metavar="DB",
-                        help=f"with --precision fastest: the least image PSNR against the fp32 engines "
-                             f"(default {DEFAULT_MIN_PSNR:g} dB)")
+                        help=f"with --precision fastest or --recipe fastest: the least image PSNR against the fp32 "
+                             f"engines (default {DEFAULT_MIN_PSNR:g} dB)")
+
+
+def add_recipe(parser: argparse.ArgumentParser) -> None:
+    """--recipe: run what `kasoku tune` recorded as fastest (at --min-psnr)."""
+    parser.add_argument("--recipe", choices=["fastest"], default=None,
+                        help="fastest: run the recipe `kasoku tune MODEL` recorded as the fastest on this machine with "
+                             "images at least --min-psnr dB from the fp32 engines' (its precision, step caching, VAE "
+                             "and exact-shape engines); a call's own --cache-interval/--cache-threshold replaces its "
+                             "step caching. Without a tuning of the model here it says what to run")
+
+
+def check_recipe_arguments(args: argparse.Namespace) -> None:
+    """--recipe chooses the precision: a --precision beside it is refused (before any work)."""
+    if getattr(args, "recipe", None) and args.precision != "fp32":
+        raise KasokuError(f"--recipe {args.recipe} chooses the precision (the tuned one); leave out --precision "
+                          f"{args.precision}, or drop --recipe.")
 
 
 def add_engine_arguments(parser: argparse.ArgumentParser, *, profile_flags: bool = True) -> None:
@@ -371,7 +397,9 @@ def options_from_args(args: argparse.Namespace, profile=None, *, cuda_graph: boo
         step_cache=getattr(args, "step_cache", False),
         cache_branch=getattr(args, "cache_branch", CompileOptions.cache_branch),
         cuda_graph=getattr(args, "cuda_graph", False) if cuda_graph is None else cuda_graph,
+        recipe=getattr(args, "recipe", None),
     )
+    check_recipe_arguments(args)
     check_backend(options)
     return options
 

@@ -11,6 +11,7 @@ from .base import (
     add_engine_arguments,
     add_json,
     add_model,
+    add_recipe,
     add_step_cache_arguments,
     add_tiny_vae,
     component_name,
@@ -143,10 +144,12 @@ class Compile(Command):
         add_controlnet(p)
         add_tiny_vae(p)
         add_engine_arguments(p)
+        add_recipe(p)
         add_step_cache_arguments(p, per_call=False)
         add_json(p)
 
     def run(self, args: argparse.Namespace) -> int:
+        from ..cache import default_cache_dir
         from ..compiling import compile_components
         from ..console import console, table, write_json
         from ..families import FAMILIES
@@ -155,7 +158,14 @@ class Compile(Command):
         options = options_from_args(args, profile_from_args(args))
         model = Model.load(args.model, lazy=True, controlnet=controlnets_from_args(args),
                            tiny_vae=tiny_vae_from_args(args), label=str(args.model))
+        chosen = None
+        if options.recipe:
+            from ..recipes import with_recipe
+
+            model, options, chosen = with_recipe(model, options, options.cache_dir or default_cache_dir())
         _, report = compile_components(model, options, on_stage=show_stage, label=str(args.model))
+        if chosen is not None:
+            report.notes.insert(0, chosen.note)
         rows = [[s.component, s.stage, s.status, f"{s.seconds:.1f} s", s.key[:12]] for s in report.stages]
         console.print(table(f"compile {report.model} ({FAMILIES[report.family].title}, {report.precision})",
                             ["component", "stage", "cache", "time", "entry"], rows))

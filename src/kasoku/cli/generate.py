@@ -21,10 +21,12 @@ from .base import (
     add_json,
     add_lora_targets,
     add_model,
+    add_recipe,
     add_step_cache_arguments,
     add_tiny_vae,
     check_backend,
     check_output_file,
+    check_recipe_arguments,
     controlnets_from_args,
     finite_float,
     flags_named,
@@ -102,6 +104,7 @@ class Generate(Command):
                        help="a LoRA adapter (a diffusers, kohya or PEFT .safetensors file, or its folder) at weight "
                             "SCALE (default 1); repeat to blend several")
         add_engine_arguments(p, profile_flags=False)
+        add_recipe(p)
         add_step_cache_arguments(p, per_call=True)
 
     def run(self, args: argparse.Namespace) -> int:
@@ -313,6 +316,7 @@ class Batch(Command):
                             "runtime's; 1 with --ray)")
         add_controlnet(p)
         add_backend_arguments(p)
+        add_recipe(p)
         p.add_argument("--height", type=size_range, metavar="MIN:MAX",
                        help="image heights the engines serve (default: half to double the model's size)")
         p.add_argument("--width", type=size_range, metavar="MIN:MAX",
@@ -339,7 +343,8 @@ class Batch(Command):
             ("attention" if any(job.loras for job in jobs) else ())
         options = CompileOptions(backend=args.backend, precision=args.precision, min_psnr=args.min_psnr,
                                  cache_dir=args.cache_dir, threads=threads, lora_targets=targets,
-                                 cache_branch=args.cache_branch)
+                                 cache_branch=args.cache_branch, recipe=args.recipe)
+        check_recipe_arguments(args)
         check_backend(options)
         plan = prepare(args.model, jobs, args.out, batch_size=args.batch_size, controlnet=controlnets_from_args(args),
                        options=options, height=args.height, width=args.width)

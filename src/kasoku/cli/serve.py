@@ -10,7 +10,9 @@ from .base import (
     Command,
     add_engine_arguments,
     add_model,
+    add_recipe,
     add_step_cache_arguments,
+    image_size,
     options_from_args,
     positive_int,
     show_stage,
@@ -42,7 +44,7 @@ class Serve(Command):
         p.add_argument("--host", default="127.0.0.1",
                        help="address to listen on (default 127.0.0.1: this machine only; 0.0.0.0 for every interface)")
         p.add_argument("--port", type=_port, default=8000, help="port (default 8000; 0: any free port, printed)")
-        p.add_argument("--size", type=_size, action="append", metavar="WxH",
+        p.add_argument("--size", type=image_size, action="append", metavar="WxH",
                        help="an image size requests may ask for, WIDTHxHEIGHT; repeat for several (default: the "
                             "model's native size, e.g. 512x512). The engines are built for exactly these sizes (one "
                             "size: static height and width, the fastest engines on CPU backends), for 1 to "
@@ -85,6 +87,7 @@ class Serve(Command):
                             "it): requests may send an image prompt, `ip_image` (base64 in generations, an uploaded "
                             "file in edits) and `ip_scale`; requests without one run at scale 0")
         add_engine_arguments(p, profile_flags=False)
+        add_recipe(p)
         add_step_cache_arguments(p, per_call=False)
 
     def run(self, args: argparse.Namespace) -> int:
@@ -186,15 +189,6 @@ def _named_lora(text: str) -> tuple[str, str]:
         raise argparse.ArgumentTypeError(f"give NAME=PATH (the name requests use, then the adapter's file), not "
                                          f"{text!r}")
     return name, path
-
-
-def _size(text: str):
-    from ..choices import Size
-
-    try:
-        return Size.parse(text)
-    except ValueError as error:
-        raise argparse.ArgumentTypeError(str(error)) from None
 
 
 __all__ = ["Serve"]

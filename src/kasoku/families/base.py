@@ -28,7 +28,7 @@ from ..architectures.base import Axes, ModuleRef, module_at
 from ..choices import CONTROLNET_COMPONENT
 from ..components import Axis, ComponentSpec, Precision, ShapeProfile, TensorSpec, default_profile
 from ..errors import KasokuError, NotADiffusersPipeline
-from ..standins import EngineTimes
+from ..standins import EngineTimes, StepCacheTargets
 from ..step_cache import BLOCK_COMPONENTS, DEEPCACHE, DEFAULT_BRANCH, FIRST_BLOCK, TAYLORSEER
 from ..step_cache import COMPONENTS as STEP_CACHE_COMPONENTS
 
@@ -432,16 +432,22 @@ class UNetFamily(Family):
             return unet.unet_spec(model.ref(self.denoiser), profile, axes, text_length=text_length,
                                   added=self.unet_added_inputs(model, axes), ip=self.denoiser_ip_inputs(model, axes))
 
+        def with_residuals() -> ComponentSpec:
+            return unet.residual_unet_spec(model.ref(self.denoiser), profile, axes, text_length=text_length,
+                                           added=self.unet_added_inputs(model, axes),
+                                           ip=self.denoiser_ip_inputs(model, axes))
+
+        controlled = bool(self.controlnet_paths(model.pipe))
+        # DeepCache in a ControlNet pipeline: the full graph takes the residuals, the shallow one runs without them
         builders: dict[str, Callable[[], ComponentSpec]] = {
             self.denoiser: plain,
-            deepcache.FULL: lambda: deepcache.unet_full_spec(plain(), model.ref(self.denoiser), axes, cache_branch),
+            deepcache.FULL: lambda: deepcache.unet_full_spec(with_residuals() if controlled else plain(),
+                                                             model.ref(self.denoiser), axes, cache_branch),
             deepcache.SHALLOW: lambda: deepcache.unet_shallow_spec(plain(), model.ref(self.denoiser), axes,
                                                                    cache_branch),
         }
-        if self.controlnet_paths(model.pipe):
-            builders[CONTROLNET_UNET] = lambda: unet.residual_unet_spec(
-                model.ref(self.denoiser), profile, axes, text_length=text_length,
-                added=self.unet_added_inputs(model, axes), ip=self.denoiser_ip_inputs(model, axes))
+        if controlled:
+            builders[CONTROLNET_UNET] = with_residuals
             for name, path in self.controlnet_components(model.pipe).items():
                 builders[name] = lambda name=name, path=path: self.controlnet_spec(model, name, path, profile, axes)
         return builders
@@ -532,7 +538,11 @@ class UNetFamily(Family):
         return nets[0] if self.controlnet_paths(pipe) == ("controlnet",) else controlnet.engine_multi_controlnet(nets)
 
     def step_cache_target(self, stand_ins: Mapping[str, Any]):
-        return stand_ins[self.denoiser]
+        """The U-Net, and its ControlNets: they skip the steps the run does not compute in full."""
+        nets = stand_ins.get("controlnet")
+        if nets is None:
+            return stand_ins[self.denoiser]
+        return StepCacheTargets((stand_ins[self.denoiser], *getattr(nets, "nets", [nets])))
 
     # ---- LoRA and the tiny model -------------------------------------------------------------------
 
