@@ -25,10 +25,9 @@ from .backends.base import cpu_flags, cpu_name
 from .cache import CorruptEntryWarning, atomic_write_text
 from .errors import KasokuError
 
-__all__ = ["ChosenRecipe", "FASTEST_RECIPE", "NoTunedRecipe", "Recipe", "RecipeBook", "Trial", "TuneRecord",
+__all__ = ["ChosenRecipe", "NoTunedRecipe", "Recipe", "RecipeBook", "Trial", "TuneRecord",
            "machine_identity", "model_identity", "pareto_front", "recorded_winner", "with_recipe"]
 
-FASTEST_RECIPE = "fastest"
 RECIPES_DIR = "recipes"  # under the cache folder
 # the denoiser and text encoders are what a tuning is of: a swapped VAE (the tiny one) is part of the recipe
 IDENTITY_MODULES = ("unet", "transformer", "text_encoder", "text_encoder_2", "text_encoder_3")
@@ -275,6 +274,7 @@ def recorded_winner(model, *, backend: str | dict, profile, min_psnr: float, thr
     the record of any backend."""
     machine = machine_identity(threads)
     asked = backend if isinstance(backend, str) else None
+    model.remember_digests_under(root)  # a warm start reads the weights' digests from the cache, not the weights
     records = RecipeBook(root).records_of(model_identity(model), machine, asked)
     if profile is not None:
         shape = profile.opt
