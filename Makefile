@@ -30,12 +30,13 @@ demo: setup
 	$(VENV)/bin/kasoku demo
 
 # Two workers (pytest-xdist), a test file per worker at a time: exports are single-threaded, so two
-# cores run two files' exports at once. Each worker builds the session's tiny artefacts once.
+# cores run two files' exports at once. Each worker builds the session's tiny artefacts once. Files go out in
+# collection order, the slowest first (tests/conftest.py: SLOWEST_FILES).
 # `make test WORKERS=0` runs in one process.
 WORKERS := 2
 
 test: setup browser
-	$(PY) -m pytest -q --durations=25 $(if $(filter-out 0,$(WORKERS)),-n $(WORKERS) --dist loadfile)
+	$(PY) -m pytest -q --durations=25 $(if $(filter-out 0,$(WORKERS)),-n $(WORKERS) --dist loadfile --no-loadscope-reorder)
 
 # Tests marked slow (AOTInductor compiles: minutes each on two cores) are skipped by `make test`, run here.
 test-slow: setup

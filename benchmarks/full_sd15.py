@@ -528,19 +528,21 @@ def tuned_pipeline(contender: str, args, result: dict):
     """`kasoku tune` at this size and the largest --steps (resumed when an earlier contender tuned), then the
     pipeline of the recorded winner at the contender's bound."""
     import kasoku
-    from kasoku.tune import TUNE_PROMPTS, tune
+    from kasoku.tune import TUNE_PROMPTS, markdown, tune
 
     cache = args.work / "images" / "tuned-cache"
     min_psnr = TUNED_IMAGES[contender]
     begun = time.perf_counter()
     report = tune(MODEL_DIR, steps=max(args.steps), size=(SIZE, SIZE), guidance=7.5, min_psnr=min_psnr,
                   cache_dir=cache, threads=args.threads, prompts=TUNE_PROMPTS[:args.tune_prompts],
+                  budget_s=args.tune_budget_s,
                   on_trial=lambda t, done, total: print(f"tune {done}/{total}: {t.recipe.label}: {t.seconds or 0:.1f} "
                                                         f"s, {t.psnr_db or 0:.1f} dB {t.error or ''}", flush=True))
     result["tune_s"] = time.perf_counter() - begun
     result["front"] = [{"recipe": t.recipe.label, "seconds": t.seconds, "psnr_db": t.psnr_db, "ssim": t.ssim}
                        for t in report.front]
     result["trials"] = [t.to_dict() for t in report.record.trials]
+    result["tune_table"] = markdown(report)
     begun = time.perf_counter()
     pipe = kasoku.KasokuPipeline.from_pretrained(MODEL_DIR, recipe="fastest", min_psnr=min_psnr, components=TXT2IMG,
                                                  cache_dir=cache, threads=args.threads)
@@ -795,6 +797,7 @@ def _run_stage(stage: str, target: str, args, log) -> dict:
     command = [sys.executable, __file__, "--stage", stage, "--target", target, "--stage-json", str(out),
                "--threads", str(args.threads), "--repeats", str(args.repeats), "--cache", str(args.cache),
                "--steps", ",".join(map(str, args.steps)), "--tune-prompts", str(args.tune_prompts),
+               *(["--tune-budget-s", str(args.tune_budget_s)] if args.tune_budget_s else []),
                *(["--smoke"] if args.smoke else [])]
     start = time.perf_counter()
     code = subprocess.run(command).returncode
@@ -837,6 +840,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="for the image stage: the step counts timed (default %(default)s)")
     parser.add_argument("--tune-prompts", type=int, default=3,
                         help="for the tuned contenders: prompts each recipe is timed and judged on (default 3)")
+    parser.add_argument("--tune-budget-s", type=float, default=None,
+                        help="for the tuned contenders: the tuner's budget in seconds (a rerun resumes; default none)")
     parser.add_argument("--threads", type=int, default=torch.get_num_threads())
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--cache", type=Path, default=WORK / "cache", help="the benchmark's kasoku cache")
@@ -1113,7 +1118,29 @@ def _image_table(report: dict) -> list[str]:
             detail = " (" + ", ".join(f"{c}: {r['backends'][c]} {r['precisions'][c]}" for c in r["backends"]) + ")"
         lines.append(f"| {name}{detail} | {'-' if built is None else f'{built:.0f}'} | " + " | ".join(cells)
                      + f" | {r['peak_mb'] / 1024:.1f} GiB |")
+    return [*lines, "", *_against_genai(images, step_counts), *_tune_tables(images)]
+
+
+def _against_genai(images: dict, step_counts: list[int]) -> list[str]:
+    """Each kasoku contender's speed-up over openvino-genai's defaults in the same run (the issue's yardstick)."""
+    genai = images.get("openvino-genai", {})
+    if genai.get("failed") or not genai.get("seconds"):
+        return []
+    lines = []
+    for steps in step_counts:
+        if str(steps) not in genai["seconds"]:
+            continue
+        base = _median(genai["seconds"][str(steps)])
+        ratios = [f"{name} {base / _median(r['seconds'][str(steps)]):.2f}×" for name, r in images.items()
+                  if name.startswith("kasoku") and not r.get("failed") and str(steps) in r.get("seconds", {})]
+        lines.append(f"Against openvino-genai's defaults at {steps} steps ({base:.1f} s): {', '.join(ratios)}.")
     return [*lines, ""]
+
+
+def _tune_tables(images: dict) -> list[str]:
+    """The tuner's table (every trial, the front), once: the tuned contenders share one tuning."""
+    table = next((r["tune_table"] for r in images.values() if r.get("tune_table")), None)
+    return [table.replace("## ", "### ", 1), ""] if table else []
 
 
 def _fidelity_table(report: dict) -> list[str]:

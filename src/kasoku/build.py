@@ -494,8 +494,9 @@ class Compiler:
             return gpu[:1], None
         candidates = [name for name in cpu_candidates() if _builds(name, precision)]
         if not candidates:
-            reasons = "; ".join(_refusal(name, precision) for name in cpu_candidates())
-            raise UnsupportedPrecision(f"no backend here builds {precision.value}: {reasons}.")
+            refusals = (_refusal(name, precision) for name in cpu_candidates())  # each a sentence of its own
+            reasons = " ".join(r[:1].upper() + r[1:] for r in refusals)
+            raise UnsupportedPrecision(f"no backend here builds {precision.value}. {reasons}")
         if len(candidates) == 1:
             return candidates, None
         return candidates, {
