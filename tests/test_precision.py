@@ -210,9 +210,9 @@ def test_fastest_keeps_fp32_when_no_precision_fits_and_says_why(tiny_pipe, preci
 
 @pytest.mark.integration
 def test_fastest_lowers_precision_where_the_drift_fits(tiny_pipe, fp32_openvino, precision_cache):
-    from kasoku.backends.base import cpu_flags, has_int8_dot_product
+    from kasoku.backends.base import has_int8_dot_product
 
-    if not has_int8_dot_product() and not {"avx512_bf16", "amx_bf16"} & set(cpu_flags()):
+    if not has_int8_dot_product() and not native_bf16():
         # measured on an AVX2-only EPYC: int8 took 2.5-2.9x fp32's time, bf16 cannot be built; `fastest` keeps fp32
         # and says so, which test_fastest_keeps_fp32_when_no_precision_fits_and_says_why checks
         pytest.skip("this CPU has no int8 dot product (VNNI, AMX) nor native bf16: no lower precision is faster here")
