@@ -528,7 +528,7 @@ def tuned_pipeline(contender: str, args, result: dict):
     """`kasoku tune` at this size and the largest --steps (resumed when an earlier contender tuned), then the
     pipeline of the recorded winner at the contender's bound."""
     import kasoku
-    from kasoku.tune import TUNE_PROMPTS, markdown, tune
+    from kasoku.tune import PRECISIONS, TUNE_PROMPTS, markdown, tune
 
     cache = args.work / "images" / "tuned-cache"
     min_psnr = TUNED_IMAGES[contender]
@@ -536,6 +536,7 @@ def tuned_pipeline(contender: str, args, result: dict):
     report = tune(MODEL_DIR, steps=max(args.steps), size=(SIZE, SIZE), guidance=7.5, min_psnr=min_psnr,
                   cache_dir=cache, threads=args.threads, prompts=TUNE_PROMPTS[:args.tune_prompts],
                   budget_s=args.tune_budget_s,
+                  precisions=args.tune_precisions.split(",") if args.tune_precisions else PRECISIONS,
                   on_trial=lambda t, done, total: print(f"tune {done}/{total}: {t.recipe.label}: {t.seconds or 0:.1f} "
                                                         f"s, {t.psnr_db or 0:.1f} dB {t.error or ''}", flush=True))
     result["tune_s"] = time.perf_counter() - begun
@@ -798,6 +799,7 @@ def _run_stage(stage: str, target: str, args, log) -> dict:
                "--threads", str(args.threads), "--repeats", str(args.repeats), "--cache", str(args.cache),
                "--steps", ",".join(map(str, args.steps)), "--tune-prompts", str(args.tune_prompts),
                *(["--tune-budget-s", str(args.tune_budget_s)] if args.tune_budget_s else []),
+               *(["--tune-precisions", args.tune_precisions] if args.tune_precisions else []),
                *(["--smoke"] if args.smoke else [])]
     start = time.perf_counter()
     code = subprocess.run(command).returncode
@@ -842,6 +844,9 @@ def main(argv: list[str] | None = None) -> int:
                         help="for the tuned contenders: prompts each recipe is timed and judged on (default 3)")
     parser.add_argument("--tune-budget-s", type=float, default=None,
                         help="for the tuned contenders: the tuner's budget in seconds (a rerun resumes; default none)")
+    parser.add_argument("--tune-precisions", default=None,
+                        help="for the tuned contenders: the precisions the tuner tries, comma-separated (default: "
+                             "the tuner's, fp32,bf16,int8)")
     parser.add_argument("--threads", type=int, default=torch.get_num_threads())
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--cache", type=Path, default=WORK / "cache", help="the benchmark's kasoku cache")

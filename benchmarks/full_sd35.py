@@ -6,6 +6,7 @@ kinds at full width.
     python benchmarks/full_sd35.py --stages sd35 --components transformer@512,transformer_first@512,transformer_rest@512
                                    [--contenders onnxruntime:fp32,openvino:fp32,openvino:bf16,openvino:int8]
                                    [--repeats 3] [--threads 2] [--smoke]
+    python benchmarks/full_sd35.py --stages loop [--loop-thresholds auto] [--loop-intervals 3,5]
 
 SD3.5-medium's transformer (SD3Transformer2DModel: 24 MMDiT layers 1536 wide, dual attention in the first 13,
 QK RMS norm) is 2.5B parameters, 9.9 GB in fp32: torch's copy and a runtime's do not share 24 GiB comfortably,
@@ -20,6 +21,15 @@ benchmark leaves it out. The text embeddings are the transformer's inputs: 77 CL
 The first-block cache (kasoku.step_cache): `transformer_first` and `transformer_rest` are components like the
 transformer; with all three measured at a size, the report adds the 20-step loop they make at several counts of
 full steps.
+
+The `loop` stage runs the caching for real: SD3.5-medium's 20-step denoising loop at 512x512 with guidance 4.5
+through kasoku's pipeline (transformer and VAE decoder with seeded random weights on the torch backend, which
+holds one copy of the weights for all three transformer graphs; random prompt embeddings in place of the text
+encoders), the same latents every time. The reference runs every block through the first-block graphs
+(threshold 0, exact); the first-block cache at thresholds picked from the reference's measured changes (`auto`:
+their median) and TaylorSeer at each
+interval are timed and compared with it (PSNR and SSIM of the decoded images, and the steps each computed).
+Results go to <date>-<host>-full_sd35-loop.md/.json.
 
 Flux.1 at full size is 12B parameters (48 GB in fp32) and cannot be built on this machine at all: the `flux`
 stage measures one full-width double-stream block (FluxTransformerBlock) and one single-stream block
@@ -81,7 +91,10 @@ T5_XXL = dict(vocab_size=32128, d_model=4096, d_kv=64, d_ff=10240, num_layers=24
               feed_forward_proj="gated-gelu", is_encoder_decoder=False, use_cache=False)
 FLUX_WIDTH = dict(dim=3072, num_attention_heads=24, attention_head_dim=128)  # black-forest-labs/FLUX.1-dev
 FLUX_TOKENS = (4096, 512)  # 1024x1024 image tokens, T5 tokens
-SEEDS = {"transformer": 3, "vae": 4, "flux_double_block": 5, "flux_single_block": 6}
+SEEDS = {"transformer": 3, "vae": 4, "flux_double_block": 5, "flux_single_block": 6, "loop": 7}
+LOOP_STEPS = 20
+LOOP_SIZE = 512
+LOOP_GUIDANCE = 4.5  # stabilityai/stable-diffusion-3.5-medium's model card
 
 
 def use_smoke_model() -> None:
@@ -271,6 +284,95 @@ def stage_engine(component: str, size: int, backend: str, precision: str, repeat
             "peak_mb": _peak_mb()}
 
 
+# ---- the real loop with step caching -------------------------------------------------------------------------
+
+
+def _loop_inputs(pipe, size: int) -> dict:
+    """Seeded random prompt embeddings (77 CLIP + TEXT_TOKENS T5 tokens) and initial latents: the call's inputs
+    without text encoders."""
+    transformer = pipe.transformer.config
+    tokens = 77 + TEXT_TOKENS
+    generator = torch.Generator().manual_seed(SEEDS["loop"])
+
+    def randn(*shape):
+        return torch.randn(*shape, generator=generator)
+
+    latent = size // pipe.vae_scale_factor
+    return {"prompt_embeds": randn(1, tokens, transformer.joint_attention_dim),
+            "negative_prompt_embeds": randn(1, tokens, transformer.joint_attention_dim),
+            "pooled_prompt_embeds": randn(1, transformer.pooled_projection_dim),
+            "negative_pooled_prompt_embeds": randn(1, transformer.pooled_projection_dim),
+            "latents": randn(1, transformer.in_channels, latent, latent)}
+
+
+def auto_threshold(changes: list[float]) -> float:
+    """The median of the reference's step-to-step changes: where the change since the last full step is like one
+    step's, about half the steps skip (how many do is measured, not assumed)."""
+    return float(statistics.median(c for c in changes if np.isfinite(c)))
+
+
+def stage_loop(thresholds: str, intervals: list[int], threads: int, work: Path) -> dict:
+    import kasoku
+    from kasoku.parity import psnr, ssim
+
+    start = time.perf_counter()
+    pipe = sd35_pipeline(real=("transformer", "vae"))
+    size = _size(LOOP_SIZE)
+    inputs = _loop_inputs(pipe, size)
+    fast = kasoku.compile(pipe, "torch", components=("transformer", "vae_decoder"), step_cache=True,
+                          cache_dir=work / "cache", threads=threads)
+    build_s = time.perf_counter() - start
+
+    def generate(**caching) -> dict:
+        begun = time.perf_counter()
+        image = fast(**inputs, num_inference_steps=LOOP_STEPS, guidance_scale=LOOP_GUIDANCE, height=size,
+                     width=size, output_type="np", **caching).images[0]
+        run = fast.last_step_cache
+        full = LOOP_STEPS - (getattr(run, "skipped", 0) + getattr(run, "forecasts", 0))
+        return {"caching": caching, "seconds": time.perf_counter() - begun, "full_steps": full,
+                "changes": list(getattr(run, "changes", [])), "image": image}
+
+    fast(**inputs, num_inference_steps=2, guidance_scale=LOOP_GUIDANCE, height=size, width=size,
+         output_type="np", cache_threshold=0.0)  # warm-up: first calls pay one-time costs
+    reference = generate(cache_threshold=0.0)
+    chosen = [auto_threshold(reference["changes"]) if t == "auto" else float(t) for t in thresholds.split(",") if t]
+    runs = [generate(cache_threshold=t) for t in chosen]
+    runs += [generate(cache_interval=n) for n in intervals]
+    for run in runs:
+        run.update(psnr_db=psnr(reference["image"], run["image"]), ssim=ssim(reference["image"], run["image"]),
+                   speedup=reference["seconds"] / run["seconds"])
+    return {"stage": "loop", "size": size, "steps": LOOP_STEPS, "guidance": LOOP_GUIDANCE, "build_s": build_s,
+            "reference": {k: v for k, v in reference.items() if k != "image"},
+            "runs": [{k: v for k, v in run.items() if k != "image"} for run in runs], "peak_mb": _peak_mb()}
+
+
+def loop_markdown(report: dict) -> str:
+    loop = report["loop"]
+    lines = [f"# kasoku full_sd35 loop: SD3.5-medium's {LOOP_STEPS}-step loop with step caching, random weights", "",
+             f"{report['date']} · {report['cpu']} ({', '.join(report['flags']) or 'no AVX-512/AMX'}) · "
+             f"{report['threads']} threads · torch {report['torch']}", ""]
+    if loop.get("failed"):
+        return "\n".join([*lines, f"The loop stage failed (exit {loop['returncode']})."])
+    reference = loop["reference"]
+    lines += [f"{loop['size']}x{loop['size']}, {loop['steps']} steps, guidance {loop['guidance']}, kasoku's pipeline "
+              f"on the torch backend (transformer and VAE decoder; random prompt embeddings), the same latents. "
+              f"Reference: every block runs (first-block graphs at threshold 0), {reference['seconds']:.0f} s. "
+              f"Measured step-to-step changes of the first block's residual: "
+              + ", ".join(f"{c:.3f}" for c in reference["changes"][1:]) + ".", "",
+              "| caching | loop + decode s | speed-up | steps run in full | PSNR vs reference | SSIM |",
+              "| --- | --- | --- | --- | --- | --- |",
+              f"| none (threshold 0) | {reference['seconds']:.1f} | 1.00× | {reference['full_steps']} | reference "
+              "| 1 |"]
+    for run in loop["runs"]:
+        caching = run["caching"]
+        label = (f"first-block, threshold {caching['cache_threshold']:.3f}" if "cache_threshold" in caching
+                 else f"TaylorSeer, interval {caching['cache_interval']}")
+        lines.append(f"| {label} | {run['seconds']:.1f} | {run['speedup']:.2f}× | {run['full_steps']} | "
+                     f"{run['psnr_db']:.1f} dB | {run['ssim']:.4f} |")
+    lines += ["", f"Build {loop['build_s']:.0f} s; peak resident memory {loop['peak_mb'] / 1024:.1f} GiB."]
+    return "\n".join(lines)
+
+
 # ---- the run -------------------------------------------------------------------------------------------------
 
 
@@ -316,9 +418,6 @@ def markdown(report: dict) -> str:
     lines += taylorseer_loop(report)
     lines += ["", f"Peak resident memory of the run (largest stage): {report['peak_mb'] / 1024:.1f} GiB."]
     return "\n".join(lines)
-
-
-LOOP_STEPS = 20
 
 
 def taylorseer_loop(report: dict) -> list[str]:
@@ -380,14 +479,21 @@ def first_block_loop(report: dict) -> list[str]:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--stages", default="sd35,flux", help="sd35 (the transformer and VAE), flux (two blocks)")
+    parser.add_argument("--stages", default="sd35,flux",
+                        help="sd35 (the transformer and VAE), flux (two blocks), loop (the 20-step loop with step "
+                             "caching, its own report)")
     parser.add_argument("--components", default=DEFAULT_COMPONENTS, help="NAME@SIZE, comma-separated")
     parser.add_argument("--contenders", default=DEFAULT_CONTENDERS, help="BACKEND:PRECISION, comma-separated")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--threads", type=int, default=torch.get_num_threads())
     parser.add_argument("--work", type=Path, default=WORK, help="scratch folder (~25 GB free disk)")
+    parser.add_argument("--loop-thresholds", default="auto",
+                        help="loop: first-block cache thresholds, comma-separated; auto: the median of the reference "
+                             "loop's step-to-step changes (default %(default)s)")
+    parser.add_argument("--loop-intervals", default="3,5", type=lambda text: [int(n) for n in text.split(",") if n],
+                        help="loop: TaylorSeer intervals, comma-separated (default 3,5)")
     parser.add_argument("--smoke", action="store_true", help=f"the tiny SD3 pipeline (results under {SMOKE_DIR})")
-    parser.add_argument("--stage", choices=("torch", "engine"), help=argparse.SUPPRESS)
+    parser.add_argument("--stage", choices=("torch", "engine", "loop"), help=argparse.SUPPRESS)
     parser.add_argument("--component", help=argparse.SUPPRESS)
     parser.add_argument("--contender", help=argparse.SUPPRESS)
     parser.add_argument("--stage-json", type=Path, help=argparse.SUPPRESS)
@@ -401,6 +507,11 @@ def main(argv: list[str] | None = None) -> int:
 
     quiet_third_party_logs()
     torch.set_num_threads(args.threads)
+    if args.stage == "loop":
+        args.work.mkdir(parents=True, exist_ok=True)
+        result = stage_loop(args.loop_thresholds, args.loop_intervals, args.threads, args.work)
+        args.stage_json.write_text(json.dumps(result, indent=2))
+        return 0
     if args.stage:
         args.work.mkdir(parents=True, exist_ok=True)
         component, size = parse_component(args.component)
@@ -427,6 +538,12 @@ def main(argv: list[str] | None = None) -> int:
     common = ["--repeats", str(args.repeats), "--threads", str(args.threads), "--work", str(args.work),
               *(["--smoke"] if args.smoke else [])]
     stages = args.stages.split(",")
+    if "loop" in stages:
+        report["loop"] = _run_stage(["--stage", "loop", "--loop-thresholds", args.loop_thresholds,
+                                     "--loop-intervals", ",".join(map(str, args.loop_intervals)), *common],
+                                    "loop", args.work, log)
+        write_loop_report(report)
+        shutil.rmtree(args.work / "cache", ignore_errors=True)
     components = [c for c in args.components.split(",") if "sd35" in stages and c]
     components += list(FLUX_BLOCKS) if "flux" in stages else []
     for text in components:
@@ -443,8 +560,22 @@ def main(argv: list[str] | None = None) -> int:
         shutil.rmtree(args.work / "onnx", ignore_errors=True)  # free the disk before the next component
         shutil.rmtree(args.work / "cache", ignore_errors=True)
         write_report(report)  # what is done so far, in case a later stage is stopped
-    write_report(report)
+    if components:
+        write_report(report)
     return 0
+
+
+def write_loop_report(report: dict) -> None:
+    """The loop's own files (a run of the components the same day keeps its own)."""
+    from kasoku.console import console
+
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    stem = RESULTS / f"{report['date']}-{socket.gethostname()}-full_sd35-loop"
+    stem.with_suffix(".md").write_text(loop_markdown(report) + "\n")
+    stem.with_suffix(".json").write_text(json.dumps({k: v for k, v in report.items() if k != "components"},
+                                                    indent=2))
+    console.print(loop_markdown(report), markup=False)
+    console.print(f"wrote {stem}.md and .json")
 
 
 def write_report(report: dict) -> None:

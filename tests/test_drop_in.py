@@ -130,6 +130,29 @@ def test_a_long_prompt_warns_that_it_is_cut(fast):
         fast("a photo of a cat " * 40, num_inference_steps=1, output_type="latent")
 
 
+@pytest.mark.parametrize("family", ["sd1", "sd3"])
+def test_prompt_embeddings_need_no_text_encoder_engines(family, tmp_path):
+    """As in diffusers, a call that gives its prompt embeddings (the negative ones under guidance, the pooled ones
+    where the pipeline takes them) encodes no prompt: engines compiled without the text encoders serve it."""
+    pipe = tiny_pipeline(family=family)
+    fast = kasoku.compile(pipe, "torch", components=("unet" if family == "sd1" else "transformer", "vae_decoder"),
+                          cache_dir=tmp_path)
+    names = ("prompt_embeds", "negative_prompt_embeds", "pooled_prompt_embeds", "negative_pooled_prompt_embeds")
+    others = {"prompt_2": None, "prompt_3": None, **fast.fixed_arguments} if family == "sd3" else {}
+    encoded = pipe.encode_prompt("a cat", **others, device="cpu", num_images_per_prompt=1,
+                                 do_classifier_free_guidance=True, negative_prompt="blurry")
+    embeds = dict(zip(names, encoded))
+    call = dict(num_inference_steps=2, output_type="np", height=64, width=64, **fast.fixed_arguments)
+    expected = pipe(generator=torch.Generator().manual_seed(0), **embeds, **call).images
+    actual = fast(generator=torch.Generator().manual_seed(0), **embeds, **call).images
+    assert psnr(expected, actual) >= 40
+    guided_without_negative = {name: value for name, value in embeds.items() if not name.startswith("negative")}
+    with pytest.raises(InvalidInput, match="txt2img needs the text_encoder"):  # the negative prompt must be encoded
+        fast(**guided_without_negative, **call)
+    with pytest.raises(InvalidInput, match="txt2img needs the text_encoder"):
+        fast("a cat", **call)
+
+
 def test_compile_refuses_what_is_not_a_live_pipeline(tiny_dir):
     with pytest.raises(kasoku.KasokuError, match="kasoku compiles diffusers pipelines; None is a NoneType"):
         kasoku.compile(None)

@@ -198,7 +198,9 @@ class CallChecks:
                                "compile for this call (kasoku generate does) or a profile with guidance=None.")
         self._check_text_tokens(kwargs)
         self._check_image_prompts(kwargs, guided, caching)
-        missing = [name for name in self.model.task_components(task) if name not in self.components]
+        encoded = self._prompts_encoded(kwargs, guided)
+        missing = [name for name in self.model.task_components(task) if name not in self.components
+                   and not (encoded and name.startswith("text_encoder"))]
         if missing:
             raise InvalidInput(f"{task} needs the {', '.join(missing)} engine{'s' if len(missing) > 1 else ''}; "
                                f"compile with the {', '.join(missing)} component{'s' if len(missing) > 1 else ''}.")
@@ -346,6 +348,14 @@ class CallChecks:
                                               "--text-tokens)" if slot.kind != "t5" and index == 0 and
                                               self.family.default_text_tokens else "."))
         return notes
+
+    def _prompts_encoded(self, kwargs, guided: bool) -> bool:
+        """Whether the call gives every prompt embedding diffusers would otherwise encode (the negative ones under
+        guidance, the pooled ones where the pipeline takes them): then no text encoder runs, and none is needed."""
+        wanted = ["prompt_embeds", *(["negative_prompt_embeds"] if guided else [])]
+        if "pooled_prompt_embeds" in self.signature.parameters:
+            wanted += [name.replace("prompt_embeds", "pooled_prompt_embeds") for name in wanted]
+        return all(kwargs.get(name) is not None for name in wanted)
 
     def _check_text_tokens(self, kwargs) -> None:
         """A long-prompt encoder's engines read the profile's text tokens: `max_sequence_length` must be that."""
