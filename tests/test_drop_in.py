@@ -151,6 +151,11 @@ def test_prompt_embeddings_need_no_text_encoder_engines(family, tmp_path):
         fast(**guided_without_negative, **call)
     with pytest.raises(InvalidInput, match="txt2img needs the text_encoder"):
         fast("a cat", **call)
+    with pytest.raises(InvalidInput, match="txt2img needs the text_encoder"):  # a text is encoded
+        fast(**guided_without_negative, negative_prompt="blurry", **call)
+    cut = {**embeds, "prompt_embeds": embeds["prompt_embeds"][:, :5]}
+    with pytest.raises(InvalidInput, match=r"`prompt_embeds` holds 5 tokens but these engines read \d+"):
+        fast(**cut, **call)
 
 
 def test_compile_refuses_what_is_not_a_live_pipeline(tiny_dir):

@@ -128,6 +128,10 @@ def task_of(image=None, mask_image=None) -> str:
     return "img2img" if image is not None else "txt2img"
 
 
+# The texts a call may give besides `prompt`: any of them is encoded, so the text encoders' engines are needed.
+PROMPT_TEXTS = ("prompt_2", "prompt_3", "negative_prompt", "negative_prompt_2", "negative_prompt_3")
+
+
 class CallChecks:
     """The checks of one pipeline's calls. `components` is the engines it has (a live mapping: the step-cache
     engines join it later) or will have; `scheduler` gives the scheduler a call runs (it can be swapped);
@@ -198,7 +202,8 @@ class CallChecks:
                                "compile for this call (kasoku generate does) or a profile with guidance=None.")
         self._check_text_tokens(kwargs)
         self._check_image_prompts(kwargs, guided, caching)
-        encoded = self._prompts_encoded(kwargs, guided)
+        encoded = self._prompts_encoded(prompt, kwargs, guided)
+        self._check_prompt_embeds(kwargs)
         missing = [name for name in self.model.task_components(task) if name not in self.components
                    and not (encoded and name.startswith("text_encoder"))]
         if missing:
@@ -349,13 +354,27 @@ class CallChecks:
                                               self.family.default_text_tokens else "."))
         return notes
 
-    def _prompts_encoded(self, kwargs, guided: bool) -> bool:
+    def _prompts_encoded(self, prompt, kwargs, guided: bool) -> bool:
         """Whether the call gives every prompt embedding diffusers would otherwise encode (the negative ones under
-        guidance, the pooled ones where the pipeline takes them): then no text encoder runs, and none is needed."""
+        guidance, the pooled ones where the pipeline takes them) and no text: then no text encoder runs, and none
+        is needed."""
+        if prompt is not None or any(kwargs.get(name) is not None for name in PROMPT_TEXTS):
+            return False
         wanted = ["prompt_embeds", *(["negative_prompt_embeds"] if guided else [])]
         if "pooled_prompt_embeds" in self.signature.parameters:
             wanted += [name.replace("prompt_embeds", "pooled_prompt_embeds") for name in wanted]
         return all(kwargs.get(name) is not None for name in wanted)
+
+    def _check_prompt_embeds(self, kwargs) -> None:
+        """Given embeddings must be as long as the denoiser's engines read (the engine would refuse them at its
+        first call, after the work before it)."""
+        expected = self.family.denoiser_text_length(self.model, self.profile)
+        for name in ("prompt_embeds", "negative_prompt_embeds"):
+            shape = getattr(kwargs.get(name), "shape", None)
+            if shape is not None and len(shape) == 3 and shape[1] != expected:
+                raise InvalidInput(f"`{name}` holds {shape[1]} tokens but these engines read {expected}; encode "
+                                   "the prompt as this pipeline does (`encode_prompt`, with the engines' "
+                                   "max_sequence_length) or give `prompt`.")
 
     def _check_text_tokens(self, kwargs) -> None:
         """A long-prompt encoder's engines read the profile's text tokens: `max_sequence_length` must be that."""

@@ -264,6 +264,10 @@ class Family:
         slot = slot or self.text_encoder_slots[0]
         return getattr(model.pipe, slot.tokenizer).model_max_length
 
+    def denoiser_text_length(self, model: ModelView, profile: ShapeProfile) -> int:
+        """The text tokens the denoiser reads (the length of `prompt_embeds`): the first text encoder's."""
+        return self.text_length(model)
+
     def text_encoder_spec(self, model: ModelView, slot: TextEncoderSlot, profile: ShapeProfile,
                           axes: Axes) -> ComponentSpec:
         if slot.kind == "t5":
@@ -426,7 +430,7 @@ class UNetFamily(Family):
 
     def denoiser_builders(self, model: ModelView, profile: ShapeProfile, axes: Axes,
                           cache_branch: int) -> dict[str, Callable[[], ComponentSpec]]:
-        text_length = self.text_length(model)
+        text_length = self.denoiser_text_length(model, profile)
 
         def plain() -> ComponentSpec:
             return unet.unet_spec(model.ref(self.denoiser), profile, axes, text_length=text_length,

@@ -52,9 +52,12 @@ class Flux(TransformerFamily):
     def doubles_batch(self, kwargs: Mapping[str, Any], model: ModelView | None = None) -> bool:
         return False  # embedded guidance; true CFG runs the transformer twice on the same batch
 
+    def denoiser_text_length(self, model: ModelView, profile: ShapeProfile) -> int:
+        return self.text_tokens(profile)  # T5's states alone; CLIP gives only the pooled vector
+
     def denoiser_builders(self, model: ModelView, profile: ShapeProfile, axes: Axes,
                           cache_branch: int) -> dict[str, Callable[[], ComponentSpec]]:
-        length = self.text_tokens(profile)
+        length = self.denoiser_text_length(model, profile)
 
         def build() -> ComponentSpec:
             ip = self.denoiser_ip_inputs(model, axes, axes.images)  # one row per image, as its other inputs

@@ -52,10 +52,12 @@ class StableDiffusion3(TransformerFamily):
     ip_image_encoder = "SiglipVisionModel"
     ip_max_adapters = 1
 
+    def denoiser_text_length(self, model: ModelView, profile: ShapeProfile) -> int:
+        return self.text_length(model) + self.text_tokens(profile)  # the CLIP states (77 tokens) and T5's side by side
+
     def denoiser_builders(self, model: ModelView, profile: ShapeProfile, axes: Axes,
                           cache_branch: int) -> dict[str, Callable[[], ComponentSpec]]:
-        # the CLIP states (77 tokens) and T5's side by side
-        length = self.text_length(model) + self.text_tokens(profile)
+        length = self.denoiser_text_length(model, profile)
 
         def build() -> ComponentSpec:
             return sd3.transformer_spec(model.ref(self.denoiser), profile, axes, text_length=length,
