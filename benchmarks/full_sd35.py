@@ -288,10 +288,10 @@ def stage_engine(component: str, size: int, backend: str, precision: str, repeat
 
 
 def _loop_inputs(pipe, size: int) -> dict:
-    """Seeded random prompt embeddings (77 CLIP + TEXT_TOKENS T5 tokens) and initial latents: the call's inputs
+    """Seeded random prompt embeddings (the CLIP tokens + TEXT_TOKENS T5 tokens) and initial latents: the call's inputs
     without text encoders."""
     transformer = pipe.transformer.config
-    tokens = 77 + TEXT_TOKENS
+    tokens = pipe.tokenizer.model_max_length + TEXT_TOKENS  # the CLIP states beside T5's, as the engines read them
     generator = torch.Generator().manual_seed(SEEDS["loop"])
 
     def randn(*shape):
@@ -559,35 +559,30 @@ def main(argv: list[str] | None = None) -> int:
                     f"engine-{key}-{contender.replace(':', '-')}", args.work, log)
         shutil.rmtree(args.work / "onnx", ignore_errors=True)  # free the disk before the next component
         shutil.rmtree(args.work / "cache", ignore_errors=True)
-        write_report(report)  # what is done so far, in case a later stage is stopped
-    if components:
-        write_report(report)
+        write_report(report)  # after each component: what is done so far, in case a later stage is stopped
     return 0
 
 
 def write_loop_report(report: dict) -> None:
     """The loop's own files (a run of the components the same day keeps its own)."""
-    from kasoku.console import console
-
-    RESULTS.mkdir(parents=True, exist_ok=True)
-    stem = RESULTS / f"{report['date']}-{socket.gethostname()}-full_sd35-loop"
-    stem.with_suffix(".md").write_text(loop_markdown(report) + "\n")
-    stem.with_suffix(".json").write_text(json.dumps({k: v for k, v in report.items() if k != "components"},
-                                                    indent=2))
-    console.print(loop_markdown(report), markup=False)
-    console.print(f"wrote {stem}.md and .json")
+    _write_results("full_sd35-loop", loop_markdown(report), {k: v for k, v in report.items() if k != "components"})
 
 
 def write_report(report: dict) -> None:
-    from kasoku.console import console
-
     runs = [r for e in report["components"].values() for r in [e["torch"], *e["engines"].values()]]
     report["peak_mb"] = max((r["peak_mb"] for r in runs if "peak_mb" in r), default=0.0)
+    _write_results("full_sd35", markdown(report), report)
+
+
+def _write_results(name: str, text: str, data: dict) -> None:
+    """<date>-<host>-NAME.md and .json under RESULTS, and the table on the console."""
+    from kasoku.console import console
+
     RESULTS.mkdir(parents=True, exist_ok=True)
-    stem = RESULTS / f"{report['date']}-{socket.gethostname()}-full_sd35"
-    stem.with_suffix(".md").write_text(markdown(report) + "\n")
-    stem.with_suffix(".json").write_text(json.dumps(report, indent=2))
-    console.print(markdown(report), markup=False)
+    stem = RESULTS / f"{data['date']}-{socket.gethostname()}-{name}"
+    stem.with_suffix(".md").write_text(text + "\n")
+    stem.with_suffix(".json").write_text(json.dumps(data, indent=2))
+    console.print(text, markup=False)
     console.print(f"wrote {stem}.md and .json")
 
 

@@ -368,10 +368,13 @@ class CallChecks:
     def _check_prompt_embeds(self, kwargs) -> None:
         """Given embeddings must be as long as the denoiser's engines read (the engine would refuse them at its
         first call, after the work before it)."""
+        given = {name: kwargs[name].shape for name in ("prompt_embeds", "negative_prompt_embeds")
+                 if len(getattr(kwargs.get(name), "shape", ())) == 3}
+        if not given:  # most calls: nothing to read from the tokenizer
+            return
         expected = self.family.denoiser_text_length(self.model, self.profile)
-        for name in ("prompt_embeds", "negative_prompt_embeds"):
-            shape = getattr(kwargs.get(name), "shape", None)
-            if shape is not None and len(shape) == 3 and shape[1] != expected:
+        for name, shape in given.items():
+            if shape[1] != expected:
                 raise InvalidInput(f"`{name}` holds {shape[1]} tokens but these engines read {expected}; encode "
                                    "the prompt as this pipeline does (`encode_prompt`, with the engines' "
                                    "max_sequence_length) or give `prompt`.")
