@@ -90,6 +90,11 @@ CLIP_G = dict(vocab_size=49408, hidden_size=1280, intermediate_size=5120, num_hi
 T5_XXL = dict(vocab_size=32128, d_model=4096, d_kv=64, d_ff=10240, num_layers=24, num_heads=64,
               feed_forward_proj="gated-gelu", is_encoder_decoder=False, use_cache=False)
 FLUX_WIDTH = dict(dim=3072, num_attention_heads=24, attention_head_dim=128)  # black-forest-labs/FLUX.1-dev
+# FLUX.1-dev's whole transformer (12B parameters; benchmarks/gpu_check.py builds it on a GPU) and its VAE
+FLUX_DEV = dict(patch_size=1, in_channels=64, num_layers=19, num_single_layers=38, joint_attention_dim=4096,
+                pooled_projection_dim=768, guidance_embeds=True, axes_dims_rope=(16, 56, 56),
+                **{name: FLUX_WIDTH[name] for name in ("num_attention_heads", "attention_head_dim")})
+FLUX_VAE = {**VAE, "scaling_factor": 0.3611, "shift_factor": 0.1159}
 FLUX_TOKENS = (4096, 512)  # 1024x1024 image tokens, T5 tokens
 SEEDS = {"transformer": 3, "vae": 4, "flux_double_block": 5, "flux_single_block": 6, "loop": 7}
 LOOP_STEPS = 20

@@ -16,7 +16,7 @@ import torch
 from PIL import Image
 
 import kasoku
-from kasoku.components import ShapeProfile
+from kasoku.components import ImageShape, ShapeProfile
 from kasoku.families import FAMILIES, SUPPORTED_PIPELINES
 from kasoku.parity import psnr
 from kasoku.pipeline import InvalidInput
@@ -156,6 +156,46 @@ def test_prompt_embeddings_need_no_text_encoder_engines(family, tmp_path):
     cut = {**embeds, "prompt_embeds": embeds["prompt_embeds"][:, :5]}
     with pytest.raises(InvalidInput, match=r"`prompt_embeds` holds 5 tokens but these engines read \d+"):
         fast(**cut, **call)
+
+
+def _encoded_prompt(pipe, family: str) -> dict[str, torch.Tensor]:
+    """diffusers' own encode_prompt of "a cat" (and "blurry" as the negative prompt under guidance), by name."""
+    if family == "flux":  # embedded guidance: no negative prompt
+        embeds, pooled, _ = pipe.encode_prompt("a cat", prompt_2=None, device="cpu", num_images_per_prompt=1)
+        return {"prompt_embeds": embeds, "pooled_prompt_embeds": pooled}
+    names = ("prompt_embeds", "negative_prompt_embeds", "pooled_prompt_embeds", "negative_pooled_prompt_embeds")
+    others = {"prompt_2": None, "prompt_3": None} if family == "sd3" else {}
+    encoded = pipe.encode_prompt("a cat", **others, device="cpu", num_images_per_prompt=1,
+                                 do_classifier_free_guidance=True, negative_prompt="blurry")
+    return dict(zip(names, encoded))
+
+
+@pytest.mark.parametrize("family", ["sd1", "sdxl", "sd3", "flux"])
+def test_a_pipeline_without_text_encoders_runs_on_prompt_embeddings(family, tmp_path):
+    """diffusers loads a pipeline with `text_encoder=None, ...` (T5-XXL alone is 19 GB in fp32) and calls it with
+    embeddings encoded elsewhere: so does kasoku, from its saved folder; a call with a prompt text is refused before
+    anything runs, naming the embeddings to give."""
+    pipe = tiny_pipeline(family=family)
+    embeds = _encoded_prompt(pipe, family)
+    bare = type(pipe)(**{name: None if name.startswith("text_encoder") else module
+                         for name, module in pipe.components.items()})
+    bare.save_pretrained(tmp_path / "bare")
+    fast = kasoku.KasokuPipeline.from_pretrained(tmp_path / "bare", "torch", cache_dir=tmp_path / "cache",
+                                                 profile=ShapeProfile.exact(ImageShape(1, 64, 64), None, 16))
+    assert not any(name.startswith("text_encoder") for name in fast.engines)
+    call = dict(num_inference_steps=2, output_type="np", height=64, width=64, **fast.fixed_arguments)
+    expected = bare(generator=torch.Generator().manual_seed(0), **embeds, **call).images
+    actual = fast(generator=torch.Generator().manual_seed(0), **embeds, **call).images
+    assert psnr(expected, actual) >= 40
+    fast.times.reset()
+    with pytest.raises(InvalidInput, match=r"pipeline has no text encoders \(loaded with text_encoder=None\): give "
+                                           r"`prompt_embeds`"):
+        fast("a cat", **call)
+    assert not fast.times.calls
+    half = {name: value for name, value in embeds.items() if not name.startswith("negative")}
+    if family != "flux":  # under guidance the negative embeddings are wanted too
+        with pytest.raises(InvalidInput, match="`negative_prompt_embeds`"):
+            fast(**half, **call)
 
 
 def test_compile_refuses_what_is_not_a_live_pipeline(tiny_dir):

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import importlib.util
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -33,7 +34,8 @@ def test_without_a_gpu_it_prints_the_plan_and_exits_0():
     assert done.returncode == 0, done.stderr
     assert "no NVIDIA GPU is visible" in done.stdout
     for stage in ("sd15:reference", "sd15:tensorrt:fp16", "sd15:tensorrt:fp32", "sd15:onnxruntime-cuda:fp16",
-                  "sd15:onnxruntime-tensorrt:fp16", "sd15:inductor:fp16", "sdxl:reference", "sdxl:tensorrt:fp16"):
+                  "sd15:onnxruntime-tensorrt:fp16", "sd15:inductor:fp16", "sdxl:reference", "sdxl:tensorrt:fp16",
+                  "sd35:reference", "sd35:inductor:bf16", "flux:reference", "flux:inductor:bf16"):
         assert stage in done.stdout
     assert sorted(results.iterdir()) == before  # nothing written
 
@@ -45,6 +47,31 @@ def test_the_plan_runs_sd15_first_and_every_backend_per_model(gpu_check):
     for model in ("sd15", "sdxl"):
         assert {f"{model}:{b}" for b in ("tensorrt:fp16", "tensorrt:fp32", "onnxruntime-cuda:fp16",
                                          "onnxruntime-tensorrt:fp16", "inductor:fp16")} <= set(names)
+
+
+def test_the_transformer_families_run_in_bf16_on_inductor_first_and_on_prompt_embeddings(gpu_check):
+    names = [s.name for s in gpu_check.plan(["sd35", "flux"])]
+    assert names == ["sd35:reference", "sd35:inductor:bf16", "sd35:tensorrt:bf16",
+                     "flux:reference", "flux:inductor:bf16", "flux:tensorrt:bf16"]
+    sd35, flux = gpu_check.MODELS["sd35"], gpu_check.MODELS["flux"]
+    assert sd35.profile().guidance and not flux.profile().guidance  # Flux's guidance is embedded: one row an image
+    assert (sd35.profile().text_tokens, flux.profile().text_tokens) == (256, 512)
+    assert sd35.profile().multiple == flux.profile().multiple == 16
+
+
+@pytest.mark.slow  # torch.compile and two ONNX exports on the CPU: about a minute
+def test_smoke_runs_every_stage_of_flux_on_the_cpu_and_reports_parity(gpu_check, tmp_path):
+    """--smoke: the tiny Flux pipeline (no text encoders, called with prompt embeddings) through the reference
+    and a kasoku stage, as a lent GPU runs the full-size one."""
+    done = subprocess.run([sys.executable, str(SCRIPT), "--smoke", "--models", "flux", "--steps", "2", "--repeats",
+                           "1", "--work", str(tmp_path)], capture_output=True, text=True, timeout=900, cwd=ROOT)
+    assert done.returncode == 0, done.stderr[-3000:]
+    report = max((gpu_check.SMOKE_DIR / "results").glob("*-gpu_check.json"), key=lambda p: p.stat().st_mtime)
+    stages = json.loads(report.read_text())["stages"]
+    assert stages["flux:reference"]["status"] == stages["flux:onnxruntime:fp32"]["status"] == "done", stages
+    kasoku_stage = stages["flux:onnxruntime:fp32"]
+    assert kasoku_stage["psnr_db"] >= 40
+    assert all(shape["passed"] for shape in kasoku_stage["parity"]["transformer"].values())
 
 
 def test_unavailable_backends_are_skipped_with_their_reason(gpu_check):

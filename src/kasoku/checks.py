@@ -203,6 +203,11 @@ class CallChecks:
         self._check_text_tokens(kwargs)
         self._check_image_prompts(kwargs, guided, caching)
         encoded = self._prompts_encoded(prompt, kwargs, guided)
+        if not encoded and not self.family.present_text_encoders(self.model):
+            wanted = ", ".join(f"`{name}`" for name in self._embeddings(guided))
+            raise InvalidInput(f"this {self.family.title} pipeline has no text encoders (loaded with "
+                               f"text_encoder=None): give {wanted} as a pipeline with them encodes the prompts (its "
+                               "`encode_prompt`), and no prompt text.")
         self._check_prompt_embeds(kwargs)
         missing = [name for name in self.model.task_components(task) if name not in self.components
                    and not (encoded and name.startswith("text_encoder"))]
@@ -360,10 +365,14 @@ class CallChecks:
         is needed."""
         if prompt is not None or any(kwargs.get(name) is not None for name in PROMPT_TEXTS):
             return False
+        return all(kwargs.get(name) is not None for name in self._embeddings(guided))
+
+    def _embeddings(self, guided: bool) -> list[str]:
+        """The prompt embeddings a call gives in place of its texts."""
         wanted = ["prompt_embeds", *(["negative_prompt_embeds"] if guided else [])]
         if "pooled_prompt_embeds" in self.signature.parameters:
             wanted += [name.replace("prompt_embeds", "pooled_prompt_embeds") for name in wanted]
-        return all(kwargs.get(name) is not None for name in wanted)
+        return wanted
 
     def _check_prompt_embeds(self, kwargs) -> None:
         """Given embeddings must be as long as the denoiser's engines read (the engine would refuse them at its

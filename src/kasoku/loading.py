@@ -120,11 +120,11 @@ def load_pipeline(model: Any, *, torch_dtype: torch.dtype = torch.float32, lazy:
         pipe = model
     else:
         source = _source(model)
-        empty = _meta_models(Path(source)) if lazy and Path(source).is_dir() else {}
+        folder = Path(source).is_dir()
+        empty = _meta_models(Path(source)) if lazy and folder else {}
         try:
-            pipe = DiffusionPipeline.from_pretrained(
-                source, dtype=torch_dtype, use_safetensors=True, safety_checker=None, **empty
-            )
+            pipe = DiffusionPipeline.from_pretrained(source, dtype=torch_dtype, use_safetensors=True, **{
+                **(_absent_components(Path(source)) if folder else {}), "safety_checker": None, **empty})
         except KasokuError:
             raise
         except Exception as error:  # a damaged file in a local folder: name it (diffusers may blame the network)
@@ -247,6 +247,13 @@ def _model_classes(folder: Path) -> dict[str, type]:
         if isinstance(cls, type) and issubclass(cls, (ModelMixin, PreTrainedModel)):
             classes[name] = cls
     return classes
+
+
+def _absent_components(folder: Path) -> dict[str, None]:
+    """The components the folder's model_index.json lists as absent ([null, null]: a pipeline saved with
+    `text_encoder=None`, say), which diffusers' from_pretrained wants passed as None again."""
+    return {name: None for name, entry in read_model_index(folder).items()
+            if isinstance(entry, list) and entry and entry[0] is None}
 
 
 def _meta_models(folder: Path) -> dict[str, torch.nn.Module]:

@@ -22,6 +22,7 @@ LAST_HIDDEN = ("last_hidden_state", "pooler_output")  # SD 1.x / 2.x
 PENULTIMATE = ("penultimate_hidden_state",)  # SDXL's first encoder
 PROJECTED_PENULTIMATE = ("text_embeds", "penultimate_hidden_state")  # SDXL's second encoder, SD3's both
 POOLED = ("pooler_output",)  # Flux's CLIP: the pooled embedding only
+TOKENS = 77  # what every CLIP text encoder of these pipelines reads (where a pipeline has no tokenizer to say so)
 
 
 class TextEncoderModule(torch.nn.Module):

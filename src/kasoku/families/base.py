@@ -125,8 +125,11 @@ class Family:
 
     def check_layout(self, components: Mapping[str, Any], where: str) -> None:
         """Raise :class:`NotADiffusersPipeline` for a layout of this family kasoku cannot compile: one without a
-        component the family's pipelines need."""
-        missing = [name for name in self.required_components() if components.get(name) is None]
+        component the family's pipelines need. A pipeline without any text encoder is one diffusers serves (loaded
+        with `text_encoder=None, ...`: its calls give the prompt embeddings)."""
+        embeddings_only = all(components.get(name) is None for name in self.text_encoders)
+        missing = [name for name in self.required_components() if components.get(name) is None
+                   and not (embeddings_only and name in self.text_encoders)]
         if missing:
             raise NotADiffusersPipeline(
                 f"{where} is a {self.title} pipeline without {', '.join(missing)}; kasoku compiles whole pipelines "
@@ -139,11 +142,11 @@ class Family:
         return tuple(slot.name for slot in self.text_encoder_slots)
 
     def present_text_encoders(self, model: ModelView | None = None) -> tuple[TextEncoderSlot, ...]:
-        """The text encoder slots `model` fills (an optional one may be None); every slot without a model."""
+        """The text encoder slots `model` fills (an optional one may be None, and all are in a pipeline without text
+        encoders: see :meth:`check_layout`); every slot without a model."""
         if model is None:
             return self.text_encoder_slots
-        return tuple(s for s in self.text_encoder_slots if not s.optional or getattr(model.pipe, s.name, None)
-                     is not None)
+        return tuple(s for s in self.text_encoder_slots if getattr(model.pipe, s.name, None) is not None)
 
     def text_tokens(self, profile: ShapeProfile) -> int | None:
         """The tokens the long-prompt encoder reads: the profile's, else the family's default."""
@@ -262,7 +265,8 @@ class Family:
     def text_length(self, model: ModelView, slot: TextEncoderSlot | None = None) -> int:
         """The tokens a text encoder reads (its tokenizer's model_max_length; default: the first slot's)."""
         slot = slot or self.text_encoder_slots[0]
-        return getattr(model.pipe, slot.tokenizer).model_max_length
+        tokenizer = getattr(model.pipe, slot.tokenizer, None)
+        return clip.TOKENS if tokenizer is None else tokenizer.model_max_length  # diffusers' own fallback
 
     def denoiser_text_length(self, model: ModelView, profile: ShapeProfile) -> int:
         """The text tokens the denoiser reads (the length of `prompt_embeds`): the first text encoder's."""

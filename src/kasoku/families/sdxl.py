@@ -30,6 +30,7 @@ from .base import ModelView, TextEncoderSlot, UNetFamily
 # SDXL's size/crop conditioning: (height, width) or (top, left) pairs in pixels.
 SIZE_IDS = ("original_size", "target_size", "crops_coords_top_left", "negative_original_size",
             "negative_target_size", "negative_crops_coords_top_left")
+TIME_IDS = 6  # the base model's original size, crop top-left and target size, two numbers each
 VAE_FP32 = (
     "SDXL's VAE overflows in fp16 (its config sets force_upcast), so it is built in fp32; give the pipeline "
     "a fp16-safe VAE (force_upcast false, such as madebyollin/sdxl-vae-fp16-fix) to build it in fp16"
@@ -57,7 +58,7 @@ class StableDiffusionXL(UNetFamily):
 
     def check_layout(self, components: Mapping[str, Any], where: str) -> None:
         missing = [name for name in self.text_encoders if components.get(name) is None]
-        if missing:  # the SDXL refiner has only the second text encoder and aesthetic-score ids
+        if missing and len(missing) < len(self.text_encoders):  # the refiner has only the second, and aesthetic ids
             raise NotADiffusersPipeline(
                 f"{where} is an SDXL pipeline without {', '.join(missing)} (an SDXL refiner?); kasoku supports "
                 "SDXL base pipelines with both text encoders."
@@ -65,8 +66,12 @@ class StableDiffusionXL(UNetFamily):
         super().check_layout(components, where)
 
     def unet_added_inputs(self, model: ModelView, axes: Axes) -> tuple[TensorSpec, ...]:
-        pooled = model.ref("text_encoder_2").config.projection_dim
-        return unet.text_time_inputs(model.ref(self.denoiser).config, pooled, axes)
+        config = model.ref(self.denoiser).config
+        if getattr(model.pipe, "text_encoder_2", None) is None:  # no text encoders: the rest beside the time ids
+            pooled = config.projection_class_embeddings_input_dim - TIME_IDS * config.addition_time_embed_dim
+        else:
+            pooled = model.ref("text_encoder_2").config.projection_dim
+        return unet.text_time_inputs(config, pooled, axes)
 
     def vae_fp32_for(self, model: ModelView) -> dict[Precision, str]:
         # fp16's range is what overflows; bf16 and int8 (which computes in bf16 or fp32) keep fp32's range.
