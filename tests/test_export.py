@@ -120,7 +120,14 @@ def test_unsupported_pipeline_class(tmp_path):
 
 
 def test_a_supported_class_without_its_components_is_refused_first(tmp_path):
+    """No text encoder at all is a layout diffusers serves (calls give prompt embeddings); no denoiser or VAE, or
+    only some of the text encoders, is not."""
     (tmp_path / "model_index.json").write_text(json.dumps({"_class_name": "FluxPipeline"}))
-    with pytest.raises(NotADiffusersPipeline, match=r"Flux.1 pipeline without text_encoder, text_encoder_2, "
-                                                    r"transformer, vae"):
+    with pytest.raises(NotADiffusersPipeline, match=r"Flux.1 pipeline without transformer, vae; kasoku compiles "
+                                                    r"whole pipelines"):
+        export_pipeline(tmp_path, tmp_path / "out")
+    (tmp_path / "model_index.json").write_text(json.dumps({
+        "_class_name": "StableDiffusion3Pipeline", "text_encoder_2": ["transformers", "CLIPTextModelWithProjection"],
+        "transformer": ["diffusers", "SD3Transformer2DModel"], "vae": ["diffusers", "AutoencoderKL"]}))
+    with pytest.raises(NotADiffusersPipeline, match=r"Stable Diffusion 3 pipeline without text_encoder;"):
         export_pipeline(tmp_path, tmp_path / "out")
