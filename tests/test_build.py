@@ -9,10 +9,13 @@ import sys
 
 import pytest
 
-from kasoku.cache import Cache, CorruptEntryWarning
+from kasoku.build import Compiler
+from kasoku.cache import Cache, CorruptEntryWarning, digest_key
 from kasoku.cli import main
 from kasoku.compiling import compile_components
 from kasoku.components import ShapeProfile
+from kasoku.model import Model
+from kasoku.options import CompileOptions
 from tests.conftest import SD_COMPONENTS
 
 pytestmark = pytest.mark.integration  # exports or builds engines
@@ -97,6 +100,18 @@ def test_precision_and_profile_make_new_entries(tiny_dir, tiny_cache, tiny_compi
     keys = {s.stage: s.key for s in other.stages}
     assert keys["engine"] != base[("text_encoder", "engine")]
     assert other.statuses()[("text_encoder", "engine")] == "built"
+    # the graph is keyed by how it is traced: other image sizes change the VAE's, not the text encoder's
+    narrower = ShapeProfile.from_ranges((1, 1, 2), (32, 64, 96), (32, 64, 96), 16)
+    _, again = compile_components(tiny_dir, backend="onnxruntime", profile=narrower, cache=tiny_cache,
+                                  components=["text_encoder"])
+    assert again.statuses()[("text_encoder", "export")] == "reused"
+    assert again.statuses()[("text_encoder", "engine")] == "built"
+    model = Model.load(tiny_dir, lazy=True)
+    compiler = Compiler(tiny_cache, CompileOptions(backend="onnxruntime"))
+    graph_keys = {profile: {name: digest_key(compiler.export_parts(spec)) for name, spec in model.specs(
+        profile, ["text_encoder", "vae_decoder"]).items()} for profile in (wider, narrower)}
+    assert graph_keys[wider]["text_encoder"] == graph_keys[narrower]["text_encoder"]
+    assert graph_keys[wider]["vae_decoder"] != graph_keys[narrower]["vae_decoder"]
 
 
 def test_corrupt_engine_entry_is_rebuilt(tiny_dir, tiny_cache, tiny_compiled):

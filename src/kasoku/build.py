@@ -4,8 +4,9 @@ Per component: export (the architecture graph, weights as named inputs) → opti
 passes) → engine (backend build, the checkpoint's weights bound) → load; a backend that builds from the
 torch module (AOTInductor) has the engine stage only, keyed on the module's weights. Each stage is a cache
 entry keyed by everything that changes it. The graph and its optimization are keyed by the architecture
-alone (config, exporter, opset, profile, passes, precision), so every checkpoint of an architecture
-shares them; only the engine is keyed by the weights too. The keys are computed, not walked: the
+alone (config, exporter, opset, the shapes it is traced at and its dynamic axes, passes, precision), so
+every checkpoint of an architecture shares them, and every profile that traces alike (a text encoder's, whatever
+the image sizes); only the engine is keyed by the weights too. The keys are computed, not walked: the
 engine's key is derived from the export's and the optimization's key parts without opening those
 entries, so a warm start opens only the final engine entry, checks its manifest cheaply and loads it
 (what the runtime's own load costs). Only a miss walks the chain, building what is missing: for a
@@ -39,7 +40,7 @@ import torch
 from .backends import Engine, UnsupportedPrecision, cpu_candidates, get_backend, gpu_candidates
 from .backends.base import Backend, Source, cpu_name
 from .cache import Cache, CacheEntry, default_cache_dir, digest_key, file_sha256
-from .components import ComponentSpec, Precision, ShapeProfile
+from .components import ComponentSpec, Precision, ShapeProfile, traced_shapes
 from .errors import KasokuError
 from .export import EXPORT_CODE_VERSION, check_onnx_parity, default_check_shapes, export_graph, module_weights
 from .extras import import_onnxruntime
@@ -163,7 +164,7 @@ class Compiler:
             files = onnx_files(self._given_onnx(spec))
             return {"kind": "onnx-file", "component": spec.name, "files": [file_sha256(f) for f in files]}
         return {"kind": "graph", "component": spec.name, "architecture": spec.architecture,
-                "exporter": self.options.exporter, "opset": self.options.opset, "profile": spec.profile.to_dict(),
+                "exporter": self.options.exporter, "opset": self.options.opset, "traced": traced_shapes(spec),
                 **_versions()}
 
     def binds_weights(self) -> bool:

@@ -19,6 +19,7 @@ import math
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from fractions import Fraction
+from typing import Any
 
 import numpy as np
 import torch
@@ -440,32 +441,53 @@ def export_shape(profile: ShapeProfile) -> ImageShape:
     return ImageShape(batch=min(max(2, opt.batch), high.batch), height=opt.height, width=opt.width)
 
 
-def torch_export_dims(spec: ComponentSpec) -> dict[str, object]:
-    """torch.export Dims per dynamic axis name. Axes of one image size at several scales (a ControlNet's
-    latent sample and pixel conditioning image, a U-Net's residuals at each level) are all derived from
-    one Dim of that size, so torch.export sees how they relate instead of a constraint violation. An axis
-    of a product of image dims (packed tokens) is a Dim of its own: torch.export derives dims linearly only."""
-    from torch.export import Dim
-
+def export_dims_plan(spec: ComponentSpec) -> dict[str, tuple[str, str, int, int, int]]:
+    """How torch.export sees each dynamic axis: (kind, base Dim's name, its min, its max, factor). Axes of one
+    image size at several scales (a ControlNet's latent sample and pixel conditioning image, a U-Net's residuals
+    at each level) are "scaled": multiples of one Dim of that size, so torch.export sees how they relate instead
+    of a constraint violation. A stepped axis is a multiple of a Dim of its own ("step"); an axis of a product of
+    image dims (packed tokens) is a Dim of its own: torch.export derives dims linearly only."""
     axes = spec.axes()
-    dims: dict[str, object] = {}
-    bases: dict[str, object] = {}  # image dim -> the one Dim its scaled axes derive from
     multiple = spec.profile.multiple
+    plan: dict[str, tuple[str, str, int, int, int]] = {}
     for name, (axis, rng) in axes.items():
         if rng.min == rng.max:
             continue
         scaled = [a for a, _ in axes.values() if a.of == axis.of and a.of != "batch"]
         if len(scaled) > 1 and not axis.is_product:
-            if axis.of not in bases:
-                bases[axis.of] = Dim(f"{axis.of}_div{multiple}", min=getattr(spec.profile.min, axis.of) // multiple,
-                                     max=getattr(spec.profile.max, axis.of) // multiple)
-            dims[name] = int(multiple * axis.scale) * bases[axis.of]
+            plan[name] = ("scaled", f"{axis.of}_div{multiple}", getattr(spec.profile.min, axis.of) // multiple,
+                          getattr(spec.profile.max, axis.of) // multiple, int(multiple * axis.scale))
         elif rng.step > 1:
-            base = Dim(f"{name}_div{rng.step}", min=math.ceil(rng.min / rng.step), max=rng.max // rng.step)
-            dims[name] = rng.step * base
+            plan[name] = ("step", f"{name}_div{rng.step}", math.ceil(rng.min / rng.step), rng.max // rng.step,
+                          rng.step)
         else:
-            dims[name] = Dim(name, min=rng.min, max=rng.max)
+            plan[name] = ("free", name, rng.min, rng.max, 1)
+    return plan
+
+
+def torch_export_dims(spec: ComponentSpec) -> dict[str, object]:
+    """torch.export Dims per dynamic axis name, as :func:`export_dims_plan` lays them out."""
+    from torch.export import Dim
+
+    bases: dict[str, object] = {}  # one Dim per base name: the scaled axes of an image size share theirs
+    dims: dict[str, object] = {}
+    for name, (kind, base, low, high, factor) in export_dims_plan(spec).items():
+        if kind == "free":
+            dims[name] = Dim(base, min=low, max=high)
+            continue
+        if base not in bases:
+            bases[base] = Dim(base, min=low, max=high)
+        dims[name] = factor * bases[base]
     return dims
+
+
+def traced_shapes(spec: ComponentSpec) -> dict[str, Any]:
+    """What a trace of `spec` depends on besides its module: the inputs' shapes at the traced shape and the
+    dynamic axes' Dims. Profiles that agree on these give the same graph (a text encoder's, whatever the image
+    sizes), so the graph's key holds this rather than the whole profile."""
+    shapes = spec.input_shapes(export_shape(spec.profile))
+    return {"inputs": {name: list(shape) for name, shape in shapes.items()},
+            "dims": {name: list(plan) for name, plan in export_dims_plan(spec).items()}}
 
 
 def torch_dynamic_shapes(spec: ComponentSpec, module: torch.nn.Module | None = None) -> dict[str, object]:
