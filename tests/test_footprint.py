@@ -99,7 +99,7 @@ def test_a_budget_evicts_the_least_recently_used_model(two_models, cache_with_on
 def test_prune_never_pulls_an_entry_from_under_a_loader(cache_with_one, tmp_path, capsys):
     cache = _copy(cache_with_one, tmp_path)
     entries = Cache(cache).list()
-    held = next(e for e in entries if e.component == "text_encoder")
+    held = next(e for e in entries if e.component == "text_encoder" and e.kind == "engine")
     # another process holds the entry the way a loader does (the shared lock), then loads it
     script = (
         "import sys, time; from kasoku.cache import Cache; from kasoku.backends import get_backend;"
