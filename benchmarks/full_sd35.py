@@ -292,22 +292,33 @@ def stage_engine(component: str, size: int, backend: str, precision: str, repeat
 # ---- the real loop with step caching -------------------------------------------------------------------------
 
 
+def random_prompt_embeddings(pipe, profile, generator: torch.Generator, guided: bool = True) -> dict:
+    """Seeded random prompt embeddings of a transformer pipeline, as long as its denoiser's engines read them for
+    `profile` (kasoku's fact for the family): a call's inputs without text encoders (the negative ones when
+    `guided`)."""
+    from kasoku.model import Model
+
+    model = Model.of(pipe)
+    tokens = model.family.denoiser_text_length(model, profile)
+    config = pipe.transformer.config
+    rows = ("", "negative_") if guided else ("",)
+    embeds = {f"{row}prompt_embeds": torch.randn(1, tokens, config.joint_attention_dim, generator=generator)
+              for row in rows}
+    embeds.update({f"{row}pooled_prompt_embeds": torch.randn(1, config.pooled_projection_dim, generator=generator)
+                   for row in rows})
+    return embeds
+
+
 def _loop_inputs(pipe, size: int) -> dict:
     """Seeded random prompt embeddings (the CLIP tokens + TEXT_TOKENS T5 tokens) and initial latents: the call's inputs
     without text encoders."""
-    transformer = pipe.transformer.config
-    tokens = pipe.tokenizer.model_max_length + TEXT_TOKENS  # the CLIP states beside T5's, as the engines read them
+    from kasoku.components import ImageShape, ShapeProfile
+
     generator = torch.Generator().manual_seed(SEEDS["loop"])
-
-    def randn(*shape):
-        return torch.randn(*shape, generator=generator)
-
+    profile = ShapeProfile.exact(ImageShape(1, size, size), guidance=True, multiple=16, text_tokens=TEXT_TOKENS)
     latent = size // pipe.vae_scale_factor
-    return {"prompt_embeds": randn(1, tokens, transformer.joint_attention_dim),
-            "negative_prompt_embeds": randn(1, tokens, transformer.joint_attention_dim),
-            "pooled_prompt_embeds": randn(1, transformer.pooled_projection_dim),
-            "negative_pooled_prompt_embeds": randn(1, transformer.pooled_projection_dim),
-            "latents": randn(1, transformer.in_channels, latent, latent)}
+    return {**random_prompt_embeddings(pipe, profile, generator),
+            "latents": torch.randn(1, pipe.transformer.config.in_channels, latent, latent, generator=generator)}
 
 
 def auto_threshold(changes: list[float]) -> float:

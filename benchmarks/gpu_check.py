@@ -301,12 +301,14 @@ def call_inputs(model: Model, work: Path) -> dict[str, torch.Tensor]:
     path = work / f"{model.name}-inputs.pt"
     if path.exists():
         return torch.load(path)
+    from full_sd35 import random_prompt_embeddings
+
     from kasoku.loading import load_pipeline
     from kasoku.model import Model as KasokuModel
 
     pipe = load_pipeline(model.folder, lazy=True)  # configs only: the weights stay on disk
     generator = torch.Generator().manual_seed(SEED)
-    denoiser = getattr(pipe, "unet", None) or pipe.transformer
+    denoiser = getattr(pipe, KasokuModel.of(pipe).family.denoiser)
     latent = model.size // pipe.vae_scale_factor
     if model.name == "flux":  # packed: 2x2 latent patches of 16 channels per token
         shape = (1, (latent // 2) ** 2, denoiser.config.in_channels)
@@ -314,14 +316,7 @@ def call_inputs(model: Model, work: Path) -> dict[str, torch.Tensor]:
         shape = (1, denoiser.config.in_channels, latent, latent)
     inputs = {"latents": torch.randn(shape, generator=generator)}
     if model.text_tokens:
-        kasoku_model = KasokuModel.of(pipe)
-        tokens = kasoku_model.family.denoiser_text_length(kasoku_model, model.profile())
-        rows = ("", "negative_") if model.cfg else ("",)
-        for row in rows:
-            inputs[f"{row}prompt_embeds"] = torch.randn(1, tokens, denoiser.config.joint_attention_dim,
-                                                        generator=generator)
-            inputs[f"{row}pooled_prompt_embeds"] = torch.randn(1, denoiser.config.pooled_projection_dim,
-                                                               generator=generator)
+        inputs.update(random_prompt_embeddings(pipe, model.profile(), generator, guided=model.cfg))
     torch.save(inputs, path)
     return inputs
 

@@ -130,6 +130,19 @@ def test_a_long_prompt_warns_that_it_is_cut(fast):
         fast("a photo of a cat " * 40, num_inference_steps=1, output_type="latent")
 
 
+def _encoded_prompt(pipe, family: str, **arguments) -> dict[str, torch.Tensor]:
+    """diffusers' own encode_prompt of "a cat" (and "blurry" as the negative prompt under guidance), by name."""
+    if family == "flux":  # embedded guidance: no negative prompt
+        embeds, pooled, _ = pipe.encode_prompt("a cat", prompt_2=None, device="cpu", num_images_per_prompt=1,
+                                               **arguments)
+        return {"prompt_embeds": embeds, "pooled_prompt_embeds": pooled}
+    names = ("prompt_embeds", "negative_prompt_embeds", "pooled_prompt_embeds", "negative_pooled_prompt_embeds")
+    others = {"prompt_2": None, "prompt_3": None} if family == "sd3" else {}
+    encoded = pipe.encode_prompt("a cat", **others, **arguments, device="cpu", num_images_per_prompt=1,
+                                 do_classifier_free_guidance=True, negative_prompt="blurry")
+    return dict(zip(names, encoded))
+
+
 @pytest.mark.parametrize("family", ["sd1", "sd3"])
 def test_prompt_embeddings_need_no_text_encoder_engines(family, tmp_path):
     """As in diffusers, a call that gives its prompt embeddings (the negative ones under guidance, the pooled ones
@@ -137,11 +150,7 @@ def test_prompt_embeddings_need_no_text_encoder_engines(family, tmp_path):
     pipe = tiny_pipeline(family=family)
     fast = kasoku.compile(pipe, "torch", components=("unet" if family == "sd1" else "transformer", "vae_decoder"),
                           cache_dir=tmp_path)
-    names = ("prompt_embeds", "negative_prompt_embeds", "pooled_prompt_embeds", "negative_pooled_prompt_embeds")
-    others = {"prompt_2": None, "prompt_3": None, **fast.fixed_arguments} if family == "sd3" else {}
-    encoded = pipe.encode_prompt("a cat", **others, device="cpu", num_images_per_prompt=1,
-                                 do_classifier_free_guidance=True, negative_prompt="blurry")
-    embeds = dict(zip(names, encoded))
+    embeds = _encoded_prompt(pipe, family, **(fast.fixed_arguments if family == "sd3" else {}))
     call = dict(num_inference_steps=2, output_type="np", height=64, width=64, **fast.fixed_arguments)
     expected = pipe(generator=torch.Generator().manual_seed(0), **embeds, **call).images
     actual = fast(generator=torch.Generator().manual_seed(0), **embeds, **call).images
@@ -156,18 +165,6 @@ def test_prompt_embeddings_need_no_text_encoder_engines(family, tmp_path):
     cut = {**embeds, "prompt_embeds": embeds["prompt_embeds"][:, :5]}
     with pytest.raises(InvalidInput, match=r"`prompt_embeds` holds 5 tokens but these engines read \d+"):
         fast(**cut, **call)
-
-
-def _encoded_prompt(pipe, family: str) -> dict[str, torch.Tensor]:
-    """diffusers' own encode_prompt of "a cat" (and "blurry" as the negative prompt under guidance), by name."""
-    if family == "flux":  # embedded guidance: no negative prompt
-        embeds, pooled, _ = pipe.encode_prompt("a cat", prompt_2=None, device="cpu", num_images_per_prompt=1)
-        return {"prompt_embeds": embeds, "pooled_prompt_embeds": pooled}
-    names = ("prompt_embeds", "negative_prompt_embeds", "pooled_prompt_embeds", "negative_pooled_prompt_embeds")
-    others = {"prompt_2": None, "prompt_3": None} if family == "sd3" else {}
-    encoded = pipe.encode_prompt("a cat", **others, device="cpu", num_images_per_prompt=1,
-                                 do_classifier_free_guidance=True, negative_prompt="blurry")
-    return dict(zip(names, encoded))
 
 
 @pytest.mark.parametrize("family", ["sd1", "sdxl", "sd3", "flux"])

@@ -210,7 +210,7 @@ class CallChecks:
                                "`encode_prompt`), and no prompt text.")
         self._check_prompt_embeds(kwargs)
         missing = [name for name in self.model.task_components(task) if name not in self.components
-                   and not (encoded and name.startswith("text_encoder"))]
+                   and not (encoded and name in self.family.text_encoders)]
         if missing:
             raise InvalidInput(f"{task} needs the {', '.join(missing)} engine{'s' if len(missing) > 1 else ''}; "
                                f"compile with the {', '.join(missing)} component{'s' if len(missing) > 1 else ''}.")

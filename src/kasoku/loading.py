@@ -120,11 +120,11 @@ def load_pipeline(model: Any, *, torch_dtype: torch.dtype = torch.float32, lazy:
         pipe = model
     else:
         source = _source(model)
-        folder = Path(source).is_dir()
-        empty = _meta_models(Path(source)) if lazy and folder else {}
+        folder = Path(source) if Path(source).is_dir() else None
+        empty = _meta_models(folder) if lazy and folder else {}
         try:
             pipe = DiffusionPipeline.from_pretrained(source, dtype=torch_dtype, use_safetensors=True, **{
-                **(_absent_components(Path(source)) if folder else {}), "safety_checker": None, **empty})
+                **(_absent_components(folder) if folder else {}), "safety_checker": None, **empty})
         except KasokuError:
             raise
         except Exception as error:  # a damaged file in a local folder: name it (diffusers may blame the network)

@@ -66,11 +66,10 @@ class StableDiffusionXL(UNetFamily):
         super().check_layout(components, where)
 
     def unet_added_inputs(self, model: ModelView, axes: Axes) -> tuple[TensorSpec, ...]:
+        # the pooled text embedding is the rest of the U-Net's added input beside the time ids (diffusers checks
+        # that it is text_encoder_2's projection width), so a pipeline without text encoders has it too
         config = model.ref(self.denoiser).config
-        if getattr(model.pipe, "text_encoder_2", None) is None:  # no text encoders: the rest beside the time ids
-            pooled = config.projection_class_embeddings_input_dim - TIME_IDS * config.addition_time_embed_dim
-        else:
-            pooled = model.ref("text_encoder_2").config.projection_dim
+        pooled = config.projection_class_embeddings_input_dim - TIME_IDS * config.addition_time_embed_dim
         return unet.text_time_inputs(config, pooled, axes)
 
     def vae_fp32_for(self, model: ModelView) -> dict[Precision, str]:
