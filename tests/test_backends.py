@@ -110,3 +110,24 @@ def test_info_cli(capsys):
     out = capsys.readouterr().out
     assert "onnxruntime" in out and "openvino" in out
     assert "tensorrt" in out and ("not installed" in out or "no CUDA GPU" in out or "yes" in out)
+
+
+def test_openvino_entry_blob_is_what_export_model_writes_taken_from_its_model_cache(tmp_path):
+    """The build takes its blob from OpenVINO's model cache (written while compiling: no second in-memory copy of
+    the compiled weights) without the cache's header: byte for byte `export_model`, which `load` imports."""
+    import openvino as ov
+    from openvino import opset13 as ops
+
+    from kasoku.backends.openvino import _take_cached_blob
+
+    x = ops.parameter([-1, 32], np.float32, name="x")
+    model = ov.Model([ops.matmul(x, ops.constant(np.arange(32 * 32, dtype=np.float32).reshape(32, 32)), False,
+                                 False)], [x])
+    assert not _take_cached_blob(tmp_path / "cache", tmp_path / "none.blob")  # nothing cached: export_model's way
+    compiled = ov.Core().compile_model(model, "CPU", {"INFERENCE_PRECISION_HINT": "f32",
+                                                      "CACHE_DIR": str(tmp_path / "cache")})
+    assert _take_cached_blob(tmp_path / "cache", tmp_path / "model.blob")
+    assert (tmp_path / "model.blob").read_bytes() == compiled.export_model().getvalue()
+    imported = ov.Core().import_model((tmp_path / "model.blob").read_bytes(), "CPU")
+    feed = np.ones((2, 32), np.float32)
+    np.testing.assert_array_equal(imported(feed)[0], compiled(feed)[0])

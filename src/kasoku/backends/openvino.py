@@ -4,8 +4,10 @@ The model is reshaped to the component's profile (static dimensions where the pr
 value: an exact-shape engine; bounded dynamic ones elsewhere), int8-quantized through NNCF when
 asked (kasoku.quantize), compiled once at build time and exported as OpenVINO's compiled blob:
 the cache entry is that blob alone (one copy of the weights), and a warm load imports it instead
-of reading an IR and compiling again. The inference precision is always explicit (OpenVINO otherwise picks bf16 on
-CPUs that have it) and read back after compiling: a precision the CPU did not apply is an error,
+of reading an IR and compiling again. OpenVINO's own model cache writes the blob while it compiles
+(`export_model` would hold a second copy of the compiled weights in memory at the build's peak); the
+entry keeps exactly what `export_model` gives. The inference precision is always explicit (OpenVINO
+otherwise picks bf16 on CPUs that have it) and read back after compiling: a precision the CPU did not apply is an error,
 never a silent fp32 run. Engines read their inputs from the torch tensors' memory and write their
 outputs into torch tensors (no copies).
 
@@ -18,6 +20,7 @@ are set on the infer request once per adapter set.
 from __future__ import annotations
 
 import functools
+import shutil
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -30,6 +33,8 @@ from ..weights import as_numpy
 from .base import Availability, Backend, BackendUnavailable, Engine, UnsupportedPrecision, load_bound, save_bound
 
 BLOB_FILE = "model.blob"
+# OpenVINO's model cache writes its blob as one XML line (the runtime's version) and then what export_model writes.
+_CACHE_HEADER_END = b"/>\n"
 _HINTS = {Precision.FP32: "f32", Precision.FP16: "f16", Precision.BF16: "bf16"}
 NO_BF16 = ("this CPU has no native bf16 (neither AVX512-BF16 nor AMX, OpenVINO's BF16 capability): OpenVINO "
            "would emulate it slowly or run fp32")
@@ -103,6 +108,23 @@ class OpenVinoEngine(Engine):
             self.request.set_tensor(name, ov.Tensor(as_numpy(tensor), shared_memory=True))
 
 
+def _take_cached_blob(blob_dir: Path, path: Path) -> bool:
+    """Copy the one blob OpenVINO's model cache wrote into `blob_dir` to `path` without its header line (what
+    `export_model` writes, streamed file to file); False when there is none in the expected form."""
+    blobs = list(blob_dir.glob("*.blob")) if blob_dir.is_dir() else []
+    if len(blobs) != 1:
+        return False
+    with open(blobs[0], "rb") as source:
+        header = source.read(4096)
+        end = header.find(_CACHE_HEADER_END)
+        if not header.startswith(b"<?xml") or end < 0:
+            return False
+        source.seek(end + len(_CACHE_HEADER_END))
+        with open(path, "wb") as target:
+            shutil.copyfileobj(source, target, 1 << 24)
+    return True
+
+
 def bind_constants(model, constants: dict[str, torch.Tensor]):
     """`model` (read from an architecture graph) with each weight parameter in `constants` replaced by a
     Constant sharing the tensor's memory."""
@@ -169,9 +191,10 @@ class OpenVinoBackend(Backend):
                                        "compile LoRA targets in fp32 or bf16.")
 
     def _compiled(self, spec: ComponentSpec, onnx_path: Path, precision: Precision,
-                  constants: dict[str, torch.Tensor] | None, calibration: Callable[[], list] | None = None):
+                  constants: dict[str, torch.Tensor] | None, calibration: Callable[[], list] | None = None,
+                  blob_dir: Path | None = None):
         """(compiled model, build metadata): the graph read, its constants bound, reshaped to the profile,
-        int8-quantized when asked, compiled."""
+        int8-quantized when asked, compiled (its blob written into `blob_dir` by OpenVINO's model cache, if given)."""
         import openvino as ov
 
         core = ov.Core()
@@ -190,7 +213,8 @@ class OpenVinoBackend(Backend):
             model = quantize(model, spec.int8, samples)
             meta["int8"] = {"recipe": spec.int8, "calibration_samples": len(samples or [])}
         config = openvino_config(precision, self.options.threads)
-        compiled = core.compile_model(model, "CPU", config)
+        caching = {} if blob_dir is None else {"CACHE_DIR": str(blob_dir)}
+        compiled = core.compile_model(model, "CPU", {**config, **caching})
         self._check_applied(compiled, precision)
         return compiled, {**meta, "config": config}
 
@@ -199,8 +223,12 @@ class OpenVinoBackend(Backend):
               run_time: frozenset[str] = frozenset()) -> dict[str, Any]:
         self.require()
         constants = None if weights is None else {n: t for n, t in weights.items() if n not in run_time}
-        compiled, meta = self._compiled(spec, onnx_path, precision, constants, calibration)
-        (out_dir / BLOB_FILE).write_bytes(compiled.export_model().getbuffer())
+        blob_dir = out_dir / ".openvino-cache"
+        compiled, meta = self._compiled(spec, onnx_path, precision, constants, calibration, blob_dir)
+        if not _take_cached_blob(blob_dir, out_dir / BLOB_FILE):
+            (out_dir / BLOB_FILE).write_bytes(compiled.export_model().getbuffer())
+        del compiled
+        shutil.rmtree(blob_dir, ignore_errors=True)
         if weights is not None:
             save_bound(out_dir, weights, run_time)
         return {**meta, "run_time_weights": len(run_time)}
