@@ -364,6 +364,15 @@ def test_two_controlnets_with_different_scales(pipes, controlnets, sd_multi, com
 
 
 @integration
+def test_two_controlnets_of_one_architecture_share_one_graph(sd_multi):
+    """Two SD 1.x ControlNets with their own weights (canny and depth, say): one export, an engine each."""
+    stages = {(s.component, s.stage): s for s in sd_multi.compile_report.stages}
+    assert stages[("controlnet_0", "export")].key == stages[("controlnet_1", "export")].key
+    assert stages[("controlnet_1", "export")].status == "reused"
+    assert stages[("controlnet_0", "engine")].key != stages[("controlnet_1", "engine")].key
+
+
+@integration
 def test_guess_mode(pipes, controlnets, compiled):
     control = random_image(1)
     expected = run_diffusers(reference(pipes["sd1"], controlnets["sd1"][0], "sd1", "txt2img"), "txt2img", control,

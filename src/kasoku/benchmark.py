@@ -24,6 +24,7 @@ import torch
 from .attention import exportable_attention
 from .backends import BACKEND_CHOICES
 from .backends.base import cpu_flags, cpu_name
+from .build import ONNX_FILE, Compiler
 from .cache import Cache
 from .compiling import compile_components
 from .components import ComponentSpec, ImageShape, ShapeProfile
@@ -312,7 +313,7 @@ def bench(
         for peer in peers:
             log(f"{name}: {peer}")
             with tempfile.TemporaryDirectory(prefix="kasoku-bench-onnx-") as folder:
-                onnx_path = _exported_onnx(cache, spec, Path(folder))
+                onnx_path = _exported_onnx(cache, options, spec, Path(folder))
                 run, load = _peer_runner(peer, spec, onnx_path, threads)
                 first, samples = timed_runs(lambda: run(inputs), repeats)  # noqa: B023
                 median = statistics.median(samples)
@@ -329,16 +330,17 @@ def bench(
     return report
 
 
-def _exported_onnx(cache, spec: ComponentSpec, folder: Path) -> Path | None:
-    """The component's exported graph from the cache with its weights bound, as a self-contained ONNX file in
-    `folder` (what the peers run)."""
+def _exported_onnx(cache, options: CompileOptions, spec: ComponentSpec, folder: Path) -> Path | None:
+    """The component's exported graph from the cache (the one its engines were built from) with its weights
+    bound, as a self-contained ONNX file in `folder` (what the peers run)."""
     import onnx
 
-    for info in cache.list():
-        if info.kind == "graph" and info.component == spec.name and info.parts.get("architecture") == spec.architecture:
-            graph = cache.entries / info.key / "model.onnx"
-            return materialize(graph, module_weights(spec, onnx.load(str(graph))), folder / "model.onnx")
-    return None
+    compiler = Compiler(cache, options)
+    entry = cache.lookup(compiler.export_parts(spec)) if compiler.binds_weights() else None
+    if entry is None:
+        return None
+    graph = entry.file(ONNX_FILE)
+    return materialize(graph, module_weights(spec, onnx.load(str(graph))), folder / ONNX_FILE)
 
 
 def _bench_end_to_end(pipe, report, specs, cache, profile, shape, steps, guidance, repeats, options, label, log):

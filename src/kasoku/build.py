@@ -163,7 +163,7 @@ class Compiler:
         if self.options.onnx_dir is not None:
             files = onnx_files(self._given_onnx(spec))
             return {"kind": "onnx-file", "component": spec.name, "files": [file_sha256(f) for f in files]}
-        return {"kind": "graph", "component": spec.name, "architecture": spec.architecture,
+        return {"kind": "graph", "component": spec.graph_id, "architecture": spec.architecture,
                 "exporter": self.options.exporter, "opset": self.options.opset, "traced": traced_shapes(spec),
                 **_versions()}
 

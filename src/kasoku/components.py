@@ -271,6 +271,14 @@ class ComponentSpec:
     # (IP-Adapters: a switch binds them); the engine is then keyed on `base_weights`, the digest of the others.
     run_time_parts: tuple[str, ...] = ()
     base_weights: Callable[[], str] | None = field(default=None, repr=False, compare=False)
+    # What its architecture graph is named by, when not `name`: components that differ by their slot only (a second
+    # ControlNet of one architecture) share one graph and export once.
+    graph_name: str = ""
+
+    @property
+    def graph_id(self) -> str:
+        """The name its architecture graph is keyed by (see `graph_name`)."""
+        return self.graph_name or self.name
 
     def precision_for(self, requested: Precision | str) -> Precision:
         """The precision this component is built in when `requested` is asked for."""
@@ -351,7 +359,7 @@ class ComponentSpec:
     def architecture(self) -> str:
         """Digest of what the graph is, whatever its weights: name, config and tensors."""
         described = {
-            "name": self.name,
+            "name": self.graph_id,
             "config": _jsonable(self.config),
             "inputs": [(t.name, [str(d) for d in t.dims], str(t.dtype)) for t in self.inputs],
             "outputs": [(t.name, [str(d) for d in t.dims]) for t in self.outputs],

@@ -1,6 +1,7 @@
 """diffusers' ControlNetModel: a copy of a U-Net's encoder that adds scaled residuals to the U-Net's features.
 
-One graph per distinct ControlNet model (``controlnet_<i>``): the latents, timestep, text embeddings, the
+One engine per ControlNet (``controlnet_<i>``), and one graph per ControlNet architecture (two SD 1.5
+ControlNets, canny and depth, export once): the latents, timestep, text embeddings, the
 control image at the image's size and one scale per residual (plus the U-Net's added conditioning) in; its
 scaled residuals out. One engine serves every scale and guess mode: the scale is an input (diffusers'
 scale, or in guess mode its logspace(-1, 0) ramp, per residual). The stand-ins look like a ControlNetModel
@@ -96,6 +97,7 @@ def controlnet_spec(name: str, ref: ModuleRef, profile: ShapeProfile, axes: Axes
         config=dict(config),
         graph_kind="unet",
         modules=(ref.path,),
+        graph_name="controlnet",
     )
 
 
