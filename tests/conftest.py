@@ -129,6 +129,30 @@ def tiny_cache(_session_cache, tiny_compiled):
 
 
 @pytest.fixture(scope="session")
+def tiny_graphs(tiny_specs, tiny_cache):
+    """The tiny pipeline's architecture graph entries (weightless) in the session cache: {component: folder}."""
+    from kasoku.build import Compiler
+    from kasoku.options import CompileOptions
+
+    compiler = Compiler(tiny_cache, CompileOptions(backend="onnxruntime"))
+    return {name: tiny_cache.lookup(compiler.export_parts(spec)).path for name, spec in tiny_specs.items()}
+
+
+def cache_with_graphs(root, graphs):
+    """A new cache at `root` holding copies of these graph entries (kilobytes: no weights), for a test whose cache
+    must start without engines: it builds them without exporting the session's graphs again."""
+    import shutil
+    from pathlib import Path
+
+    from kasoku.cache import Cache
+
+    cache = Cache(root)
+    for entry in graphs:
+        shutil.copytree(entry, cache.entries / Path(entry).name)
+    return Path(root)
+
+
+@pytest.fixture(scope="session")
 def tiny_kasoku(tiny_pipe, tiny_cache, tiny_compiled):
     """KasokuPipeline over ONNX Runtime engines of the tiny pipeline (engines from the cache)."""
     import kasoku

@@ -11,7 +11,7 @@ from kasoku.cli import main
 from kasoku.components import ImageShape, ShapeOutOfProfile
 from kasoku.errors import KasokuError
 from kasoku.parity import compare_outputs
-from tests.conftest import SD_COMPONENTS
+from tests.conftest import SD_COMPONENTS, cache_with_graphs
 
 SHAPES = [ImageShape(1, 64, 64), ImageShape(2, 96, 48)]
 
@@ -94,12 +94,13 @@ def test_auto_measures_once_and_remembers(tiny_dir, tiny_cache, tiny_compiled):
     assert resolved.built == 0 and resolved.backends == first.backends
 
 
-def test_auto_keeps_only_the_winners_engine(tiny_dir, tmp_path):
+def test_auto_keeps_only_the_winners_engine(tiny_dir, tiny_graphs, tmp_path):
     from kasoku.cache import Cache
     from kasoku.compiling import compile_components
 
-    _, report = compile_components(tiny_dir, backend="auto", cache=tmp_path, components=["vae_decoder"])
-    engines = [e for e in Cache(tmp_path).list() if e.kind == "engine"]
+    cache = cache_with_graphs(tmp_path / "cache", [tiny_graphs["vae_decoder"]])
+    _, report = compile_components(tiny_dir, backend="auto", cache=cache, components=["vae_decoder"])
+    engines = [e for e in Cache(cache).list() if e.kind == "engine"]
     assert [e.parts["backend"] for e in engines] == [report.backends["vae_decoder"]]
     built = [s for s in report.stages if s.stage == "engine" and s.status == "built"]
     assert len(built) == 1 and built[0].key == engines[0].key  # the loser's build left the report with its entry

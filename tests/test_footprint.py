@@ -14,6 +14,7 @@ import pytest
 
 from kasoku.cache import Cache, parse_size
 from kasoku.cli import main
+from tests.conftest import cache_with_graphs
 
 pytestmark = pytest.mark.integration  # builds engines
 
@@ -26,9 +27,10 @@ def weights_bytes(folder) -> int:
 # repeat that work and are slow
 @pytest.mark.parametrize("backend, bound", [pytest.param("onnxruntime", 2.0, marks=pytest.mark.slow),
                                             pytest.param("openvino", 2.0, marks=pytest.mark.slow), ("auto", 2.5)])
-def test_a_compiled_unet_costs_at_most_twice_its_weights(tiny_dir, tmp_path, backend, bound):
-    """The U-Net (most of a model's weights; the other components follow the same path)."""
-    cache = tmp_path / "cache"
+def test_a_compiled_unet_costs_at_most_twice_its_weights(tiny_dir, tiny_graphs, tmp_path, backend, bound):
+    """The U-Net (most of a model's weights; the other components follow the same path). Its weightless graph is
+    the session's; the engines are built here."""
+    cache = cache_with_graphs(tmp_path / "cache", [tiny_graphs["unet"]])
     args = ["compile", str(tiny_dir), "--backend", backend, "--components", "unet", "--cache-dir", str(cache)]
     assert main(args) == 0
     graphs = [e for e in Cache(cache).list() if e.kind == "graph"]
@@ -71,9 +73,11 @@ def two_models(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def cache_with_one(two_models, tmp_path_factory):
-    """A cache holding model one's text encoder and VAE decoder engines (each test copies it)."""
-    cache = tmp_path_factory.mktemp("cache-one")
+def cache_with_one(two_models, tiny_graphs, tmp_path_factory):
+    """A cache holding model one's text encoder and VAE decoder engines (each test copies it), built on the
+    session's graphs of their architecture."""
+    cache = cache_with_graphs(tmp_path_factory.mktemp("cache-one"),
+                              [tiny_graphs["text_encoder"], tiny_graphs["vae_decoder"]])
     _compile(two_models[0], cache, components=("text_encoder", "vae_decoder"))
     return cache
 
