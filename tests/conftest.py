@@ -52,6 +52,20 @@ def pytest_collection_modifyitems(config, items):
 # The components of an SD 1.x / 2.x pipeline (SDXL adds text_encoder_2).
 SD_COMPONENTS = ("text_encoder", "unet", "vae_decoder", "vae_encoder")
 
+# The image sizes (min, opt, max) of the tiny pipelines' default profile. Flux's default is diffusers' 1024 px: its
+# tests give these (`tiny_profile`), so that its graphs, and the VAE it shares with SD3, are traced alike everywhere.
+TINY_SIZES = (32, 64, 128)
+TINY_SIZES_FLAG = ":".join(map(str, TINY_SIZES))  # the CLI's --height / --width for them
+
+
+def tiny_profile(pipe):
+    """`pipe`'s default profile at the tiny pipelines' sizes (TINY_SIZES)."""
+    from kasoku.components import profile_with_ranges
+    from kasoku.model import Model
+
+    return profile_with_ranges(Model.of(pipe).default_profile(), None, TINY_SIZES, TINY_SIZES)
+
+
 # Two resolutions and two batch sizes inside the tiny profile (32..128 px, 1..4 images).
 TINY_CHECK_SHAPES = [ImageShape(1, 64, 64), ImageShape(2, 32, 48)]
 

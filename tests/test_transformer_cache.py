@@ -18,6 +18,7 @@ from kasoku.families import FAMILIES
 from kasoku.parity import psnr
 from kasoku.standins import InvalidInput
 from kasoku.step_cache import FIRST, REST, StepCaching, TaylorSeerRun
+from tests.conftest import TINY_SIZES_FLAG, tiny_profile
 
 pytestmark = pytest.mark.integration  # exports or builds engines
 
@@ -36,15 +37,9 @@ def pipes():
 
 @pytest.fixture(scope="module")
 def cached(pipes, tiny_cache):
-    """Each family on ONNX Runtime with its first-block engines (transformer_first, transformer_rest), for 32 to 96
-    pixels (Flux's default profile is diffusers' 1024 px)."""
-    from kasoku.components import profile_with_ranges
-    from kasoku.model import Model
-
-    def profile(pipe):
-        return profile_with_ranges(Model.of(pipe).default_profile(), None, (32, 96), (32, 96))
-
-    return {name: kasoku.compile(pipe, "onnxruntime", profile=profile(pipe), cache_dir=tiny_cache.root,
+    """Each family on ONNX Runtime with its first-block engines (transformer_first, transformer_rest), at the tiny
+    pipelines' sizes (Flux's default profile is diffusers' 1024 px)."""
+    return {name: kasoku.compile(pipe, "onnxruntime", profile=tiny_profile(pipe), cache_dir=tiny_cache.root,
                                  step_cache=True, label=name)
             for name, pipe in pipes.items()}
 
@@ -225,5 +220,5 @@ def test_generate_and_verify_with_the_first_block_cache_from_the_cli(tmp_path, t
     assert out.is_file() and "transformer_first" in printed and "transformer_rest" in printed
     # the profile of `cached` (the folder holds the same tiny weights): verify finds every engine in the cache
     assert main(["verify", str(folder), "--backend", "onnxruntime", "--cache-dir", str(tiny_cache.root),
-                 "--cache-threshold", "0.1", "--height", "32:96", "--width", "32:96"]) == 0
+                 "--cache-threshold", "0.1", "--height", TINY_SIZES_FLAG, "--width", TINY_SIZES_FLAG]) == 0
     assert "Step caching: image" in capsys.readouterr().out

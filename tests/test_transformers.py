@@ -22,6 +22,7 @@ from kasoku.loading import load_pipeline
 from kasoku.model import Model
 from kasoku.parity import TOLERANCES, psnr
 from kasoku.pipeline import InvalidInput
+from tests.conftest import TINY_SIZES_FLAG, tiny_profile
 
 pytestmark = pytest.mark.integration  # exports or builds engines
 
@@ -54,18 +55,10 @@ def pipes(dirs):
     return pipes
 
 
-def profile_of(pipe):
-    """SD3's default profile (its native 64 px); Flux's default is diffusers' 1024 px, so 32..96 here."""
-    from kasoku.components import profile_with_ranges
-
-    base = Model.of(pipe).default_profile()
-    return base if Model.of(pipe).family.name == "sd3" else profile_with_ranges(base, None, (32, 96), (32, 96))
-
-
 @pytest.fixture(scope="module")
 def compiled(pipes, tiny_cache):
     """ONNX Runtime and OpenVINO pipelines of each (the second backend reuses the exported graphs)."""
-    return {(name, backend): kasoku.compile(pipe, backend, profile=profile_of(pipe), cache_dir=tiny_cache.root,
+    return {(name, backend): kasoku.compile(pipe, backend, profile=tiny_profile(pipe), cache_dir=tiny_cache.root,
                                             label=name)
             for name, pipe in pipes.items() for backend in ("onnxruntime", "openvino")
             if (name, backend) != ("schnell", "openvino")}  # schnell differs from dev by an input: ORT proves it
@@ -101,11 +94,11 @@ def test_transformer_specs_say_what_the_pipelines_feed(pipes):
     sd3 = Model.of(pipes["sd3"]).specs(names=["transformer"])["transformer"]
     # CLIP's 77 tokens beside T5's 256 (diffusers' default max_sequence_length), 2 x the images under guidance
     assert sd3.input_shapes(ImageShape(1, 64, 96))["encoder_hidden_states"] == (2, 77 + 256, 80)
-    flux = Model.of(pipes["flux"]).specs(profile_of(pipes["flux"]), names=["transformer"])["transformer"]
+    flux = Model.of(pipes["flux"]).specs(tiny_profile(pipes["flux"]), names=["transformer"])["transformer"]
     shapes = flux.input_shapes(ImageShape(1, 64, 96))
     assert shapes["hidden_states"] == (1, 4 * 6, 64)  # 2x2 patches of the 8x latent: one axis of height x width
     assert shapes["img_ids"] == (24, 3) and shapes["txt_ids"] == (512, 3) and shapes["guidance"] == (1,)
-    schnell = Model.of(pipes["schnell"]).specs(profile_of(pipes["schnell"]), names=["transformer"])["transformer"]
+    schnell = Model.of(pipes["schnell"]).specs(tiny_profile(pipes["schnell"]), names=["transformer"])["transformer"]
     assert "guidance" not in schnell.input_names
 
 
@@ -144,7 +137,7 @@ def test_flux_true_cfg_runs_the_transformer_twice_a_step(compiled):
 
 def test_sd3_runs_without_its_t5(pipes, tiny_cache):
     without = FAMILIES["sd3"].task_pipeline(pipes["sd3"], "txt2img", text_encoder_3=None, tokenizer_3=None)
-    fast = kasoku.compile(without, "onnxruntime", profile=profile_of(without), cache_dir=tiny_cache.root)
+    fast = kasoku.compile(without, "onnxruntime", profile=tiny_profile(without), cache_dir=tiny_cache.root)
     assert "text_encoder_3" not in fast.engines
     assert psnr(call(without, "txt2img", max_sequence_length=256), call(fast, "txt2img")) >= BOUND_DB
 
@@ -165,7 +158,7 @@ def test_a_max_sequence_length_the_engines_do_not_serve_is_refused_first(compile
 def test_a_profile_with_other_text_tokens_builds_engines_for_them(pipes, tiny_cache):
     from dataclasses import replace
 
-    profile = replace(profile_of(pipes["flux"]), text_tokens=32)
+    profile = replace(tiny_profile(pipes["flux"]), text_tokens=32)
     fast = kasoku.compile(pipes["flux"], "torch", profile=profile, cache_dir=tiny_cache.root,
                           components=("text_encoder", "text_encoder_2", "transformer", "vae_decoder"))
     assert fast.engines["text_encoder_2"].spec.input_shapes(profile.opt)["input_ids"][1] == 32
@@ -221,7 +214,7 @@ def test_lora_one_adapter_and_two_blended(name, pipes, tiny_cache, tmp_path, req
     a = _save_transformer_adapter(pipes[name], tmp_path / "a", 1, ["to_q", "to_k", "to_v", "to_out.0"])
     b = _save_transformer_adapter(pipes[name], tmp_path / "b", 2, ["to_q", "to_v", "add_k_proj", "proj_out"])
     reference = tiny_pipeline(family=name)
-    fast = kasoku.compile(tiny_pipeline(family=name), "onnxruntime", profile=profile_of(reference),
+    fast = kasoku.compile(tiny_pipeline(family=name), "onnxruntime", profile=tiny_profile(reference),
                           cache_dir=tiny_cache.root, lora_targets="attention", label=f"{name}-lora")
     fixed = fast.fixed_arguments
     base = call(fast, "txt2img")
@@ -272,7 +265,7 @@ def with_ip_adapter(dirs, pipes, tiny_cache, name, backend, *args, **kwargs):
     """(ours, diffusers', ours' image before the load): the tiny `name` folder compiled on `backend` and diffusers'
     own pipeline of it, each given `load_ip_adapter(*args, **kwargs)`."""
     reference, ours = load_pipeline(dirs[name]), kasoku.compile(load_pipeline(dirs[name]), backend,
-                                                                profile=profile_of(pipes[name]),
+                                                                profile=tiny_profile(pipes[name]),
                                                                 cache_dir=tiny_cache.root, label=f"{name}-ip")
     base = call(ours, "txt2img")
     for pipe in (reference, ours):
@@ -442,8 +435,8 @@ def test_generate_sd3_from_the_cli(dirs, compiled, tiny_cache, tmp_path, capsys)
 
 def test_verify_flux_on_openvino_from_the_cli(dirs, compiled, tiny_cache, tmp_path):
     out = tmp_path / "verify.json"
-    assert main(["verify", str(dirs["flux"]), "--backend", "openvino", "--height", "32:96", "--width", "32:96",
-                 "--cache-dir", str(tiny_cache.root), "--json", str(out)]) == 0
+    assert main(["verify", str(dirs["flux"]), "--backend", "openvino", "--height", TINY_SIZES_FLAG,
+                 "--width", TINY_SIZES_FLAG, "--cache-dir", str(tiny_cache.root), "--json", str(out)]) == 0
     report = json.loads(out.read_text())
     assert report["passed"] and report["family"] == "Flux.1" and report["image"]["psnr_db"] >= BOUND_DB
     assert {c["component"] for c in report["components"]} == {"text_encoder", "text_encoder_2", "transformer",
@@ -506,7 +499,7 @@ def test_serve_sd3_answers_the_images_api(dirs, compiled, tiny_cache):
 def test_inductor_builds_the_transformer(name, pipes, tmp_path):
     from kasoku.compiling import compile_components
 
-    engines, report = compile_components(pipes[name], backend="inductor", profile=profile_of(pipes[name]),
+    engines, report = compile_components(pipes[name], backend="inductor", profile=tiny_profile(pipes[name]),
                                          components=("transformer",), cache=tmp_path)
     (stage,) = report.stages
     assert stage.status == "built" and all(p["passed"] for p in stage.detail["parity"])
