@@ -7,8 +7,8 @@ the cache entry is that blob alone (one copy of the weights), and a warm load im
 of reading an IR and compiling again. OpenVINO's own model cache writes the blob while it compiles
 (`export_model` would hold a second copy of the compiled weights in memory at the build's peak); the
 entry keeps exactly what `export_model` gives. The inference precision is always explicit (OpenVINO
-otherwise picks bf16 on CPUs that have it) and read back after compiling: a precision the CPU did not apply is an error,
-never a silent fp32 run. Engines read their inputs from the torch tensors' memory and write their
+otherwise picks bf16 on CPUs that have it) and read back after compiling: a precision the CPU did not
+apply is an error, never a silent fp32 run. Engines read their inputs from the torch tensors' memory and write their
 outputs into torch tensors (no copies).
 
 Weights are bound before compiling: each weight parameter of the architecture graph is replaced by a
