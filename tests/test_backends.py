@@ -113,13 +113,14 @@ def test_info_cli(capsys):
     assert "tensorrt" in out and ("not installed" in out or "no CUDA GPU" in out or "yes" in out)
 
 
-def test_openvino_entry_blob_is_what_export_model_writes_taken_from_its_model_cache(tmp_path):
-    """The build takes its blob from OpenVINO's model cache (written while compiling: no second in-memory copy of
-    the compiled weights) without the cache's header: byte for byte `export_model`, which `load` imports."""
+def test_openvino_entry_blob_is_the_model_caches_file_and_loads_past_its_header(tmp_path):
+    """The build takes the blob OpenVINO's model cache wrote while compiling (no second in-memory copy of the
+    compiled weights): after its header line it is byte for byte `export_model`'s, which is where loading starts;
+    a blob written by `export_model` (older entries) loads from its first byte."""
     import openvino as ov
     from openvino import opset13 as ops
 
-    from kasoku.backends.openvino import _take_cached_blob
+    from kasoku.backends.openvino import _blob_start, _take_cached_blob
 
     x = ops.parameter([-1, 32], np.float32, name="x")
     model = ov.Model([ops.matmul(x, ops.constant(np.arange(32 * 32, dtype=np.float32).reshape(32, 32)), False,
@@ -128,7 +129,14 @@ def test_openvino_entry_blob_is_what_export_model_writes_taken_from_its_model_ca
     compiled = ov.Core().compile_model(model, "CPU", {"INFERENCE_PRECISION_HINT": "f32",
                                                       "CACHE_DIR": str(tmp_path / "cache")})
     assert _take_cached_blob(tmp_path / "cache", tmp_path / "model.blob")
-    assert (tmp_path / "model.blob").read_bytes() == compiled.export_model().getvalue()
-    imported = ov.Core().import_model((tmp_path / "model.blob").read_bytes(), "CPU")
+    exported = compiled.export_model().getvalue()
+    (tmp_path / "exported.blob").write_bytes(exported)
+    taken = (tmp_path / "model.blob").read_bytes()
+    assert _blob_start(tmp_path / "model.blob") > 0 and taken[_blob_start(tmp_path / "model.blob"):] == exported
+    assert _blob_start(tmp_path / "exported.blob") == 0
     feed = np.ones((2, 32), np.float32)
-    np.testing.assert_array_equal(imported(feed)[0], compiled(feed)[0])
+    for name in ("model.blob", "exported.blob"):
+        path = tmp_path / name
+        blob = np.memmap(path, dtype=np.uint8, mode="c", offset=_blob_start(path))
+        imported = ov.Core().import_model(ov.Tensor(blob, shared_memory=True), "CPU")
+        np.testing.assert_array_equal(imported(feed)[0], compiled(feed)[0])

@@ -5,10 +5,11 @@ value: an exact-shape engine; bounded dynamic ones elsewhere), int8-quantized th
 asked (kasoku.quantize), compiled once at build time and exported as OpenVINO's compiled blob:
 the cache entry is that blob alone (one copy of the weights), and a warm load imports it instead
 of reading an IR and compiling again. OpenVINO's own model cache writes the blob while it compiles
-(`export_model` would hold a second copy of the compiled weights in memory at the build's peak); the
-entry keeps exactly what `export_model` gives. The inference precision is always explicit (OpenVINO
-otherwise picks bf16 on CPUs that have it) and read back after compiling: a precision the CPU did not
-apply is an error, never a silent fp32 run. Engines read their inputs from the torch tensors' memory and write their
+(`export_model` would hold a second copy of the compiled weights in memory at the build's peak) and the
+entry takes that file as it is: what `export_model` writes after one header line, which the load skips.
+The inference precision is always explicit (OpenVINO otherwise picks bf16 on CPUs that have it) and
+read back after compiling: a precision the CPU did not apply is an error, never a silent fp32 run.
+Engines read their inputs from the torch tensors' memory and write their
 outputs into torch tensors (no copies).
 
 Weights are bound before compiling: each weight parameter of the architecture graph is replaced by a
@@ -20,6 +21,7 @@ are set on the infer request once per adapter set.
 from __future__ import annotations
 
 import functools
+import os
 import shutil
 from collections.abc import Callable
 from pathlib import Path
@@ -109,20 +111,22 @@ class OpenVinoEngine(Engine):
 
 
 def _take_cached_blob(blob_dir: Path, path: Path) -> bool:
-    """Copy the one blob OpenVINO's model cache wrote into `blob_dir` to `path` without its header line (what
-    `export_model` writes, streamed file to file); False when there is none in the expected form."""
+    """Move the one blob OpenVINO's model cache wrote into `blob_dir` to `path` (its header line stays: see
+    `_blob_start`); False when there is none in the expected form."""
     blobs = list(blob_dir.glob("*.blob")) if blob_dir.is_dir() else []
-    if len(blobs) != 1:
+    if len(blobs) != 1 or not _blob_start(blobs[0]):
         return False
-    with open(blobs[0], "rb") as source:
-        header = source.read(4096)
-        end = header.find(_CACHE_HEADER_END)
-        if not header.startswith(b"<?xml") or end < 0:
-            return False
-        source.seek(end + len(_CACHE_HEADER_END))
-        with open(path, "wb") as target:
-            shutil.copyfileobj(source, target, 1 << 24)
+    os.replace(blobs[0], path)
     return True
+
+
+def _blob_start(path: Path) -> int:
+    """Where what `export_model` writes starts in a blob file: after the header line of OpenVINO's model cache, or
+    at 0 (an entry built through `export_model`)."""
+    with open(path, "rb") as blob:
+        head = blob.read(4096)
+    end = head.find(_CACHE_HEADER_END)
+    return end + len(_CACHE_HEADER_END) if head.startswith(b"<?xml") and end >= 0 else 0
 
 
 def bind_constants(model, constants: dict[str, torch.Tensor]):
@@ -145,7 +149,9 @@ class OpenVinoBackend(Backend):
     name = "openvino"
     extra = "openvino"
     precisions = (Precision.FP32, Precision.FP16, Precision.BF16, Precision.INT8)
-    entry_format = 2  # 1: IR plus OpenVINO's blob cache; 2: the exported compiled blob alone
+    # 1: IR plus OpenVINO's blob cache; 2: the compiled blob alone (export_model's bytes, or its model cache's file:
+    # the same after a header line)
+    entry_format = 2
 
     @classmethod
     def availability(cls) -> Availability:
@@ -258,7 +264,8 @@ class OpenVinoBackend(Backend):
         import openvino as ov
 
         # Mapped copy-on-write (OpenVINO wants a writable array; nothing writes it): read, not copied, here.
-        blob = np.memmap(entry_dir / BLOB_FILE, dtype=np.uint8, mode="c")
+        path = entry_dir / BLOB_FILE
+        blob = np.memmap(path, dtype=np.uint8, mode="c", offset=_blob_start(path))
         compiled = ov.Core().import_model(ov.Tensor(blob, shared_memory=True), "CPU",
                                           openvino_config(precision, self.options.threads))
         self._check_applied(compiled, precision)
