@@ -120,14 +120,16 @@ def test_openvino_entry_blob_is_the_model_caches_file_and_loads_past_its_header(
     import openvino as ov
     from openvino import opset13 as ops
 
-    from kasoku.backends.openvino import _blob_start, _take_cached_blob
+    from kasoku.backends.openvino import _blob_start, _take_cached_blob, openvino_config
+    from kasoku.precision import Precision
 
+    fp32 = openvino_config(Precision.FP32, None)  # given again at import, as the engine's load does: an imported
+    # blob takes the importer's precision (bf16 by default on a CPU with native bf16)
     x = ops.parameter([-1, 32], np.float32, name="x")
     model = ov.Model([ops.matmul(x, ops.constant(np.arange(32 * 32, dtype=np.float32).reshape(32, 32)), False,
                                  False)], [x])
     assert not _take_cached_blob(tmp_path / "cache", tmp_path / "none.blob")  # nothing cached: export_model's way
-    compiled = ov.Core().compile_model(model, "CPU", {"INFERENCE_PRECISION_HINT": "f32",
-                                                      "CACHE_DIR": str(tmp_path / "cache")})
+    compiled = ov.Core().compile_model(model, "CPU", {**fp32, "CACHE_DIR": str(tmp_path / "cache")})
     assert _take_cached_blob(tmp_path / "cache", tmp_path / "model.blob")
     exported = compiled.export_model().getvalue()
     (tmp_path / "exported.blob").write_bytes(exported)
@@ -138,5 +140,5 @@ def test_openvino_entry_blob_is_the_model_caches_file_and_loads_past_its_header(
     for name in ("model.blob", "exported.blob"):
         path = tmp_path / name
         blob = np.memmap(path, dtype=np.uint8, mode="c", offset=_blob_start(path))
-        imported = ov.Core().import_model(ov.Tensor(blob, shared_memory=True), "CPU")
+        imported = ov.Core().import_model(ov.Tensor(blob, shared_memory=True), "CPU", fp32)
         np.testing.assert_array_equal(imported(feed)[0], compiled(feed)[0])
