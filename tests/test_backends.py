@@ -123,8 +123,9 @@ def test_openvino_entry_blob_is_the_model_caches_file_and_loads_past_its_header(
     from kasoku.backends.openvino import _blob_start, _take_cached_blob, openvino_config
     from kasoku.precision import Precision
 
-    fp32 = openvino_config(Precision.FP32, None)  # given again at import, as the engine's load does: an imported
-    # blob takes the importer's precision (bf16 by default on a CPU with native bf16)
+    # Given again at import, as the engine's load does: an imported blob takes the importer's precision (bf16 by
+    # default on a CPU with native bf16).
+    fp32 = openvino_config(Precision.FP32, None)
     x = ops.parameter([-1, 32], np.float32, name="x")
     model = ov.Model([ops.matmul(x, ops.constant(np.arange(32 * 32, dtype=np.float32).reshape(32, 32)), False,
                                  False)], [x])
