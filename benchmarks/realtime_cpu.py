@@ -272,8 +272,9 @@ STAGES = {"model": stage_model, "image": stage_image}
 # ---- the run ------------------------------------------------------------------------------------------------
 
 
-def _stem() -> Path:
-    return RESULTS / f"{datetime.date.today().isoformat()}-{socket.gethostname()}-realtime_cpu"
+def _stem(tag: str = "") -> Path:
+    suffix = f"-{tag}" if tag else ""
+    return RESULTS / f"{datetime.date.today().isoformat()}-{socket.gethostname()}-realtime_cpu{suffix}"
 
 
 def _run_stage(stage: str, target: str, args, log) -> dict:
@@ -307,7 +308,7 @@ def compare(report: dict) -> None:
 def targets(args) -> list[str]:
     chosen = []
     for workload in args.workloads:
-        for vae in VAES:
+        for vae in args.vaes:
             for contender in args.contenders:
                 if PEERS.get(contender, vae) == vae:
                     chosen.append(f"{workload}:{vae}:{contender}")
@@ -321,8 +322,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--contenders", default=",".join(CONTENDERS), type=lambda t: t.split(","),
                         help=f"comma-separated: {', '.join(CONTENDERS)} (default: all; diffusers first: the "
                              "others are compared with it)")
+    parser.add_argument("--vaes", default=",".join(VAES), type=lambda t: t.split(","),
+                        help=f"comma-separated: {', '.join(VAES)} (default: both; the peers run only their own VAE)")
     parser.add_argument("--threads", type=int, default=torch.get_num_threads())
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--tag", default="",
+                        help="appended to the results' file name (…-realtime_cpu-TAG.md), so that runs of one day "
+                             "with other workloads or contenders keep their own files")
     parser.add_argument("--smoke", action="store_true",
                         help=f"the tiny pipelines at 64x64 (a check of this script; results under {SMOKE_DIR})")
     parser.add_argument("--stage", choices=list(STAGES), help=argparse.SUPPRESS)
@@ -331,9 +337,10 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.smoke:
         use_smoke()
-    unknown = [c for c in args.contenders if c not in CONTENDERS] + [w for w in args.workloads if w not in WORKLOADS]
+    unknown = [c for c in args.contenders if c not in CONTENDERS] + [w for w in args.workloads if w not in WORKLOADS] \
+        + [v for v in args.vaes if v not in VAES]
     if unknown:
-        parser.error(f"unknown contender or workload {unknown[0]!r}")
+        parser.error(f"unknown contender, workload or VAE {unknown[0]!r}")
     WORK.mkdir(parents=True, exist_ok=True)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
@@ -361,15 +368,15 @@ def main(argv: list[str] | None = None) -> int:
     for target in targets(args):
         report.setdefault("image", {})[target] = _run_stage("image", target, args, log)
         compare(report)
-        write(report)
-    console.print(_stem().with_suffix(".md").read_text(), markup=False)
+        write(report, args.tag)
+    console.print(_stem(args.tag).with_suffix(".md").read_text(), markup=False)
     return 0
 
 
-def write(report: dict) -> None:
+def write(report: dict, tag: str = "") -> None:
     RESULTS.mkdir(parents=True, exist_ok=True)
-    _stem().with_suffix(".json").write_text(json.dumps(report, indent=2, default=str))
-    _stem().with_suffix(".md").write_text(markdown(report) + "\n")
+    _stem(tag).with_suffix(".json").write_text(json.dumps(report, indent=2, default=str))
+    _stem(tag).with_suffix(".md").write_text(markdown(report) + "\n")
 
 
 # ---- the report ---------------------------------------------------------------------------------------------

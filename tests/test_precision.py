@@ -61,6 +61,40 @@ def test_ssim_is_one_for_equal_images_and_falls_with_noise():
     assert ssim(image, np.random.default_rng(2).random(image.shape)) < 0.1
 
 
+def _linear_through_a_transpose():
+    """x @ W.T written as torch's exporter writes `nn.Linear` on a 3-D input: MatMul(x, Transpose(W))."""
+    import openvino as ov
+    import openvino.opset13 as ops
+
+    weight = np.random.default_rng(0).standard_normal((6, 8)).astype(np.float32)
+    x = ops.parameter([2, 3, 8], np.float32, name="x")
+    product = ops.matmul(x, ops.transpose(ops.constant(weight), ops.constant(np.array([1, 0]))), False, False)
+    return ov.Model([product], [x]), weight
+
+
+def _compile_and_run(model, x):
+    import openvino as ov
+
+    return ov.Core().compile_model(model, "CPU", {"INFERENCE_PRECISION_HINT": "f32"})({"x": x})[0]
+
+
+def test_weights_behind_a_transpose_are_folded_into_the_matmul_and_then_compressed():
+    from kasoku.backends.int8 import fold_weight_transposes, weighted_matmuls_and_embeddings, weights_only
+
+    model, weight = _linear_through_a_transpose()
+    x = np.random.default_rng(1).standard_normal((2, 3, 8)).astype(np.float32)
+    assert weighted_matmuls_and_embeddings(model) == []  # what NNCF saw before: no weight behind the Transpose
+    folded = fold_weight_transposes(model)
+    matmul = next(op for op in folded.get_ordered_ops() if op.get_type_name() == "MatMul")
+    assert matmul.input_value(1).get_node().get_type_name() == "Constant" and matmul.get_transpose_b()
+    assert not any(op.get_type_name() == "Transpose" for op in folded.get_ordered_ops())
+    np.testing.assert_allclose(_compile_and_run(folded, x), x @ weight.T, rtol=1e-5, atol=1e-5)
+    assert weighted_matmuls_and_embeddings(folded) == [matmul.get_friendly_name()]
+    compressed = weights_only(folded)
+    assert any(op.get_type_name() == "Constant" and op.get_element_type().get_type_name() == "u8"
+               for op in compressed.get_ordered_ops())  # the weight is now stored in int8
+
+
 # ---- who builds what --------------------------------------------------------------------------------
 
 

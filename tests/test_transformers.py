@@ -20,7 +20,7 @@ from kasoku.components import Precision
 from kasoku.families import FAMILIES, detect_family
 from kasoku.loading import load_pipeline
 from kasoku.model import Model
-from kasoku.parity import TOLERANCES, psnr
+from kasoku.parity import TOLERANCES, psnr, ssim
 from kasoku.pipeline import InvalidInput
 from tests.conftest import TINY_SIZES_FLAG, tiny_profile
 
@@ -64,14 +64,14 @@ def compiled(pipes, tiny_cache):
             if (name, backend) != ("schnell", "openvino")}  # schnell differs from dev by an input: ORT proves it
 
 
-def call(pipe, task, seed=0, **kwargs):
+def call(pipe, task, seed=0, steps=STEPS, **kwargs):
     rng = np.random.default_rng(3)
     image = Image.fromarray(rng.integers(0, 255, (64, 64, 3), dtype=np.uint8))
     mask = np.zeros((64, 64), np.uint8)
     mask[16:48, 16:48] = 255
     inputs = {"txt2img": {}, "img2img": {"image": image, "strength": 0.7},
               "inpaint": {"image": image, "mask_image": Image.fromarray(mask)}}[task]
-    return pipe("a photo of a cat", num_inference_steps=STEPS, height=64, width=64, output_type="np",
+    return pipe("a photo of a cat", num_inference_steps=steps, height=64, width=64, output_type="np",
                 generator=torch.Generator().manual_seed(seed), **inputs, **kwargs).images
 
 
@@ -123,6 +123,24 @@ def test_every_task_matches_diffusers(name, task, backend, pipes, compiled):
         assert psnr(expected, actual) >= BOUND_DB, (guidance, psnr(expected, actual))
         assert fast.times.calls["text_encoder"] == (2 if guidance.get("negative_prompt") or
                                                     (name == "sd3" and guidance.get("guidance_scale", 7) > 1) else 1)
+
+
+@pytest.mark.parametrize("name", FAMILY_NAMES)
+def test_int8_runs_every_linear_layer_of_the_transformer_in_int8_within_the_contract(name, pipes, compiled,
+                                                                                      tiny_cache):
+    pipe, contract = pipes[name], TOLERANCES[Precision.INT8]
+    fast = kasoku.compile(pipe, "openvino", precision="int8", profile=tiny_profile(pipe), cache_dir=tiny_cache.root)
+    recipes = {s.component: s.detail["int8"] for s in fast.compile_report.stages if s.stage == "engine"}
+    assert recipes["transformer"] == {"recipe": "full", "calibration_samples": 32}
+    assert {r["recipe"] for c, r in recipes.items() if c != "transformer"} == {"weights"}
+    runtime = fast.engines["transformer"].compiled.get_runtime_model()
+    layers = [op.get_rt_info() for op in runtime.get_ordered_ops()]
+    linear = [info["runtimePrecision"].astype(str) for info in layers
+              if "layerType" in info and info["layerType"].astype(str).startswith("FullyConnected")]
+    assert len(linear) > 20 and set(linear) <= {"u8", "i8"}, linear
+    expected = call(compiled[(name, "openvino")], "txt2img", steps=contract.image_steps)
+    actual = call(fast, "txt2img", steps=contract.image_steps)
+    assert psnr(expected, actual) >= contract.image_psnr_db and ssim(expected, actual) >= contract.image_ssim
 
 
 def test_flux_true_cfg_runs_the_transformer_twice_a_step(compiled):

@@ -206,11 +206,13 @@ class Compiler:
                 **({"weights": spec.fingerprint} if self.binds_weights() else {})}
 
     def engine_parts(self, spec: ComponentSpec, backend: Backend, source: str) -> dict[str, Any]:
-        """The engine's key: its graph's, the checkpoint's weights, the backend's, and the LoRA targets kept as
-        run-time weights."""
+        """The engine's key: its graph's, the checkpoint's weights, the backend's, the int8 recipe, and the LoRA
+        targets kept as run-time weights."""
         precision = self.precision(spec)
         parts = {"kind": "engine", "component": spec.name, "source": source, "profile": spec.profile.to_dict(),
                  **backend.key(precision)}
+        if precision == Precision.INT8:
+            parts["int8_recipe"] = spec.int8
         if self.keeps_adapter_weights(spec, backend):  # one engine for every adapter of the architecture
             parts["weights"] = digest_key({"architecture": spec.architecture, "base": spec.base_weights()})
             parts["run_time_parts"] = list(spec.run_time_parts)

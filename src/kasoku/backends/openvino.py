@@ -174,18 +174,21 @@ class OpenVinoBackend(Backend):
         return list(self.passes)  # precision is an inference hint (or NNCF's rewrite), not an ONNX pass
 
     def key(self, precision: Precision) -> dict[str, Any]:
-        """An int8 engine built with NNCF's overflow fix (a CPU without VNNI decides it; CPU names do not tell) is keyed
-        so (engines built without it keep their keys)."""
+        """An int8 engine's key names the recipes' version (an engine quantized by older recipes is built again) and
+        NNCF's overflow fix where it is on (a CPU without VNNI decides it; CPU names do not tell)."""
         key = super().key(precision)
         if Precision(precision) == Precision.INT8:
-            from .int8 import overflow_fix
+            from .int8 import RECIPES_VERSION, overflow_fix
 
+            key["int8_recipes"] = RECIPES_VERSION
             if overflow_fix() == "enable":
                 key["int8_overflow_fix"] = "enable"
         return key
 
     def needs_calibration(self, spec: ComponentSpec, precision: Precision) -> bool:
-        return Precision(precision) == Precision.INT8 and spec.int8 == "hybrid"
+        from .int8 import CALIBRATED
+
+        return Precision(precision) == Precision.INT8 and spec.int8 in CALIBRATED
 
     def calibration_recording(self) -> dict[str, str]:
         """Recorded on OpenVINO engines in bf16 where the CPU has it natively, else fp32."""
@@ -213,9 +216,9 @@ class OpenVinoBackend(Backend):
         })
         meta: dict[str, Any] = {"static": not model.is_dynamic()}
         if Precision(precision) == Precision.INT8:
-            from .int8 import quantize
+            from .int8 import CALIBRATED, quantize
 
-            samples = calibration() if spec.int8 == "hybrid" and calibration is not None else None
+            samples = calibration() if spec.int8 in CALIBRATED and calibration is not None else None
             model = quantize(model, spec.int8, samples)
             meta["int8"] = {"recipe": spec.int8, "calibration_samples": len(samples or [])}
         config = openvino_config(precision, self.options.threads)
