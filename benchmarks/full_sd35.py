@@ -96,7 +96,7 @@ FLUX_DEV = dict(patch_size=1, in_channels=64, num_layers=19, num_single_layers=3
                 **{name: FLUX_WIDTH[name] for name in ("num_attention_heads", "attention_head_dim")})
 FLUX_VAE = {**VAE, "scaling_factor": 0.3611, "shift_factor": 0.1159}
 FLUX_TOKENS = (4096, 512)  # 1024x1024 image tokens, T5 tokens
-SEEDS = {"transformer": 3, "vae": 4, "flux_double_block": 5, "flux_single_block": 6, "loop": 7}
+SEEDS = {"transformer": 3, "vae": 4, "flux_double_block": 5, "flux_single_block": 6, "loop": 7, "calibration": 8}
 LOOP_STEPS = 20
 LOOP_SIZE = 512
 LOOP_GUIDANCE = 4.5  # stabilityai/stable-diffusion-3.5-medium's model card
@@ -259,7 +259,7 @@ def _openvino_defaults(spec, onnx: Path, threads: int):
 
 
 def stage_engine(component: str, size: int, backend: str, precision: str, repeats: int, threads: int,
-                 work: Path) -> dict:
+                 work: Path, calibration_samples: int = 32) -> dict:
     from kasoku.compiling import compile_components
     from kasoku.parity import compare_output
 
@@ -272,9 +272,11 @@ def stage_engine(component: str, size: int, backend: str, precision: str, repeat
     if backend == "openvino-defaults":  # the peer
         run, stages = _openvino_defaults(spec, work / "onnx" / spec.name / "model.onnx", threads)
     else:
-        engines, report = compile_components(
-            sd35_pipeline(), backend=backend, precision=precision, specs={spec.name: spec}, cache=work / "cache",
-            onnx_dir=work / "onnx", check_parity=False, threads=threads, label="sd35-random")
+        options = dict(backend=backend, precision=precision, cache=work / "cache", onnx_dir=work / "onnx",
+                       check_parity=False, threads=threads, label="sd35-random", calibration_samples=calibration_samples)
+        if precision == "int8":
+            _record_calibration(spec, options)
+        engines, report = compile_components(sd35_pipeline(), specs={spec.name: spec}, **options)
         run, stages = engines[spec.name].run, {s.stage: s.seconds for s in report.stages}
     compile_s = time.perf_counter() - start
     start = time.perf_counter()
@@ -287,6 +289,35 @@ def stage_engine(component: str, size: int, backend: str, precision: str, repeat
             "stages": stages, "first_call_s": first, "seconds": samples,
             "max_abs_vs_torch": max(p.max_abs for p in parity), "rel_error_vs_torch": worst.rel_error,
             "peak_mb": _peak_mb()}
+
+
+def _record_calibration(spec, options: dict) -> None:
+    """The int8 engine's calibration entry, recorded as kasoku records it (the denoiser's inputs in diffusers' own
+    denoising loop, on the recording engine its backend names) but from seeded random prompt embeddings: the text
+    encoders hold no weights here. kasoku's build then finds the entry and calibrates on it."""
+    from kasoku.build import Compiler
+    from kasoku.cache import Cache
+    from kasoku.calibration import CALIBRATION_FILE, CalibrationPlan, record_inputs, save_samples
+    from kasoku.compiling import compile_components
+    from kasoku.model import Model
+    from kasoku.options import CompileOptions
+
+    fields = {k: v for k, v in options.items() if k not in ("cache", "label")}
+    compiler = Compiler(Cache(options["cache"]), CompileOptions.of(None, **fields), label=options["label"])
+    _backend, chain = compiler.calibration_chain(spec)
+    parts = chain.calibration
+
+    def record(tmp: Path) -> dict:
+        pipe = sd35_pipeline()
+        recording = {**options, "backend": parts["backend"], "precision": parts["precision"]}
+        engines, _ = compile_components(pipe, specs={spec.name: spec}, **recording)
+        embeds = random_prompt_embeddings(pipe, spec.profile, torch.Generator().manual_seed(SEEDS["calibration"]))
+        samples = record_inputs(Model.of(pipe), engines, spec.name, spec.profile.opt,
+                                CalibrationPlan.from_dict(parts["plan"]), prompt_inputs=embeds)
+        save_samples(samples, tmp / CALIBRATION_FILE)
+        return {"samples": len(samples)}
+
+    compiler.stage(spec, "calibrate", parts, record)
 
 
 # ---- the real loop with step caching -------------------------------------------------------------------------
@@ -432,6 +463,11 @@ def markdown(report: dict) -> str:
         lines.append(f"| {key} | shapes | {torch_run['shapes']} | {torch_run['gflop']:.0f} GFLOP | | | | | | |")
     lines += first_block_loop(report)
     lines += taylorseer_loop(report)
+    if any(name.endswith(":int8") for entry in report["components"].values() for name in entry.get("engines", {})):
+        lines += ["", f"int8: kasoku's recipe per component (the transformer: int8 weights and activations, "
+                      f"calibrated on {report.get('calibration_samples', 32)} transformer calls recorded in diffusers' "
+                      "denoising loop from random prompt embeddings; the VAE: int8 weights); its cold compile "
+                      "includes the recording and the calibration."]
     lines += ["", f"Peak resident memory of the run (largest stage): {report['peak_mb'] / 1024:.1f} GiB."]
     return "\n".join(lines)
 
@@ -503,6 +539,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--threads", type=int, default=torch.get_num_threads())
     parser.add_argument("--work", type=Path, default=WORK, help="scratch folder (~25 GB free disk)")
+    parser.add_argument("--calibration-samples", type=int, default=8,
+                        help="int8: transformer calls recorded to calibrate on (kasoku's default is 32; each costs a "
+                             "recording call and an fp32 statistics call, about 40 s at 512x512 on 2 cores)")
     parser.add_argument("--loop-thresholds", default="auto",
                         help="loop: first-block cache thresholds, comma-separated; auto: the median of the reference "
                              "loop's step-to-step changes (default %(default)s)")
@@ -535,7 +574,8 @@ def main(argv: list[str] | None = None) -> int:
             result = stage_torch(component, size, args.repeats, args.work)
         else:
             backend, precision = args.contender.split(":")
-            result = stage_engine(component, size, backend, precision, args.repeats, args.threads, args.work)
+            result = stage_engine(component, size, backend, precision, args.repeats, args.threads, args.work,
+                                  args.calibration_samples)
         args.stage_json.write_text(json.dumps(result, indent=2))
         return 0
 
@@ -550,9 +590,10 @@ def main(argv: list[str] | None = None) -> int:
     log(f"CPU: {cpu_name()} ({', '.join(cpu_flags()) or 'no AVX-512/AMX'}); measuring the fp32 matmul rate")
     report = {"date": datetime.date.today().isoformat(), "host": socket.gethostname(), "cpu": cpu_name(),
               "flags": cpu_flags(), "threads": args.threads, "torch": torch.__version__, "repeats": args.repeats,
-              "matmul_gflops": matmul_gflops(), "components": {}, "smoke": args.smoke}
+              "matmul_gflops": matmul_gflops(), "components": {}, "smoke": args.smoke,
+              "calibration_samples": args.calibration_samples}
     common = ["--repeats", str(args.repeats), "--threads", str(args.threads), "--work", str(args.work),
-              *(["--smoke"] if args.smoke else [])]
+              "--calibration-samples", str(args.calibration_samples), *(["--smoke"] if args.smoke else [])]
     stages = args.stages.split(",")
     if "loop" in stages:
         report["loop"] = _run_stage(["--stage", "loop", "--loop-thresholds", args.loop_thresholds,

@@ -47,17 +47,19 @@ class RecordingEngine:
         return self._engine.run(inputs)
 
 
-def record_inputs(model: Model, engines: dict, component: str, shape: ImageShape, plan: CalibrationPlan
-                  ) -> list[dict[str, np.ndarray]]:
+def record_inputs(model: Model, engines: dict, component: str, shape: ImageShape, plan: CalibrationPlan,
+                  prompt_inputs: dict | None = None) -> list[dict[str, np.ndarray]]:
     """`component`'s inputs during text-to-image runs of `model`'s family on `engines` (the text
-    encoders' and the component's), at `shape`'s size, until `plan.samples` calls."""
+    encoders' and the component's), at `shape`'s size, until `plan.samples` calls. `prompt_inputs`
+    (prompt embeddings) stand in for the plan's prompts where no text encoder can run (a benchmark's
+    model with random weights and no text encoders)."""
     recorder = RecordingEngine(engines[component], plan.samples)
     runner = EnginePipelines(model, {**engines, component: recorder}, tasks=("txt2img",))
     for index, prompt in enumerate(itertools.cycle(plan.prompts)):
         if len(recorder.recorded) >= plan.samples or index >= plan.samples:
             break
         try:
-            runner("txt2img", prompt=prompt, height=shape.height, width=shape.width,
+            runner("txt2img", **(prompt_inputs or {"prompt": prompt}), height=shape.height, width=shape.width,
                    num_inference_steps=plan.steps, guidance_scale=plan.guidance,
                    generator=torch.Generator().manual_seed(plan.seed + index), output_type="latent")
         except _Enough:
