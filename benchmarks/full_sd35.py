@@ -273,7 +273,8 @@ def stage_engine(component: str, size: int, backend: str, precision: str, repeat
         run, stages = _openvino_defaults(spec, work / "onnx" / spec.name / "model.onnx", threads)
     else:
         options = dict(backend=backend, precision=precision, cache=work / "cache", onnx_dir=work / "onnx",
-                       check_parity=False, threads=threads, label="sd35-random", calibration_samples=calibration_samples)
+                       check_parity=False, threads=threads, label="sd35-random",
+                       calibration_samples=calibration_samples)
         if precision == "int8":
             _record_calibration(spec, options)
         engines, report = compile_components(sd35_pipeline(), specs={spec.name: spec}, **options)
@@ -539,6 +540,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--threads", type=int, default=torch.get_num_threads())
     parser.add_argument("--work", type=Path, default=WORK, help="scratch folder (~25 GB free disk)")
+    parser.add_argument("--tag", default="",
+                        help="appended to the results' file name (…-full_sd35-TAG.md), so that runs of one day with "
+                             "other components or contenders keep their own files")
     parser.add_argument("--calibration-samples", type=int, default=8,
                         help="int8: transformer calls recorded to calibrate on (kasoku's default is 32; each costs a "
                              "recording call and an fp32 statistics call, about 40 s at 512x512 on 2 cores)")
@@ -591,7 +595,7 @@ def main(argv: list[str] | None = None) -> int:
     report = {"date": datetime.date.today().isoformat(), "host": socket.gethostname(), "cpu": cpu_name(),
               "flags": cpu_flags(), "threads": args.threads, "torch": torch.__version__, "repeats": args.repeats,
               "matmul_gflops": matmul_gflops(), "components": {}, "smoke": args.smoke,
-              "calibration_samples": args.calibration_samples}
+              "calibration_samples": args.calibration_samples, "tag": args.tag}
     common = ["--repeats", str(args.repeats), "--threads", str(args.threads), "--work", str(args.work),
               "--calibration-samples", str(args.calibration_samples), *(["--smoke"] if args.smoke else [])]
     stages = args.stages.split(",")
@@ -628,7 +632,8 @@ def write_loop_report(report: dict) -> None:
 def write_report(report: dict) -> None:
     runs = [r for e in report["components"].values() for r in [e["torch"], *e["engines"].values()]]
     report["peak_mb"] = max((r["peak_mb"] for r in runs if "peak_mb" in r), default=0.0)
-    _write_results("full_sd35", markdown(report), report)
+    tag = report.get("tag")
+    _write_results(f"full_sd35-{tag}" if tag else "full_sd35", markdown(report), report)
 
 
 def _write_results(name: str, text: str, data: dict) -> None:

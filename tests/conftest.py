@@ -58,6 +58,13 @@ TINY_SIZES = (32, 64, 128)
 TINY_SIZES_FLAG = ":".join(map(str, TINY_SIZES))  # the CLI's --height / --width for them
 
 
+def linear_layer_precisions(engine) -> list[str]:
+    """What OpenVINO's CPU plugin runs each linear layer (FullyConnected node) of `engine` in: u8/i8 on int8 kernels."""
+    layers = [op.get_rt_info() for op in engine.compiled.get_runtime_model().get_ordered_ops()]
+    return [info["runtimePrecision"].astype(str) for info in layers
+            if "layerType" in info and info["layerType"].astype(str).startswith("FullyConnected")]
+
+
 def tiny_profile(pipe):
     """`pipe`'s default profile at the tiny pipelines' sizes (TINY_SIZES)."""
     from kasoku.components import profile_with_ranges

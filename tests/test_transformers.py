@@ -22,7 +22,7 @@ from kasoku.loading import load_pipeline
 from kasoku.model import Model
 from kasoku.parity import TOLERANCES, psnr, ssim
 from kasoku.pipeline import InvalidInput
-from tests.conftest import TINY_SIZES_FLAG, tiny_profile
+from tests.conftest import TINY_SIZES_FLAG, linear_layer_precisions, tiny_profile
 
 pytestmark = pytest.mark.integration  # exports or builds engines
 
@@ -133,10 +133,7 @@ def test_int8_runs_every_linear_layer_of_the_transformer_in_int8_within_the_cont
     recipes = {s.component: s.detail["int8"] for s in fast.compile_report.stages if s.stage == "engine"}
     assert recipes["transformer"] == {"recipe": "full", "calibration_samples": 32}
     assert {r["recipe"] for c, r in recipes.items() if c != "transformer"} == {"weights"}
-    runtime = fast.engines["transformer"].compiled.get_runtime_model()
-    layers = [op.get_rt_info() for op in runtime.get_ordered_ops()]
-    linear = [info["runtimePrecision"].astype(str) for info in layers
-              if "layerType" in info and info["layerType"].astype(str).startswith("FullyConnected")]
+    linear = linear_layer_precisions(fast.engines["transformer"])
     assert len(linear) > 20 and set(linear) <= {"u8", "i8"}, linear
     expected = call(compiled[(name, "openvino")], "txt2img", steps=contract.image_steps)
     actual = call(fast, "txt2img", steps=contract.image_steps)

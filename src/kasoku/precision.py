@@ -10,11 +10,9 @@ class Precision(str, Enum):
     fidelity contract in kasoku.parity's one tolerance table.
 
     bf16: bfloat16 compute (OpenVINO on CPUs with native bf16, AVX512-BF16 or AMX; TensorRT).
-    int8: NNCF's int8 on OpenVINO, calibrated on the pipeline's own denoising runs: the U-Net's
-    convolutions in int8 weights and activations and its other layers' weights in int8; every
-    layer of a transformer denoiser (SD3, Flux) in int8 weights and activations; text encoders and
-    VAE: weights only. What is not quantized computes in bf16 where the CPU has it natively, else
-    fp32."""
+    int8: NNCF's int8 on OpenVINO: the denoiser (U-Net, SD3's and Flux's transformers) in int8
+    weights and activations, calibrated on the pipeline's own denoising runs; text encoders and VAE:
+    weights only. What is not quantized computes in bf16 where the CPU has it natively, else fp32."""
 
     FP32 = "fp32"
     FP16 = "fp16"

@@ -74,7 +74,7 @@ def transformer_spec(ref: ModuleRef, profile: ShapeProfile, axes: Axes, *, text_
         **ip_adapter.weights_and_config(ref, ip),
         graph_kind="mmdit",
         modules=(ref.path,),
-        int8="weights" if ip else "full",  # as the U-Net: image prompts are not recorded for calibration
+        int8="weights" if ip else "full",  # as the U-Net's: calibration records no image prompts
         takes_lora=True,
     )
 

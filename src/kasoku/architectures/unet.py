@@ -156,7 +156,7 @@ def unet_spec(ref: ModuleRef, profile: ShapeProfile, axes: Axes, *, text_length:
         **ip_adapter.weights_and_config(ref, ip),
         graph_kind="unet",
         modules=(ref.path,),
-        **({} if ip else {"int8": "hybrid"}),
+        **({} if ip else {"int8": "full"}),
         takes_lora=True,
     )
 

@@ -1,22 +1,20 @@
 """int8 through NNCF, the OpenVINO toolkit's own quantizer (no hand-written quantizer here).
 
-Three recipes, chosen per component by its spec (`ComponentSpec.int8`):
+Two recipes, chosen per component by its spec (`ComponentSpec.int8`):
 
-- "weights" (text encoders, the VAE): weight-only int8 (`nncf.compress_weights`, INT8_ASYM), data-free.
-  OpenVINO's CPU plugin widens compressed MatMul weights inside its bf16 or fp32 kernels; compressed convolutions are
-  decompressed when the model is compiled, so they save disk and memory, not time.
-- "hybrid" (the U-Net): optimum-intel's hybrid mode. Weighted MatMuls and embedding Gathers get
-  weight-only int8; everything else NNCF quantizes (the convolutions above all) gets int8 weights
-  and activations, calibrated on U-Net inputs recorded during the pipeline's own denoising runs
-  (see :mod:`kasoku.calibration`): 1) compress the weights of everything but convolutions,
-  2) `nncf.quantize` the result with those weighted MatMuls in the ignored scope (preset MIXED,
-  SmoothQuant off, fast bias correction). The overflow fix (7-bit weights) is on where the CPU has no VNNI or AMX,
-  whose int8 products do not saturate: on an AVX2-only CPU the tiny U-Net missed the int8 contract without it
-  (relative error 0.219 against 0.2), as OpenVINO's saturation note says.
-- "full" (the transformer denoisers): int8 weights and activations for every layer NNCF quantizes, the linear
-  layers above all, calibrated like "hybrid" (preset MIXED, transformer model type, no SmoothQuant). A DiT
-  step is 80% linear layers; on a CPU with VNNI their int8 kernels run about twice bf16's rate, where weight-only
-  int8 still computes in bf16 (SD3.5-medium's width, 4 layers, Zen 4: bf16 2.07 s, weights 1.83 s, full 1.22 s).
+- "weights" (text encoders, the VAE, the ControlNets): weight-only int8 (`nncf.compress_weights`, INT8_ASYM),
+  data-free. OpenVINO's CPU plugin widens compressed MatMul weights inside its bf16 or fp32 kernels; compressed
+  convolutions are decompressed when the model is compiled, so they save disk and memory, not time.
+- "full" (the denoisers: U-Net and transformers): int8 weights and activations for every layer NNCF quantizes
+  (convolutions, linear layers, the attention's products), calibrated on the denoiser's inputs recorded during the
+  pipeline's own denoising runs (see :mod:`kasoku.calibration`): preset MIXED, transformer model type, no SmoothQuant
+  and no bias correction. On a CPU with VNNI the int8 kernels run about twice bf16's rate (OpenVINO, one linear
+  layer of SD3.5's width, Zen 4: 729 against 377 GOP/s). It replaced optimum-intel's hybrid recipe (linear layers
+  weight-only, computing in bf16), which left a third of the SD 1.5 U-Net's time in bf16 linear layers: 4 LCM steps
+  with TAESD took 6.47 s with it and 5.92 s without, at 54.3 and 54.0 dB from diffusers fp32 (random weights; a real
+  checkpoint's activation outliers could not be measured here). The overflow fix (7-bit weights) is on where the CPU
+  has no VNNI or AMX, whose int8 products do not saturate (OpenVINO's saturation note); on an AVX2-only CPU the tiny
+  U-Net missed the int8 contract without it (with the hybrid recipe: relative error 0.219 against 0.2).
 
 Before any recipe, weights that reach a MatMul through a Transpose are folded into the MatMul's own
 `transpose_b` (:func:`fold_weight_transposes`): torch's exporter writes every `nn.Linear` on a 3-D input so,
@@ -35,13 +33,11 @@ from typing import Any
 from ..errors import KasokuError
 
 NNCF_EXTRA = "pip install 'kasoku[openvino]'"
-RECIPES = ("weights", "hybrid", "full")
-CALIBRATED = ("hybrid", "full")  # the recipes that quantize activations, on recorded inputs
+RECIPES = ("weights", "full")
+CALIBRATED = ("full",)  # the recipes that quantize activations, on recorded inputs
 # Bumped when a recipe quantizes other layers than before: it is part of every int8 engine's key.
-# 2: weights behind a Transpose are quantized (fold_weight_transposes); the "full" recipe.
+# 2: weights behind a Transpose are quantized (fold_weight_transposes); "full" replaces "hybrid".
 RECIPES_VERSION = 2
-# Ops that only reshape or re-type a weight on its way to a MatMul.
-_PASS_THROUGH = {"Convert", "FakeQuantize", "Reshape"}
 
 
 class QuantizationError(KasokuError):
@@ -66,7 +62,7 @@ def _quiet():
 
 def _comes_from_constant(output) -> bool:
     node = output.get_node()
-    while node.get_type_name() in _PASS_THROUGH:
+    while node.get_type_name() == "Convert":
         node = node.input_value(0).get_node()
     return node.get_type_name() == "Constant"
 
@@ -100,20 +96,6 @@ def fold_weight_transposes(model):
     return model
 
 
-def weighted_matmuls_and_embeddings(model) -> list[str]:
-    """Friendly names of the MatMuls with a constant operand and of the embedding Gathers (float
-    constant tables): the ops hybrid quantization keeps to weight-only int8."""
-    names = []
-    for op in model.get_ordered_ops():
-        kind = op.get_type_name()
-        if kind == "MatMul" and any(_comes_from_constant(op.input_value(i)) for i in range(2)):
-            names.append(op.get_friendly_name())
-        elif kind == "Gather" and _comes_from_constant(op.input_value(0)) and \
-                op.input_value(0).get_element_type().is_real():
-            names.append(op.get_friendly_name())
-    return names
-
-
 def weights_only(model):
     """int8 weights (asymmetric, per channel), data-free."""
     nncf = _nncf()
@@ -126,27 +108,6 @@ def overflow_fix() -> str:
     from .base import has_int8_dot_product
 
     return "disable" if has_int8_dot_product() else "enable"
-
-
-def hybrid(model, samples: Sequence[dict[str, Any]]):
-    """Weight-only int8 for weighted MatMuls and embeddings; int8 weights and activations, calibrated
-    on `samples` (input dicts), for the rest (see the module docstring)."""
-    nncf = _nncf()
-    if not samples:
-        raise QuantizationError("hybrid int8 needs calibration samples; none were recorded.")
-    keep_weight_only = weighted_matmuls_and_embeddings(model)
-    has_convolutions = any(op.get_type_name() == "Convolution" for op in model.get_ops())
-    advanced = nncf.AdvancedQuantizationParameters(
-        overflow_fix=nncf.OverflowFix(overflow_fix()),
-        smooth_quant_alphas=nncf.AdvancedSmoothQuantParameters(matmul=-1))
-    with _quiet():
-        compressed = nncf.compress_weights(
-            model, mode=nncf.CompressWeightsMode.INT8_ASYM,
-            ignored_scope=nncf.IgnoredScope(types=["Convolution"]) if has_convolutions else None)
-        return nncf.quantize(
-            compressed, nncf.Dataset(list(samples)), preset=nncf.QuantizationPreset.MIXED, subset_size=len(samples),
-            fast_bias_correction=True, model_type=nncf.ModelType.TRANSFORMER,
-            ignored_scope=nncf.IgnoredScope(names=keep_weight_only, validate=False), advanced_parameters=advanced)
 
 
 def full(model, samples: Sequence[dict[str, Any]]):
@@ -167,12 +128,10 @@ def full(model, samples: Sequence[dict[str, Any]]):
 
 
 def quantize(model, recipe: str, samples: Sequence[dict[str, Any]] | None = None):
-    """The int8 model of `recipe` ("weights", "hybrid" or "full")."""
+    """The int8 model of `recipe` ("weights" or "full")."""
     if recipe not in RECIPES:
         raise ValueError(f"unknown int8 recipe {recipe!r}; recipes are {RECIPES}")
     model = fold_weight_transposes(model)
     if recipe == "weights":
         return weights_only(model)
-    if recipe == "hybrid":
-        return hybrid(model, samples or [])
     return full(model, samples or [])
