@@ -293,32 +293,20 @@ def stage_engine(component: str, size: int, backend: str, precision: str, repeat
 
 
 def _record_calibration(spec, options: dict) -> None:
-    """The int8 engine's calibration entry, recorded as kasoku records it (the denoiser's inputs in diffusers' own
-    denoising loop, on the recording engine its backend names) but from seeded random prompt embeddings: the text
+    """The int8 engine's calibration entry, recorded by kasoku's own calibration (the denoiser's inputs in diffusers'
+    denoising loop, on the recording engine its backend names) from seeded random prompt embeddings: the text
     encoders hold no weights here. kasoku's build then finds the entry and calibrates on it."""
     from kasoku.build import Compiler
     from kasoku.cache import Cache
-    from kasoku.calibration import CALIBRATION_FILE, CalibrationPlan, record_inputs, save_samples
-    from kasoku.compiling import compile_components
+    from kasoku.calibration import recorded_samples
     from kasoku.model import Model
     from kasoku.options import CompileOptions
 
     fields = {k: v for k, v in options.items() if k not in ("cache", "label")}
     compiler = Compiler(Cache(options["cache"]), CompileOptions.of(None, **fields), label=options["label"])
-    _backend, chain = compiler.calibration_chain(spec)
-    parts = chain.calibration
-
-    def record(tmp: Path) -> dict:
-        pipe = sd35_pipeline()
-        recording = {**options, "backend": parts["backend"], "precision": parts["precision"]}
-        engines, _ = compile_components(pipe, specs={spec.name: spec}, **recording)
-        embeds = random_prompt_embeddings(pipe, spec.profile, torch.Generator().manual_seed(SEEDS["calibration"]))
-        samples = record_inputs(Model.of(pipe), engines, spec.name, spec.profile.opt,
-                                CalibrationPlan.from_dict(parts["plan"]), prompt_inputs=embeds)
-        save_samples(samples, tmp / CALIBRATION_FILE)
-        return {"samples": len(samples)}
-
-    compiler.stage(spec, "calibrate", parts, record)
+    pipe = sd35_pipeline()
+    embeds = random_prompt_embeddings(pipe, spec.profile, torch.Generator().manual_seed(SEEDS["calibration"]))
+    recorded_samples(compiler, Model.of(pipe), spec, prompt_inputs=embeds)
 
 
 # ---- the real loop with step caching -------------------------------------------------------------------------

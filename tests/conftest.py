@@ -58,11 +58,18 @@ TINY_SIZES = (32, 64, 128)
 TINY_SIZES_FLAG = ":".join(map(str, TINY_SIZES))  # the CLI's --height / --width for them
 
 
-def linear_layer_precisions(engine) -> list[str]:
-    """What OpenVINO's CPU plugin runs each linear layer (FullyConnected node) of `engine` in: u8/i8 on int8 kernels."""
+def layer_precisions(engine, layer_type: str = "") -> list[str]:
+    """What OpenVINO's CPU plugin runs each layer of `engine` whose type starts with `layer_type` in (int8 layers run
+    in u8/i8)."""
     layers = [op.get_rt_info() for op in engine.compiled.get_runtime_model().get_ordered_ops()]
-    return [info["runtimePrecision"].astype(str) for info in layers
-            if "layerType" in info and info["layerType"].astype(str).startswith("FullyConnected")]
+    kinds = [info["layerType"].astype(str) if "layerType" in info else "" for info in layers]
+    return [info["runtimePrecision"].astype(str) for info, kind in zip(layers, kinds)
+            if "runtimePrecision" in info and kind.startswith(layer_type)]
+
+
+def linear_layer_precisions(engine) -> list[str]:
+    """The runtime precision of each linear layer (FullyConnected node) of `engine`."""
+    return layer_precisions(engine, "FullyConnected")
 
 
 def tiny_profile(pipe):

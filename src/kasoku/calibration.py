@@ -80,14 +80,16 @@ def load_samples(path: Path) -> list[dict[str, np.ndarray]]:
     return [samples[i] for i in sorted(samples)]
 
 
-def recorded_samples(compiler: Compiler, model: Model, spec: ComponentSpec) -> list[dict[str, np.ndarray]]:
+def recorded_samples(compiler: Compiler, model: Model, spec: ComponentSpec, prompt_inputs: dict | None = None
+                     ) -> list[dict[str, np.ndarray]]:
     """`spec`'s calibration samples: from the cache, or recorded first on engines of the recording precision
-    (built by a compile of their own, dropped afterwards unless `keep_intermediate`)."""
+    (built by a compile of their own, dropped afterwards unless `keep_intermediate`). With `prompt_inputs`
+    (see :func:`record_inputs`) no text encoder is built."""
     _backend, chain = compiler.calibration_chain(spec)
     parts = chain.calibration
 
     def build(tmp: Path) -> dict:
-        names = model.family.calibration_components(spec.name, model)
+        names = (spec.name,) if prompt_inputs else model.family.calibration_components(spec.name, model)
         specs = model.specs(spec.profile, [n for n in names if n != spec.name])
         specs[spec.name] = spec
         recording = compiler.options.replace(precision=Precision(parts["precision"]), backend=parts["backend"])
@@ -95,7 +97,7 @@ def recorded_samples(compiler: Compiler, model: Model, spec: ComponentSpec) -> l
         engines = {name: sub.engine(specs[name], parts["backend"]) for name in names}
         plan = CalibrationPlan.from_dict(parts["plan"])
         with compiler.on_stage(spec.name, f"calibrating on {plan.samples} denoising steps"):
-            samples = record_inputs(model, engines, spec.name, spec.profile.opt, plan)
+            samples = record_inputs(model, engines, spec.name, spec.profile.opt, plan, prompt_inputs)
         compiler.records += [StageRecord(r.component, f"calibration {r.stage}", r.status, r.key, r.seconds, r.detail)
                              for r in sub.records]
         compiler.intermediates |= sub.intermediates
