@@ -33,7 +33,8 @@ Results go to <date>-<host>-full_sd35-loop.md/.json.
 
 Flux.1 at full size is 12B parameters (48 GB in fp32) and cannot be built on this machine at all: the `flux`
 stage measures one full-width double-stream block (FluxTransformerBlock) and one single-stream block
-(FluxSingleTransformerBlock) at 1024x1024 (4096 image tokens, 512 text tokens) instead, per backend.
+(FluxSingleTransformerBlock) at 1024x1024 (4096 image tokens, 512 text tokens) instead, per backend. Their int8
+engines take the transformers' recipe (int8 weights and activations), calibrated on seeded random block inputs.
 
 Peer: `openvino-defaults`, OpenVINO through its own API on the same ONNX file with its defaults (bf16 on a CPU
 with AMX), static shapes: the runtime optimum-intel's OpenVINO pipeline drives for the transformer.
@@ -193,7 +194,7 @@ def flux_block_spec(name: str, real: bool):
         outputs=(TensorSpec("out_hidden_states", (1, image, dim)),
                  TensorSpec("out_encoder_hidden_states", (1, text, dim))),
         profile=profile, load_module=lambda: module, weights=lambda: f"{name}-seed-{SEEDS[name]}",
-        config={"block": name, **FLUX_WIDTH}, graph_kind="mmdit")
+        config={"block": name, **FLUX_WIDTH}, graph_kind="mmdit", int8="full")
 
 
 def _component_spec(component: str, size: int, real: bool):
@@ -260,6 +261,7 @@ def _openvino_defaults(spec, onnx: Path, threads: int):
 
 def stage_engine(component: str, size: int, backend: str, precision: str, repeats: int, threads: int,
                  work: Path, calibration_samples: int = 32) -> dict:
+    from kasoku.backends.int8 import CALIBRATED
     from kasoku.compiling import compile_components
     from kasoku.parity import compare_output
 
@@ -275,8 +277,8 @@ def stage_engine(component: str, size: int, backend: str, precision: str, repeat
         options = dict(backend=backend, precision=precision, cache=work / "cache", onnx_dir=work / "onnx",
                        check_parity=False, threads=threads, label="sd35-random",
                        calibration_samples=calibration_samples)
-        if precision == "int8":
-            _record_calibration(spec, options)
+        if precision == "int8" and spec.int8 in CALIBRATED:
+            (_block_calibration if component in FLUX_BLOCKS else _record_calibration)(spec, options)
         engines, report = compile_components(sd35_pipeline(), specs={spec.name: spec}, **options)
         run, stages = engines[spec.name].run, {s.stage: s.seconds for s in report.stages}
     compile_s = time.perf_counter() - start
@@ -292,21 +294,45 @@ def stage_engine(component: str, size: int, backend: str, precision: str, repeat
             "peak_mb": _peak_mb()}
 
 
+def _compiler(options: dict):
+    """The kasoku Compiler that compile_components(**options) makes: its cache holds the calibration entries."""
+    from kasoku.build import Compiler
+    from kasoku.cache import Cache
+    from kasoku.options import CompileOptions
+
+    fields = {k: v for k, v in options.items() if k not in ("cache", "label")}
+    return Compiler(Cache(options["cache"]), CompileOptions.of(None, **fields), label=options["label"])
+
+
 def _record_calibration(spec, options: dict) -> None:
     """The int8 engine's calibration entry, recorded by kasoku's own calibration (the denoiser's inputs in diffusers'
     denoising loop, on the recording engine its backend names) from seeded random prompt embeddings: the text
     encoders hold no weights here. kasoku's build then finds the entry and calibrates on it."""
-    from kasoku.build import Compiler
-    from kasoku.cache import Cache
     from kasoku.calibration import recorded_samples
     from kasoku.model import Model
-    from kasoku.options import CompileOptions
 
-    fields = {k: v for k, v in options.items() if k not in ("cache", "label")}
-    compiler = Compiler(Cache(options["cache"]), CompileOptions.of(None, **fields), label=options["label"])
+    compiler = _compiler(options)
     pipe = sd35_pipeline()
     embeds = random_prompt_embeddings(pipe, spec.profile, torch.Generator().manual_seed(SEEDS["calibration"]))
     recorded_samples(compiler, Model.of(pipe), spec, prompt_inputs=embeds)
+
+
+def _block_calibration(spec, options: dict) -> None:
+    """A Flux block's calibration entry: no pipeline loop runs a lone block, so its samples are seeded random inputs
+    of the block's shapes (as random as its weights; the timed input's seed is not among them)."""
+    from kasoku.calibration import CALIBRATION_FILE, save_samples
+
+    compiler = _compiler(options)
+    _backend, chain = compiler.calibration_chain(spec)
+
+    def build(tmp: Path) -> dict:
+        samples = [{name: value.numpy() for name, value in
+                    spec.sample_inputs(spec.profile.opt, seed=SEEDS["calibration"] + index).items()}
+                   for index in range(options["calibration_samples"])]
+        save_samples(samples, tmp / CALIBRATION_FILE)
+        return {"samples": len(samples)}
+
+    compiler.stage(spec, "calibrate", chain.calibration, build)
 
 
 # ---- the real loop with step caching -------------------------------------------------------------------------
@@ -453,11 +479,13 @@ def markdown(report: dict) -> str:
     lines += first_block_loop(report)
     lines += taylorseer_loop(report)
     if any(name.endswith(":int8") for entry in report["components"].values() for name in entry.get("engines", {})):
+        samples = report.get("calibration_samples", 32)
         lines += ["", f"int8: kasoku's recipe per component (the transformer: int8 weights and activations, "
-                      f"calibrated on {report.get('calibration_samples', 32)} transformer calls recorded in diffusers' "
-                      "denoising loop from random prompt embeddings; the VAE: int8 weights); its cold compile "
-                      "includes the recording and the calibration."]
+                      f"calibrated on {samples} transformer calls recorded in diffusers' denoising loop from random "
+                      f"prompt embeddings; the Flux blocks: the same recipe, calibrated on {samples} seeded random "
+                      "inputs; the VAE: int8 weights); its cold compile includes the recording and the calibration."]
     lines += ["", f"Peak resident memory of the run (largest stage): {report['peak_mb'] / 1024:.1f} GiB."]
+    lines += [f"- {note}" for note in report.get("notes", [])]  # what the run itself cannot say (a rerun, a stop)
     return "\n".join(lines)
 
 
