@@ -261,7 +261,6 @@ def _openvino_defaults(spec, onnx: Path, threads: int):
 
 def stage_engine(component: str, size: int, backend: str, precision: str, repeats: int, threads: int,
                  work: Path, calibration_samples: int = 32) -> dict:
-    from kasoku.backends.int8 import CALIBRATED
     from kasoku.compiling import compile_components
     from kasoku.parity import compare_output
 
@@ -277,8 +276,7 @@ def stage_engine(component: str, size: int, backend: str, precision: str, repeat
         options = dict(backend=backend, precision=precision, cache=work / "cache", onnx_dir=work / "onnx",
                        check_parity=False, threads=threads, label="sd35-random",
                        calibration_samples=calibration_samples)
-        if precision == "int8" and spec.int8 in CALIBRATED:
-            (_block_calibration if component in FLUX_BLOCKS else _record_calibration)(spec, options)
+        _calibrate(spec, options)
         engines, report = compile_components(sd35_pipeline(), specs={spec.name: spec}, **options)
         run, stages = engines[spec.name].run, {s.stage: s.seconds for s in report.stages}
     compile_s = time.perf_counter() - start
@@ -294,45 +292,31 @@ def stage_engine(component: str, size: int, backend: str, precision: str, repeat
             "peak_mb": _peak_mb()}
 
 
-def _compiler(options: dict):
-    """The kasoku Compiler that compile_components(**options) makes: its cache holds the calibration entries."""
+def _calibrate(spec, options: dict) -> None:
+    """The calibration entry of an engine that calibrates (int8 with a calibrated recipe), made before kasoku's build,
+    which then finds it: the transformer's inputs recorded by kasoku's own calibration in diffusers' denoising loop
+    from seeded random prompt embeddings (the text encoders hold no weights here); a Flux block's, which no pipeline
+    loop runs alone, seeded random inputs of its shapes (as random as its weights; the timed input's seed is not
+    among them)."""
     from kasoku.build import Compiler
     from kasoku.cache import Cache
+    from kasoku.calibration import recorded_samples, stored_samples
+    from kasoku.model import Model
     from kasoku.options import CompileOptions
 
     fields = {k: v for k, v in options.items() if k not in ("cache", "label")}
-    return Compiler(Cache(options["cache"]), CompileOptions.of(None, **fields), label=options["label"])
-
-
-def _record_calibration(spec, options: dict) -> None:
-    """The int8 engine's calibration entry, recorded by kasoku's own calibration (the denoiser's inputs in diffusers'
-    denoising loop, on the recording engine its backend names) from seeded random prompt embeddings: the text
-    encoders hold no weights here. kasoku's build then finds the entry and calibrates on it."""
-    from kasoku.calibration import recorded_samples
-    from kasoku.model import Model
-
-    compiler = _compiler(options)
+    compiler = Compiler(Cache(options["cache"]), CompileOptions.of(None, **fields), label=options["label"])
+    if not compiler.needs_samples(spec):
+        return
+    if spec.name in FLUX_BLOCKS:
+        stored_samples(compiler, spec, lambda _parts: [
+            {name: value.numpy() for name, value in
+             spec.sample_inputs(spec.profile.opt, seed=SEEDS["calibration"] + index).items()}
+            for index in range(options["calibration_samples"])])
+        return
     pipe = sd35_pipeline()
     embeds = random_prompt_embeddings(pipe, spec.profile, torch.Generator().manual_seed(SEEDS["calibration"]))
     recorded_samples(compiler, Model.of(pipe), spec, prompt_inputs=embeds)
-
-
-def _block_calibration(spec, options: dict) -> None:
-    """A Flux block's calibration entry: no pipeline loop runs a lone block, so its samples are seeded random inputs
-    of the block's shapes (as random as its weights; the timed input's seed is not among them)."""
-    from kasoku.calibration import CALIBRATION_FILE, save_samples
-
-    compiler = _compiler(options)
-    _backend, chain = compiler.calibration_chain(spec)
-
-    def build(tmp: Path) -> dict:
-        samples = [{name: value.numpy() for name, value in
-                    spec.sample_inputs(spec.profile.opt, seed=SEEDS["calibration"] + index).items()}
-                   for index in range(options["calibration_samples"])]
-        save_samples(samples, tmp / CALIBRATION_FILE)
-        return {"samples": len(samples)}
-
-    compiler.stage(spec, "calibrate", chain.calibration, build)
 
 
 # ---- the real loop with step caching -------------------------------------------------------------------------

@@ -13,7 +13,9 @@ never runs the pipeline itself.
 from __future__ import annotations
 
 import itertools
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
@@ -80,15 +82,28 @@ def load_samples(path: Path) -> list[dict[str, np.ndarray]]:
     return [samples[i] for i in sorted(samples)]
 
 
+def stored_samples(compiler: Compiler, spec: ComponentSpec,
+                   make: Callable[[dict[str, Any]], list[dict[str, np.ndarray]]]) -> list[dict[str, np.ndarray]]:
+    """`spec`'s calibration samples: from the cache, or made by `make(parts)` (the calibration key's parts: the
+    recording backend, precision and plan) and stored there first."""
+    _backend, chain = compiler.calibration_chain(spec)
+
+    def build(tmp: Path) -> dict:
+        samples = make(chain.calibration)
+        save_samples(samples, tmp / CALIBRATION_FILE)
+        return {"samples": len(samples)}
+
+    entry = compiler.stage(spec, "calibrate", chain.calibration, build)
+    return load_samples(entry.file(CALIBRATION_FILE))
+
+
 def recorded_samples(compiler: Compiler, model: Model, spec: ComponentSpec, prompt_inputs: dict | None = None
                      ) -> list[dict[str, np.ndarray]]:
     """`spec`'s calibration samples: from the cache, or recorded first on engines of the recording precision
     (built by a compile of their own, dropped afterwards unless `keep_intermediate`). With `prompt_inputs`
     (see :func:`record_inputs`) no text encoder is built."""
-    _backend, chain = compiler.calibration_chain(spec)
-    parts = chain.calibration
 
-    def build(tmp: Path) -> dict:
+    def record(parts: dict[str, Any]) -> list[dict[str, np.ndarray]]:
         names = (spec.name,) if prompt_inputs else model.family.calibration_components(spec.name, model)
         specs = model.specs(spec.profile, [n for n in names if n != spec.name])
         specs[spec.name] = spec
@@ -104,11 +119,9 @@ def recorded_samples(compiler: Compiler, model: Model, spec: ComponentSpec, prom
         if not compiler.options.keep_intermediate:  # the recording engines were only a means
             for key in sub.built.values():
                 compiler.cache.remove(key, wait=False)
-        save_samples(samples, tmp / CALIBRATION_FILE)
-        return {"samples": len(samples)}
+        return samples
 
-    entry = compiler.stage(spec, "calibrate", parts, build)
-    return load_samples(entry.file(CALIBRATION_FILE))
+    return stored_samples(compiler, spec, record)
 
 
 def provide(compiler: Compiler, model: Model, specs: dict[str, ComponentSpec]) -> None:

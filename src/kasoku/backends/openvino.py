@@ -216,9 +216,9 @@ class OpenVinoBackend(Backend):
         })
         meta: dict[str, Any] = {"static": not model.is_dynamic()}
         if Precision(precision) == Precision.INT8:
-            from .int8 import CALIBRATED, quantize
+            from .int8 import quantize
 
-            samples = calibration() if spec.int8 in CALIBRATED and calibration is not None else None
+            samples = calibration() if self.needs_calibration(spec, precision) and calibration is not None else None
             model = quantize(model, spec.int8, samples)
             meta["int8"] = {"recipe": spec.int8, "calibration_samples": len(samples or [])}
         config = openvino_config(precision, self.options.threads)
