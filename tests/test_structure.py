@@ -23,7 +23,7 @@ LAYERS = ("core", "architectures", "families", "model", "backends", "build", "ru
 # Where each module sits (a package's name places every module in it).
 PLACES = {
     "core": ("errors", "extras", "choices", "precision", "console", "cache", "attention", "weights", "parity",
-             "schedulers", "options", "components", "step_cache", "standins"),
+             "memory", "schedulers", "options", "components", "step_cache", "standins"),
     "architectures": ("architectures",),
     "families": ("families",),
     "model": ("loading", "fingerprint", "model"),

@@ -9,7 +9,6 @@ loads each engine, and torch weights kasoku loaded itself are released once no l
 
 from __future__ import annotations
 
-import os
 import time
 from pathlib import Path
 from typing import Any
@@ -19,13 +18,13 @@ from .backends import Engine
 from .build import Compiler, CompileReport, StageHook, _no_hook, requested_components
 from .cache import Cache, default_cache_dir
 from .components import ComponentSpec
-from .errors import KasokuError
 from .fastest import choose_precisions
+from .memory import MEMORY_CHECK_ENV, NotEnoughMemory, available_memory, checks_memory
 from .model import Model
 from .options import FASTEST, CompileOptions, InvalidOptions
 from .weights import run_time_weights
 
-__all__ = ["compile_components", "precision_notes"]
+__all__ = ["NotEnoughMemory", "available_memory", "compile_components", "precision_notes"]
 
 
 def compile_components(
@@ -95,22 +94,6 @@ def compile_components(
 # What building one component's engine holds at once, in units of its fp32 weights: the torch module and the
 # engine's own copy (measured at full size: the SDXL U-Net, 10.3 GB, peaked at 22.5 GiB on OpenVINO).
 BUILD_FOOTPRINT = 2.0
-MEMORY_CHECK_ENV = "KASOKU_MEMORY_CHECK"  # "0" skips the check (a machine with swap, say)
-
-
-class NotEnoughMemory(KasokuError, MemoryError):
-    """A component whose build would not fit in this machine's memory; raised before any weight is read."""
-
-
-def available_memory() -> int | None:
-    """MemAvailable of /proc/meminfo in bytes (None where there is none)."""
-    try:
-        for line in Path("/proc/meminfo").read_text().splitlines():
-            if line.startswith("MemAvailable:"):
-                return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return None
 
 
 def check_lora_targets(model: Model, specs: dict[str, ComponentSpec], options: CompileOptions) -> None:
@@ -138,7 +121,7 @@ def check_memory(model: Model, specs: dict[str, ComponentSpec]) -> None:
     BUILD_FOOTPRINT x the component's fp32 weights (the module loaded for it is counted only where it is not
     in memory already)."""
     free = available_memory()
-    if free is None or os.environ.get(MEMORY_CHECK_ENV) == "0":
+    if free is None or not checks_memory():
         return
     for name, spec in specs.items():
         weights = sum(model.weight_bytes(path) for path in spec.modules)

@@ -31,12 +31,16 @@ import numpy as np
 import torch
 
 from ..components import ComponentSpec, Precision
+from ..memory import limited_to_free_memory
 from ..weights import as_numpy
 from .base import Availability, Backend, BackendUnavailable, Engine, UnsupportedPrecision, load_bound, save_bound
 
 BLOB_FILE = "model.blob"
 # OpenVINO's model cache writes its blob as one XML line (the runtime's version) and then what export_model writes.
 _CACHE_HEADER_END = b"/>\n"
+# What to do when int8 quantization runs out of memory: its calibration's activations grow with the image.
+INT8_MEMORY_REMEDY = ("Build the int8 engine for smaller images (--height/--width), build this component in bf16 "
+                      "(--precision bf16, or a precision per component), or build on a machine with more memory")
 _HINTS = {Precision.FP32: "f32", Precision.FP16: "f16", Precision.BF16: "bf16"}
 NO_BF16 = ("this CPU has no native bf16 (neither AVX512-BF16 nor AMX, OpenVINO's BF16 capability): OpenVINO "
            "would emulate it slowly or run fp32")
@@ -219,7 +223,10 @@ class OpenVinoBackend(Backend):
             from .int8 import quantize
 
             samples = calibration() if self.needs_calibration(spec, precision) and calibration is not None else None
-            model = quantize(model, spec.int8, samples)
+            largest = spec.profile.max
+            with limited_to_free_memory(f"int8 quantization of {spec.name} ({spec.int8} recipe, images up to "
+                                        f"{largest.height}x{largest.width})", INT8_MEMORY_REMEDY):
+                model = quantize(model, spec.int8, samples)
             meta["int8"] = {"recipe": spec.int8, "calibration_samples": len(samples or [])}
         config = openvino_config(precision, self.options.threads)
         caching = {} if blob_dir is None else {"CACHE_DIR": str(blob_dir)}

@@ -1,0 +1,111 @@
+"""This machine's free memory, and the guard that turns running out of it into a clear error.
+
+A build whose memory can be counted beforehand is refused before it starts (`compiling.check_memory`). Some
+steps' memory cannot be counted: NNCF's int8 calibration holds activations whose size depends on the model's
+graph, its shape and NNCF's own choices (the SD3.5-medium transformer's fit at 512x512 and took more than
+22 GiB at 1024x1024). Those run under :func:`limited_to_free_memory`: the process's data limit is lowered to
+what the machine has free, less a floor, so that an allocation past it fails inside the step (OpenVINO and
+numpy raise) and becomes :class:`NotEnoughMemory`, where the kernel's out-of-memory killer would otherwise end
+the process without a word.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from collections.abc import Iterator
+from pathlib import Path
+
+from .errors import KasokuError
+
+MEMORY_CHECK_ENV = "KASOKU_MEMORY_CHECK"  # "0" skips the checks and the guard (a machine with swap, say)
+GIB = 1024**3
+# What a guarded step leaves free for the rest of the machine: the larger of 1.5 GiB and 6% of its memory.
+FLOOR_BYTES, FLOOR_SHARE = int(1.5 * GIB), 0.06
+
+
+class NotEnoughMemory(KasokuError, MemoryError):
+    """A build that does not fit in this machine's memory: refused before it starts, or stopped by the guard."""
+
+
+def _meminfo(field: str) -> int | None:
+    """A field of /proc/meminfo in bytes (None where there is none)."""
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith(f"{field}:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
+
+
+def available_memory() -> int | None:
+    """MemAvailable of /proc/meminfo in bytes (None where there is none)."""
+    return _meminfo("MemAvailable")
+
+
+def memory_floor() -> int:
+    """The memory a guarded step leaves free, in bytes."""
+    return max(FLOOR_BYTES, int(FLOOR_SHARE * (_meminfo("MemTotal") or 0)))
+
+
+def checks_memory() -> bool:
+    return os.environ.get(MEMORY_CHECK_ENV) != "0"
+
+
+def _data_size() -> int | None:
+    """This process's data segment (VmData: what RLIMIT_DATA counts) in bytes."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("VmData:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
+
+
+# How an allocation past the limit reads in OpenVINO's and C++'s errors, and a thread whose stack found no room.
+_OUT_OF_MEMORY = ("failed to allocate", "bad_alloc", "resource temporarily unavailable", "can't start new thread")
+
+
+def _out_of_memory(error: BaseException) -> bool:
+    """Whether `error` is an allocation that failed (numpy's MemoryError, OpenVINO's RuntimeError, ...)."""
+    return isinstance(error, MemoryError) or any(text in str(error).lower() for text in _OUT_OF_MEMORY)
+
+
+@contextlib.contextmanager
+def limited_to_free_memory(what: str, remedy: str) -> Iterator[None]:
+    """Run the block with this process's data limit at its present size plus the machine's free memory less
+    :func:`memory_floor`; an allocation past it raises :class:`NotEnoughMemory` naming `what` and `remedy`.
+    Refused at once where less than the floor is free. A no-op where Linux's limits or /proc are missing, or
+    with KASOKU_MEMORY_CHECK=0."""
+    try:
+        import resource
+    except ImportError:  # not a POSIX system
+        resource = None
+    free, used = available_memory(), _data_size()
+    if resource is None or free is None or used is None or not checks_memory():
+        yield
+        return
+    floor = memory_floor()
+
+    def refusal(detail: str) -> NotEnoughMemory:
+        return NotEnoughMemory(f"{what} needs more memory than this machine has free: {detail}. {remedy} "
+                               f"(or set {MEMORY_CHECK_ENV}=0 to try anyway).")
+
+    if free <= floor:
+        raise refusal(f"{free / GIB:.1f} GiB free, and kasoku keeps {floor / GIB:.1f} GiB for the rest of the machine")
+    soft, hard = resource.getrlimit(resource.RLIMIT_DATA)
+    limit = used + free - floor
+    if soft != resource.RLIM_INFINITY:
+        limit = min(limit, soft)
+    resource.setrlimit(resource.RLIMIT_DATA, (limit, hard))
+    try:
+        yield
+    except (MemoryError, RuntimeError) as error:
+        if not _out_of_memory(error):
+            raise
+        raise refusal(f"it stopped when it reached the {(limit - used) / GIB:.1f} GiB that were free "
+                      f"(less {floor / GIB:.1f} GiB kept for the rest of the machine)") from None
+    finally:
+        resource.setrlimit(resource.RLIMIT_DATA, (soft, hard))
