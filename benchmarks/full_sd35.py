@@ -426,9 +426,11 @@ def _run_stage(args_list: list[str], name: str, work: Path, log) -> dict:
     """One stage in a fresh process, so that no two copies of the weights share the memory."""
     out = work / f"stage-{name}.json"
     log(f"stage {name}")
+    out.unlink(missing_ok=True)
     result = subprocess.run([sys.executable, __file__, "--stage-json", str(out), *args_list])
-    if result.returncode != 0:  # e.g. killed for memory: reported, and the run goes on
-        return {"failed": True, "returncode": result.returncode}
+    if result.returncode != 0:  # e.g. killed for memory, or refused by kasoku: reported, and the run goes on
+        refused = json.loads(out.read_text()) if out.exists() else {}
+        return {"failed": True, "returncode": result.returncode, **refused}
     return json.loads(out.read_text())
 
 
@@ -440,6 +442,7 @@ def markdown(report: dict) -> str:
              "| component | contender | median s | min–max s | speed-up vs torch fp32 | FLOP floor s | time ÷ floor | "
              "max abs / rel. error vs torch | cold compile s | peak RSS MB |",
              "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+    refusals: list[str] = []
     for key, entry in report["components"].items():
         torch_run = entry["torch"]
         if torch_run.get("failed"):
@@ -450,6 +453,7 @@ def markdown(report: dict) -> str:
         for name, run in [("torch eager fp32", torch_run), *entry["engines"].items()]:
             if run.get("failed"):
                 lines.append(f"| {key} | kasoku {name} | failed (exit {run['returncode']}) | | | | | | | |")
+                refusals += [f"{key}, kasoku {name}: {run['error']}"] if "error" in run else []
                 continue
             median = statistics.median(run["seconds"])
             check = "—" if name.startswith("torch") else \
@@ -469,7 +473,8 @@ def markdown(report: dict) -> str:
                       f"prompt embeddings; the Flux blocks: the same recipe, calibrated on {samples} seeded random "
                       "inputs; the VAE: int8 weights); its cold compile includes the recording and the calibration."]
     lines += ["", f"Peak resident memory of the run (largest stage): {report['peak_mb'] / 1024:.1f} GiB."]
-    lines += [f"- {note}" for note in report.get("notes", [])]  # what the run itself cannot say (a rerun, a stop)
+    # what the run itself cannot say (a rerun, a stop), and why kasoku refused a contender
+    lines += [f"- {note}" for note in [*report.get("notes", []), *refusals]]
     return "\n".join(lines)
 
 
@@ -577,9 +582,16 @@ def main(argv: list[str] | None = None) -> int:
         if args.stage == "torch":
             result = stage_torch(component, size, args.repeats, args.work)
         else:
+            from kasoku.errors import KasokuError
+
             backend, precision = args.contender.split(":")
-            result = stage_engine(component, size, backend, precision, args.repeats, args.threads, args.work,
-                                  args.calibration_samples)
+            try:
+                result = stage_engine(component, size, backend, precision, args.repeats, args.threads, args.work,
+                                      args.calibration_samples)
+            except KasokuError as error:  # kasoku refused (memory, say): the report says why
+                args.stage_json.write_text(json.dumps({"failed": True, "returncode": 1, "error": str(error)}))
+                console.print(f"kasoku refused: {error}", markup=False)
+                return 1
         args.stage_json.write_text(json.dumps(result, indent=2))
         return 0
 

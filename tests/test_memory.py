@@ -12,7 +12,7 @@ from kasoku import memory
 from kasoku.memory import MEMORY_CHECK_ENV, NotEnoughMemory, limited_to_free_memory
 
 MIB = 2**20
-REMEDY = "Do it with less."
+REMEDY = "Do it with less"
 GIB_OF_FLOATS = 2**28
 
 
@@ -29,9 +29,10 @@ def free_beyond_floor(monkeypatch):
 def test_an_allocation_past_the_free_memory_is_a_clear_error_and_the_limit_is_restored(free_beyond_floor):
     before = resource.getrlimit(resource.RLIMIT_DATA)
     free_beyond_floor(256 * MIB)
-    with pytest.raises(NotEnoughMemory, match=r"the test step needs more memory than this machine has free: it "
-                                              r"stopped when it reached the 0\.2 GiB .* Do it with less\. .*"
-                                              r"KASOKU_MEMORY_CHECK=0"):
+    expected = (r"the test step needs more memory than this machine has free: it stopped when it reached the 0\.2 GiB "
+                r".* Do it with less; or build on a machine with more memory, or set KASOKU_MEMORY_CHECK=0 to try "
+                r"anyway\.")
+    with pytest.raises(NotEnoughMemory, match=expected):
         with limited_to_free_memory("the test step", REMEDY):
             np.ones(GIB_OF_FLOATS, np.float32)
     assert resource.getrlimit(resource.RLIMIT_DATA) == before
@@ -74,8 +75,8 @@ def test_an_int8_build_without_memory_to_spare_is_refused_before_nncf_starts(tin
 
     pytest.importorskip("nncf")
     monkeypatch.setattr(memory, "available_memory", lambda: memory.memory_floor() - MIB)
-    with pytest.raises(NotEnoughMemory, match=r"int8 quantization of text_encoder \(weights recipe, images up to "
-                                              r"\d+x\d+\) needs more memory than this machine has free: .* GiB free, "
+    with pytest.raises(NotEnoughMemory, match=r"int8 quantization of text_encoder \(weights recipe\) needs more memory"
+                                              r" than this machine has free: .* GiB free, "
                                               r"and kasoku keeps .* GiB .*--precision bf16"):
         kasoku.compile(tiny_pipe, "openvino", precision="int8", components=["text_encoder"],
                        cache_dir=tiny_cache.root)

@@ -90,8 +90,8 @@ def limited_to_free_memory(what: str, remedy: str) -> Iterator[None]:
     floor = memory_floor()
 
     def refusal(detail: str) -> NotEnoughMemory:
-        return NotEnoughMemory(f"{what} needs more memory than this machine has free: {detail}. {remedy} "
-                               f"(or set {MEMORY_CHECK_ENV}=0 to try anyway).")
+        return NotEnoughMemory(f"{what} needs more memory than this machine has free: {detail}. {remedy}; or build "
+                               f"on a machine with more memory, or set {MEMORY_CHECK_ENV}=0 to try anyway.")
 
     if free <= floor:
         raise refusal(f"{free / GIB:.1f} GiB free, and kasoku keeps {floor / GIB:.1f} GiB for the rest of the machine")

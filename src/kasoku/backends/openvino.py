@@ -38,9 +38,10 @@ from .base import Availability, Backend, BackendUnavailable, Engine, Unsupported
 BLOB_FILE = "model.blob"
 # OpenVINO's model cache writes its blob as one XML line (the runtime's version) and then what export_model writes.
 _CACHE_HEADER_END = b"/>\n"
-# What to do when int8 quantization runs out of memory: its calibration's activations grow with the image.
-INT8_MEMORY_REMEDY = ("Build the int8 engine for smaller images (--height/--width), build this component in bf16 "
-                      "(--precision bf16, or a precision per component), or build on a machine with more memory")
+# What to do when int8 quantization runs out of memory (a calibrated recipe's activations grow with the image).
+INT8_MEMORY_REMEDY = "Build this component in bf16 (--precision bf16, or a precision per component)"
+CALIBRATED_MEMORY_REMEDY = ("Build the int8 engine for smaller images (--height/--width), or this component in bf16 "
+                            "(--precision bf16, or a precision per component)")
 _HINTS = {Precision.FP32: "f32", Precision.FP16: "f16", Precision.BF16: "bf16"}
 NO_BF16 = ("this CPU has no native bf16 (neither AVX512-BF16 nor AMX, OpenVINO's BF16 capability): OpenVINO "
            "would emulate it slowly or run fp32")
@@ -133,6 +134,15 @@ def _blob_start(path: Path) -> int:
     return end + len(_CACHE_HEADER_END) if head.startswith(b"<?xml") and end >= 0 else 0
 
 
+def _int8_step(spec: ComponentSpec, calibrated: bool) -> tuple[str, str]:
+    """What the memory guard calls `spec`'s int8 quantization, and the remedy it names."""
+    if not calibrated:
+        return f"int8 quantization of {spec.name} ({spec.int8} recipe)", INT8_MEMORY_REMEDY
+    largest = spec.profile.max
+    return (f"int8 quantization of {spec.name} ({spec.int8} recipe, calibrated at {largest.height}x{largest.width})",
+            CALIBRATED_MEMORY_REMEDY)
+
+
 def bind_constants(model, constants: dict[str, torch.Tensor]):
     """`model` (read from an architecture graph) with each weight parameter in `constants` replaced by a
     Constant sharing the tensor's memory."""
@@ -223,9 +233,7 @@ class OpenVinoBackend(Backend):
             from .int8 import quantize
 
             samples = calibration() if self.needs_calibration(spec, precision) and calibration is not None else None
-            largest = spec.profile.max
-            with limited_to_free_memory(f"int8 quantization of {spec.name} ({spec.int8} recipe, images up to "
-                                        f"{largest.height}x{largest.width})", INT8_MEMORY_REMEDY):
+            with limited_to_free_memory(*_int8_step(spec, calibrated=samples is not None)):
                 model = quantize(model, spec.int8, samples)
             meta["int8"] = {"recipe": spec.int8, "calibration_samples": len(samples or [])}
         config = openvino_config(precision, self.options.threads)
