@@ -32,6 +32,7 @@ from .errors import KasokuError
 from .export import module_weights
 from .extras import import_onnxruntime
 from .fidelity import diffusers_inputs, task_inputs
+from .memory import process_memory
 from .model import Model
 from .options import CompileOptions
 from .pipeline import KasokuPipeline
@@ -125,13 +126,8 @@ def spread_warnings(ranges: dict[str, tuple[float, float]]) -> list[str]:
 
 def rss_mb(field_name: str = "VmRSS") -> float:
     """Resident memory of this process (VmRSS now, VmHWM: its peak), in MB."""
-    try:
-        for line in Path("/proc/self/status").read_text().splitlines():
-            if line.startswith(field_name + ":"):
-                return int(line.split()[1]) / 1024
-    except OSError:
-        pass
-    return float("nan")
+    value = process_memory(field_name)
+    return float("nan") if value is None else value / 2**20
 
 
 def repeat(fn: Callable[[], object], repeats: int, warmup: int = 1) -> list[float]:

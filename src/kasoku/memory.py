@@ -28,10 +28,10 @@ class NotEnoughMemory(KasokuError, MemoryError):
     """A build that does not fit in this machine's memory: refused before it starts, or stopped by the guard."""
 
 
-def _meminfo(field: str) -> int | None:
-    """A field of /proc/meminfo in bytes (None where there is none)."""
+def _kib_field(path: str, field: str) -> int | None:
+    """A `Field:  N kB` line of a /proc file, in bytes (None where there is none)."""
     try:
-        for line in Path("/proc/meminfo").read_text().splitlines():
+        for line in Path(path).read_text().splitlines():
             if line.startswith(f"{field}:"):
                 return int(line.split()[1]) * 1024
     except OSError:
@@ -41,27 +41,22 @@ def _meminfo(field: str) -> int | None:
 
 def available_memory() -> int | None:
     """MemAvailable of /proc/meminfo in bytes (None where there is none)."""
-    return _meminfo("MemAvailable")
+    return _kib_field("/proc/meminfo", "MemAvailable")
+
+
+def process_memory(field: str = "VmRSS") -> int | None:
+    """This process's memory from /proc/self/status in bytes: VmRSS (resident now), VmHWM (its peak), VmData (the
+    data segment, what RLIMIT_DATA counts); None where there is none."""
+    return _kib_field("/proc/self/status", field)
 
 
 def memory_floor() -> int:
     """The memory a guarded step leaves free, in bytes."""
-    return max(FLOOR_BYTES, int(FLOOR_SHARE * (_meminfo("MemTotal") or 0)))
+    return max(FLOOR_BYTES, int(FLOOR_SHARE * (_kib_field("/proc/meminfo", "MemTotal") or 0)))
 
 
 def checks_memory() -> bool:
     return os.environ.get(MEMORY_CHECK_ENV) != "0"
-
-
-def _data_size() -> int | None:
-    """This process's data segment (VmData: what RLIMIT_DATA counts) in bytes."""
-    try:
-        for line in Path("/proc/self/status").read_text().splitlines():
-            if line.startswith("VmData:"):
-                return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return None
 
 
 # How an allocation past the limit reads in OpenVINO's and C++'s errors, and a thread whose stack found no room.
@@ -83,7 +78,7 @@ def limited_to_free_memory(what: str, remedy: str) -> Iterator[None]:
         import resource
     except ImportError:  # not a POSIX system
         resource = None
-    free, used = available_memory(), _data_size()
+    free, used = available_memory(), process_memory("VmData")
     if resource is None or free is None or used is None or not checks_memory():
         yield
         return
