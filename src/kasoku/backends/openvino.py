@@ -39,9 +39,9 @@ BLOB_FILE = "model.blob"
 # OpenVINO's model cache writes its blob as one XML line (the runtime's version) and then what export_model writes.
 _CACHE_HEADER_END = b"/>\n"
 # What to do when int8 quantization runs out of memory (a calibrated recipe's activations grow with the image).
-INT8_MEMORY_REMEDY = "Build this component in bf16 (--precision bf16, or a precision per component)"
-CALIBRATED_MEMORY_REMEDY = ("Build the int8 engine for smaller images (--height/--width), or this component in bf16 "
-                            "(--precision bf16, or a precision per component)")
+_IN_BF16 = "this component in bf16 (--precision bf16, or a precision per component)"
+INT8_MEMORY_REMEDY = f"Build {_IN_BF16}"
+CALIBRATED_MEMORY_REMEDY = f"Build the int8 engine for smaller images (--height/--width), or {_IN_BF16}"
 _HINTS = {Precision.FP32: "f32", Precision.FP16: "f16", Precision.BF16: "bf16"}
 NO_BF16 = ("this CPU has no native bf16 (neither AVX512-BF16 nor AMX, OpenVINO's BF16 capability): OpenVINO "
            "would emulate it slowly or run fp32")
