@@ -59,8 +59,10 @@ def checks_memory() -> bool:
     return os.environ.get(MEMORY_CHECK_ENV) != "0"
 
 
-# How an allocation past the limit reads in OpenVINO's and C++'s errors, and a thread whose stack found no room.
-_OUT_OF_MEMORY = ("failed to allocate", "bad_alloc", "resource temporarily unavailable", "can't start new thread")
+# How an allocation past the limit reads in OpenVINO's, C++'s and the C library's errors (ENOMEM), and a thread
+# whose stack found no room.
+_OUT_OF_MEMORY = ("failed to allocate", "bad_alloc", "bad allocation", "cannot allocate memory",
+                  "can't allocate memory", "out of memory", "resource temporarily unavailable", "can't start new thread")
 
 
 def _out_of_memory(error: BaseException) -> bool:
@@ -97,7 +99,7 @@ def limited_to_free_memory(what: str, remedy: str) -> Iterator[None]:
     resource.setrlimit(resource.RLIMIT_DATA, (limit, hard))
     try:
         yield
-    except (MemoryError, RuntimeError) as error:
+    except Exception as error:  # NNCF's and the runtimes' own error classes too
         if not _out_of_memory(error):
             raise
         raise refusal(f"it stopped when it reached the {(limit - used) / GIB:.1f} GiB that were free "
