@@ -62,7 +62,8 @@ def checks_memory() -> bool:
 # How an allocation past the limit reads in OpenVINO's, C++'s and the C library's errors (ENOMEM), and a thread
 # whose stack found no room.
 _OUT_OF_MEMORY = ("failed to allocate", "bad_alloc", "bad allocation", "cannot allocate memory",
-                  "can't allocate memory", "out of memory", "resource temporarily unavailable", "can't start new thread")
+                  "can't allocate memory", "out of memory", "resource temporarily unavailable",
+                  "can't start new thread")
 
 
 def _out_of_memory(error: BaseException) -> bool:
