@@ -135,7 +135,11 @@ class Export(Command):
 
 
 class Compile(Command):
-    """Build the engines of every component into the cache (export, optimize, engine)."""
+    """Build the engines of every component into the cache (export, optimize, engine).
+
+    A component whose build would not fit in this machine's free memory is refused before a weight is read; int8
+    calibration, whose memory cannot be counted beforehand, is stopped with the same kind of error when the free
+    memory runs out. KASOKU_MEMORY_CHECK=0 turns both off (a machine with swap, say)."""
 
     name = "compile"
 
