@@ -3,12 +3,14 @@ limit at the machine's free memory, so that running out is a clear error and not
 
 from __future__ import annotations
 
+import functools
 import resource
 
 import numpy as np
 import pytest
 
 from kasoku import memory
+from kasoku.cache import Cache
 from kasoku.memory import MEMORY_CHECK_ENV, NotEnoughMemory, limited_to_free_memory
 
 MIB = 2**20
@@ -80,3 +82,30 @@ def test_an_int8_build_without_memory_to_spare_is_refused_before_nncf_starts(tin
                                               r"and kasoku keeps .* GiB .*--precision bf16"):
         kasoku.compile(tiny_pipe, "openvino", precision="int8", components=["text_encoder"],
                        cache_dir=tiny_cache.root)
+
+
+@pytest.mark.integration
+def test_a_build_the_guard_stopped_is_refused_before_its_work_until_more_memory_is_free(tiny_pipe, tmp_path,
+                                                                                       monkeypatch):
+    import kasoku
+    from kasoku import compiling
+
+    pytest.importorskip("nncf")
+    compile_unet = functools.partial(kasoku.compile, tiny_pipe, "openvino", precision="int8", components=["unet"],
+                                     cache_dir=tmp_path)
+    stopped_at = memory.memory_floor() - MIB
+    monkeypatch.setattr(memory, "available_memory", lambda: stopped_at)
+    with pytest.raises(NotEnoughMemory, match=r"int8 quantization of unet \(full recipe, calibrated at \d+x\d+\)"):
+        compile_unet()
+    built = {entry.key for entry in Cache(tmp_path).list()}  # the export and the calibration samples stay
+
+    monkeypatch.setattr(compiling, "available_memory", lambda: stopped_at + compiling.RETRY_MARGIN - MIB)
+    with pytest.raises(NotEnoughMemory, match=r"unet: this build ran out of memory here before, with .* GiB free "
+                                              r"\(.* GiB are free now\), so it is refused before its export and "
+                                              r"calibration\. What it said then: int8 quantization of unet"):
+        compile_unet()
+    assert {entry.key for entry in Cache(tmp_path).list()} == built
+
+    monkeypatch.undo()  # enough memory free again: the build goes ahead
+    stages = compile_unet().compile_report.statuses()
+    assert stages[("unet", "calibrate")] == "reused" and stages[("unet", "engine")] == "built"

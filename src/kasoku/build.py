@@ -44,6 +44,7 @@ from .components import ComponentSpec, Precision, ShapeProfile, traced_shapes
 from .errors import KasokuError
 from .export import EXPORT_CODE_VERSION, check_onnx_parity, default_check_shapes, export_graph, module_weights
 from .extras import import_onnxruntime
+from .memory import NotEnoughMemory
 from .model import Model
 from .optimize import optimize
 from .options import FASTEST, CalibrationPlan, CompileOptions
@@ -356,7 +357,18 @@ class Compiler:
                                                                           weights)]
             return meta
 
-        return self.stage(spec, "engine", parts, build)
+        try:
+            return self.stage(spec, "engine", parts, build)
+        except NotEnoughMemory as error:  # the next compile of this engine is refused before its work
+            if error.free_bytes is not None:
+                self.cache.remember_memory_stop(parts, error.free_bytes, str(error))
+            raise
+
+    def memory_stop(self, spec: ComponentSpec) -> dict[str, Any] | None:
+        """What the cache remembers of an earlier build of `spec`'s calibrated engine that ran out of memory (the
+        builds whose memory cannot be counted beforehand), or None."""
+        chain = self.calibration_chain(spec)
+        return None if chain is None else self.cache.memory_stop(chain[1].engine)
 
     def backend(self, name: str) -> Backend:
         backend = get_backend(name, self.options, shared_dir=self.cache.root / "shared" / name)

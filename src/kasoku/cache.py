@@ -21,6 +21,7 @@ half-deleted entry.
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import hashlib
 import json
@@ -44,6 +45,7 @@ logger = logging.getLogger(__name__)
 MANIFEST = "kasoku-entry.json"
 ENTRIES = "entries"
 TMP_PREFIX = ".tmp-"
+MEMORY_STOPS = "memory-stops.json"  # builds stopped for memory: entry key -> the free memory then, and the message
 FORMAT_VERSION = 1
 BUDGET_VARIABLE = "KASOKU_CACHE_MAX"
 _UNITS = {"": 1, "B": 1, "K": 1024, "M": 1024**2, "G": 1024**3, "T": 1024**4}
@@ -149,6 +151,28 @@ class Cache:
             raise CacheError(f"the cache {self.root} is read-only: it serves the engines it holds, and this build "
                              "needs a writable one. Set KASOKU_CACHE (or --cache-dir) to a writable folder, or build "
                              "these engines there first.")
+
+    # ---- builds stopped for memory --------------------------------------------------------------
+
+    def remember_memory_stop(self, parts: dict[str, Any], free_bytes: int, message: str) -> None:
+        """Remember that building the entry of `parts` ran out of memory with `free_bytes` free, so that the next
+        build of it on this machine can be refused before its work (a cache that cannot be written forgets)."""
+        stops = self._memory_stops()
+        stops[digest_key(parts)] = {"free_bytes": int(free_bytes), "message": message, "when": time.time()}
+        with contextlib.suppress(OSError):
+            self.root.mkdir(parents=True, exist_ok=True)
+            atomic_write_text(self.root / MEMORY_STOPS, json.dumps(stops, indent=1))
+
+    def memory_stop(self, parts: dict[str, Any]) -> dict[str, Any] | None:
+        """What :meth:`remember_memory_stop` remembered for the entry of `parts` (None: it never stopped)."""
+        return self._memory_stops().get(digest_key(parts))
+
+    def _memory_stops(self) -> dict[str, dict[str, Any]]:
+        try:
+            stops = json.loads((self.root / MEMORY_STOPS).read_text())
+        except (OSError, ValueError):
+            return {}
+        return stops if isinstance(stops, dict) else {}
 
     # ---- the one public way in -----------------------------------------------------------------
 

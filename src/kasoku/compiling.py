@@ -60,7 +60,9 @@ def compile_components(
         options, notes = _fastest(model, specs, options, cache, on_stage)
     check_lora_targets(model, specs, options)
     compiler = Compiler(cache, options, on_stage=on_stage, label=label)
-    check_memory(model, {name: spec for name, spec in specs.items() if not _surely_cached(compiler, model, spec)})
+    to_build = {name: spec for name, spec in specs.items() if not _surely_cached(compiler, model, spec)}
+    check_memory(model, to_build)
+    check_memory_stops(compiler, model, to_build)
     calibration.provide(compiler, model, specs)
     order = list(specs)
     model.prefetch_digests(attr for name in order for attr in specs[name].modules)
@@ -107,6 +109,30 @@ def check_lora_targets(model: Model, specs: dict[str, ComponentSpec], options: C
         raise InvalidOptions(f"`lora_targets` ({', '.join(options.lora_targets)}) match no module of "
                              f"{', '.join(s.name for s in takers)}; give module names such as to_q or to_out.0 "
                              "(matched as the end of a module's path), or the preset attention.")
+
+
+# A build the guard stopped is tried again once this much more memory is free than when it stopped: what the
+# guard saw free was measured mid-build, after the export and the recording had taken their share.
+RETRY_MARGIN = 2 * 1024**3
+
+
+def check_memory_stops(compiler: Compiler, model: Model, specs: dict[str, ComponentSpec]) -> None:
+    """Refuse, before any work, a build that ran out of memory on this machine before (the cache remembers the
+    builds the memory guard stopped) while not RETRY_MARGIN more memory is free than then; asked only where that
+    reads no weights."""
+    free = available_memory()
+    if free is None or not checks_memory():
+        return
+    for name, spec in specs.items():
+        if not all(model.digest_known(path) for path in spec.modules):
+            continue
+        stop = compiler.memory_stop(spec)
+        if stop is not None and free < stop["free_bytes"] + RETRY_MARGIN:
+            gb = 1024**3
+            raise NotEnoughMemory(f"{name}: this build ran out of memory here before, with "
+                                  f"{stop['free_bytes'] / gb:.1f} GiB free ({free / gb:.1f} GiB are free now), so it "
+                                  f"is refused before its export and calibration. What it said then: {stop['message']}",
+                                  free)
 
 
 def _surely_cached(compiler: Compiler, model: Model, spec: ComponentSpec) -> bool:

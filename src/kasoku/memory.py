@@ -25,7 +25,12 @@ FLOOR_BYTES, FLOOR_SHARE = int(1.5 * GIB), 0.06
 
 
 class NotEnoughMemory(KasokuError, MemoryError):
-    """A build that does not fit in this machine's memory: refused before it starts, or stopped by the guard."""
+    """A build that does not fit in this machine's memory: refused before it starts, or stopped by the guard.
+    `free_bytes`: the memory that was free (None where it is not known)."""
+
+    def __init__(self, message: str, free_bytes: int | None = None):
+        super().__init__(message)
+        self.free_bytes = free_bytes
 
 
 def _kib_field(path: str, field: str) -> int | None:
@@ -89,7 +94,7 @@ def limited_to_free_memory(what: str, remedy: str) -> Iterator[None]:
 
     def refusal(detail: str) -> NotEnoughMemory:
         return NotEnoughMemory(f"{what} needs more memory than this machine has free: {detail}. {remedy}; or build "
-                               f"on a machine with more memory, or set {MEMORY_CHECK_ENV}=0 to try anyway.")
+                               f"on a machine with more memory, or set {MEMORY_CHECK_ENV}=0 to try anyway.", free)
 
     if free <= floor:
         raise refusal(f"{free / GIB:.1f} GiB free, and kasoku keeps {floor / GIB:.1f} GiB for the rest of the machine")
