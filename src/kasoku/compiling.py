@@ -19,7 +19,7 @@ from .build import Compiler, CompileReport, StageHook, _no_hook, requested_compo
 from .cache import Cache, default_cache_dir
 from .components import ComponentSpec
 from .fastest import choose_precisions
-from .memory import MEMORY_CHECK_ENV, NotEnoughMemory, available_memory, checks_memory
+from .memory import GIB, MEMORY_CHECK_ENV, NotEnoughMemory, available_memory, checks_memory
 from .model import Model
 from .options import FASTEST, CompileOptions, InvalidOptions
 from .weights import run_time_weights
@@ -113,7 +113,7 @@ def check_lora_targets(model: Model, specs: dict[str, ComponentSpec], options: C
 
 # A build the guard stopped is tried again once this much more memory is free than when it stopped: what the
 # guard saw free was measured mid-build, after the export and the recording had taken their share.
-RETRY_MARGIN = 2 * 1024**3
+RETRY_MARGIN = 2 * GIB
 
 
 def check_memory_stops(compiler: Compiler, model: Model, specs: dict[str, ComponentSpec]) -> None:
@@ -128,9 +128,8 @@ def check_memory_stops(compiler: Compiler, model: Model, specs: dict[str, Compon
             continue
         stop = compiler.memory_stop(spec)
         if stop is not None and free < stop["free_bytes"] + RETRY_MARGIN:
-            gb = 1024**3
             raise NotEnoughMemory(f"{name}: this build ran out of memory here before, with "
-                                  f"{stop['free_bytes'] / gb:.1f} GiB free ({free / gb:.1f} GiB are free now), so it "
+                                  f"{stop['free_bytes'] / GIB:.1f} GiB free ({free / GIB:.1f} GiB are free now), so it "
                                   f"is refused before its export and calibration. What it said then: {stop['message']}",
                                   free)
 
@@ -154,12 +153,12 @@ def check_memory(model: Model, specs: dict[str, ComponentSpec]) -> None:
         loaded = all(model.is_loaded(path) for path in spec.modules)
         needed = weights * (BUILD_FOOTPRINT - (1.0 if loaded else 0.0))
         if needed > free:
-            gb = 1024**3
+            t5 = "; SD3 runs without its T5, text_encoder_3=None" if name == "text_encoder_3" else ""
             raise NotEnoughMemory(
-                f"{name} has {weights / gb:.1f} GiB of fp32 weights; building its engine needs about {needed / gb:.1f} "
-                f"GiB and this machine has {free / gb:.1f} GiB free. Leave it out (`components=` / `--components`, "
-                f"without {name}{'; SD3 runs without its T5, text_encoder_3=None' if name == 'text_encoder_3' else ''}"
-                f"), build it on a machine with more memory, or set {MEMORY_CHECK_ENV}=0 to try anyway.")
+                f"{name} has {weights / GIB:.1f} GiB of fp32 weights; building its engine needs about "
+                f"{needed / GIB:.1f} GiB and this machine has {free / GIB:.1f} GiB free. Leave it out (`components=` / "
+                f"`--components`, without {name}{t5}), build it on a machine with more memory, or set "
+                f"{MEMORY_CHECK_ENV}=0 to try anyway.", free)
 
 
 def _fastest(model: Model, specs: dict[str, ComponentSpec], options: CompileOptions, cache: Cache,
