@@ -98,6 +98,7 @@ def test_a_build_the_guard_stopped_is_refused_before_its_work_until_more_memory_
     with pytest.raises(NotEnoughMemory, match=r"int8 quantization of unet \(full recipe, calibrated at \d+x\d+\)"):
         compile_unet()
     built = {entry.key for entry in Cache(tmp_path).list()}  # the export and the calibration samples stay
+    assert (tmp_path / "memory-stops.json").exists()
 
     monkeypatch.setattr(compiling, "available_memory", lambda: stopped_at + compiling.RETRY_MARGIN - MIB)
     with pytest.raises(NotEnoughMemory, match=r"unet: this build ran out of memory here before, with .* GiB free "
@@ -109,3 +110,5 @@ def test_a_build_the_guard_stopped_is_refused_before_its_work_until_more_memory_
     monkeypatch.undo()  # enough memory free again: the build goes ahead
     stages = compile_unet().compile_report.statuses()
     assert stages[("unet", "calibrate")] == "reused" and stages[("unet", "engine")] == "built"
+    Cache(tmp_path).clear()
+    assert not (tmp_path / "memory-stops.json").exists()  # clearing the cache forgets the stop too

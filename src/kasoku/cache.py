@@ -449,4 +449,5 @@ class Cache:
         if model is None:
             for leftover in self.entries.glob(f"{TMP_PREFIX}*"):
                 shutil.rmtree(leftover, ignore_errors=True)
+            (self.root / MEMORY_STOPS).unlink(missing_ok=True)  # what ran out of memory is forgotten with the rest
         return removed
