@@ -60,9 +60,8 @@ def compile_components(
         options, notes = _fastest(model, specs, options, cache, on_stage)
     check_lora_targets(model, specs, options)
     compiler = Compiler(cache, options, on_stage=on_stage, label=label)
-    to_build = {name: spec for name, spec in specs.items() if not _surely_cached(compiler, model, spec)}
-    check_memory(model, to_build)
-    check_memory_stops(compiler, model, to_build)
+    check_memory(model, {name: spec for name, spec in specs.items() if not _surely_cached(compiler, model, spec)},
+                 compiler)
     calibration.provide(compiler, model, specs)
     order = list(specs)
     model.prefetch_digests(attr for name in order for attr in specs[name].modules)
@@ -96,6 +95,9 @@ def compile_components(
 # What building one component's engine holds at once, in units of its fp32 weights: the torch module and the
 # engine's own copy (measured at full size: the SDXL U-Net, 10.3 GB, peaked at 22.5 GiB on OpenVINO).
 BUILD_FOOTPRINT = 2.0
+# A build the guard stopped is tried again once this much more memory is free than when it stopped: what the
+# guard saw free was measured mid-build, after the export and the recording had taken their share.
+RETRY_MARGIN = 2 * GIB
 
 
 def check_lora_targets(model: Model, specs: dict[str, ComponentSpec], options: CompileOptions) -> None:
@@ -111,40 +113,24 @@ def check_lora_targets(model: Model, specs: dict[str, ComponentSpec], options: C
                              "(matched as the end of a module's path), or the preset attention.")
 
 
-# A build the guard stopped is tried again once this much more memory is free than when it stopped: what the
-# guard saw free was measured mid-build, after the export and the recording had taken their share.
-RETRY_MARGIN = 2 * GIB
-
-
-def check_memory_stops(compiler: Compiler, model: Model, specs: dict[str, ComponentSpec]) -> None:
-    """Refuse, before any work, a build that ran out of memory on this machine before (the cache remembers the
-    builds the memory guard stopped) while not RETRY_MARGIN more memory is free than then; asked only where that
-    reads no weights."""
-    free = available_memory()
-    if free is None or not checks_memory():
-        return
-    for name, spec in specs.items():
-        if not all(model.digest_known(path) for path in spec.modules):
-            continue
-        stop = compiler.memory_stop(spec)
-        if stop is not None and free < stop["free_bytes"] + RETRY_MARGIN:
-            raise NotEnoughMemory(f"{name}: this build ran out of memory here before, with "
-                                  f"{stop['free_bytes'] / GIB:.1f} GiB free ({free / GIB:.1f} GiB are free now), so it "
-                                  f"is refused before its export and calibration. What it said then: {stop['message']}",
-                                  free)
-
-
 def _surely_cached(compiler: Compiler, model: Model, spec: ComponentSpec) -> bool:
     """Whether `spec`'s engine is in the cache, asked only where that reads no weights (a module whose digest is
     not known yet is taken to be built)."""
-    return all(model.digest_known(path) for path in spec.modules) and compiler.cached(spec)
+    return _digests_known(model, spec) and compiler.cached(spec)
 
 
-def check_memory(model: Model, specs: dict[str, ComponentSpec]) -> None:
+def _digests_known(model: Model, spec: ComponentSpec) -> bool:
+    """Whether the cache keys of `spec`'s entries can be computed without reading a weight."""
+    return all(model.digest_known(path) for path in spec.modules)
+
+
+def check_memory(model: Model, specs: dict[str, ComponentSpec], compiler: Compiler | None = None) -> None:
     """Refuse, before any weight is read, a component whose engine build would not fit in the memory this machine
     has free: an out-of-memory kill mid-build loses the work and says nothing. The build holds about
     BUILD_FOOTPRINT x the component's fp32 weights (the module loaded for it is counted only where it is not
-    in memory already)."""
+    in memory already). With the `compiler`, a build that ran out of memory here before (the cache remembers the
+    builds the memory guard stopped) is refused too while not RETRY_MARGIN more memory is free than then, asked
+    only where that reads no weights."""
     free = available_memory()
     if free is None or not checks_memory():
         return
@@ -159,6 +145,12 @@ def check_memory(model: Model, specs: dict[str, ComponentSpec]) -> None:
                 f"{needed / GIB:.1f} GiB and this machine has {free / GIB:.1f} GiB free. Leave it out (`components=` / "
                 f"`--components`, without {name}{t5}), build it on a machine with more memory, or set "
                 f"{MEMORY_CHECK_ENV}=0 to try anyway.", free)
+        stop = compiler.memory_stop(spec) if compiler is not None and _digests_known(model, spec) else None
+        if stop is not None and free < stop["free_bytes"] + RETRY_MARGIN:
+            raise NotEnoughMemory(f"{name}: this build ran out of memory here before, with "
+                                  f"{stop['free_bytes'] / GIB:.1f} GiB free ({free / GIB:.1f} GiB are free now), so it "
+                                  f"is refused before its export and calibration. What it said then: {stop['message']}",
+                                  free)
 
 
 def _fastest(model: Model, specs: dict[str, ComponentSpec], options: CompileOptions, cache: Cache,

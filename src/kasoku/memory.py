@@ -109,6 +109,6 @@ def limited_to_free_memory(what: str, remedy: str) -> Iterator[None]:
         if not _out_of_memory(error):
             raise
         raise refusal(f"it stopped when it reached the {(limit - used) / GIB:.1f} GiB that were free "
-                      f"(less {floor / GIB:.1f} GiB kept for the rest of the machine)") from None
+                      f"(less {floor / GIB:.1f} GiB kept for the rest of the machine)") from error
     finally:
         resource.setrlimit(resource.RLIMIT_DATA, (soft, hard))
