@@ -21,7 +21,7 @@ BAD = {
         ["tiny", "{full}"],  # a folder that is not empty
         ["tiny", "{new}", "--family", "sd4"],
         ["tiny", "{new}", "--family", "flux", "--inpainting"],  # the tiny variants are the U-Net families'
-        ["tiny", "{new}", "--family", "sd3", "--controlnet"],
+        ["tiny", "{new}", "--family", "flux", "--lcm"],
         ["tiny", "{new}", "--seed", "-1"],
         ["tiny", "{file}"],
     ],

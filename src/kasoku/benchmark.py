@@ -31,7 +31,7 @@ from .components import ComponentSpec, ImageShape, ShapeProfile
 from .errors import KasokuError
 from .export import module_weights
 from .extras import import_onnxruntime
-from .fidelity import diffusers_inputs, task_inputs
+from .fidelity import diffusers_inputs, seeded_call, task_inputs
 from .memory import process_memory
 from .model import Model
 from .options import CompileOptions
@@ -352,9 +352,9 @@ def _bench_end_to_end(pipe, report, specs, cache, profile, shape, steps, guidanc
                                                               **fast.fixed_arguments}
 
         def run():
-            outputs[:] = [p(prompt, num_inference_steps=steps, guidance_scale=guidance, height=shape.height,
-                            width=shape.width, num_images_per_prompt=shape.batch,
-                            generator=torch.Generator().manual_seed(0), output_type="np", **inputs).images]
+            outputs[:] = [seeded_call(p, prompt, 0, num_inference_steps=steps, guidance_scale=guidance,
+                                      height=shape.height, width=shape.width, num_images_per_prompt=shape.batch,
+                                      output_type="np", **inputs).images]
         return run
 
     torch_pipe = pipe.task_pipeline("txt2img")

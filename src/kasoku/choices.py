@@ -18,7 +18,7 @@ FAMILY_TITLES = {"sd1": "Stable Diffusion 1.x", "sd2": "Stable Diffusion 2.x", "
 CONTROLNET_COMPONENT = "controlnet_{}"  # one per distinct ControlNet model: controlnet_0, controlnet_1, ...
 # every component some family's pipeline can have (what --components accepts)
 COMPONENT_NAMES = ("text_encoder", "unet", "vae_decoder", "vae_encoder", "text_encoder_2", "text_encoder_3",
-                   "transformer", "unet_controlnet", CONTROLNET_COMPONENT.format("<i>"))
+                   "transformer", "unet_controlnet", "transformer_controlnet", CONTROLNET_COMPONENT.format("<i>"))
 PREDICTION_TYPES = ("epsilon", "v_prediction")  # the tiny U-Net families' schedulers
 
 

@@ -17,6 +17,17 @@ FIDELITY_PROMPTS = (VERIFY_PROMPT, "a watercolor painting of a red fox in the sn
                     "a photograph of a lighthouse at sunset, detailed")
 
 
+def seeded_call(pipe, prompt, seed: int, **kwargs):
+    """`pipe(prompt, **kwargs)` with a generator of `seed`, and torch's global generator at `seed` for the call
+    (restored after it): diffusers' SD3 ControlNet pipeline samples its control image's latents from the global one,
+    so pipelines compared must start it alike."""
+    import torch
+
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        return pipe(prompt, generator=torch.Generator().manual_seed(seed), **kwargs)
+
+
 def random_image(shape: ImageShape, seed: int):
     from PIL import Image
 

@@ -17,7 +17,7 @@ import torch
 
 from .architectures.base import module_at
 from .errors import KasokuError, NotADiffusersPipeline
-from .families import SUPPORTED_PIPELINES, detect_family, family_of, read_model_index
+from .families import FAMILIES, SUPPORTED_PIPELINES, detect_family, family_of, read_model_index
 
 __all__ = ["ModelNotFound", "NotADiffusersPipeline", "SUPPORTED_PIPELINES", "load_pipeline", "load_controlnets",
            "read_model_index", "real_module", "own_module", "lazy_source", "release_module", "model_label", "module_at"]
@@ -140,10 +140,18 @@ def load_pipeline(model: Any, *, torch_dtype: torch.dtype = torch.float32, lazy:
     return pipe
 
 
-def _is_controlnet(value: Any) -> bool:
-    from diffusers import ControlNetModel, MultiControlNetModel
+def controlnet_classes() -> tuple[str, ...]:
+    """The diffusers ControlNet classes some family runs (ControlNetModel, SD3ControlNetModel)."""
+    return tuple(dict.fromkeys(family.controlnet_architecture.MODEL_CLASS for family in FAMILIES.values()
+                               if family.controlnet_architecture))
 
-    return isinstance(value, (ControlNetModel, MultiControlNetModel))
+
+def _is_controlnet(value: Any) -> bool:
+    import diffusers
+
+    classes = [getattr(diffusers, name) for family in FAMILIES.values() if family.controlnet_architecture
+               for name in (family.controlnet_architecture.MODEL_CLASS, family.controlnet_architecture.MULTI_CLASS)]
+    return isinstance(value, tuple(classes))
 
 
 def load_controlnets(controlnet: Any, *, lazy: bool = False):
@@ -163,19 +171,31 @@ def load_controlnets(controlnet: Any, *, lazy: bool = False):
                                     f"list of them) but is a {type(controlnet).__name__}.")
     folder = Path(controlnet).expanduser()
     if not folder.exists() and _looks_like_hub_id(str(controlnet)) and not _hub_offline():
-        from diffusers import ControlNetModel
+        import diffusers
 
-        return ControlNetModel.from_pretrained(str(controlnet), torch_dtype=torch.float32).eval()
+        config = diffusers.ControlNetModel.load_config(str(controlnet))  # says its class (SD3ControlNetModel...)
+        cls = getattr(diffusers, _controlnet_class_name(config.get("_class_name"), str(controlnet)))
+        return cls.from_pretrained(str(controlnet), torch_dtype=torch.float32).eval()
     return _controlnet_from_folder(folder, lazy)
 
 
-def _controlnet_from_folder(folder: Path, lazy: bool):
-    from diffusers import ControlNetModel
+def _controlnet_class_name(name: str | None, where: str) -> str:
+    if name not in controlnet_classes():
+        raise NotADiffusersPipeline(f"{where} holds a {name!r}, not a ControlNet kasoku runs; kasoku runs "
+                                    f"{', '.join(controlnet_classes())} (SD 1.x, 2.x and XL's, SD3's, Flux.1's).")
+    return name
 
-    return _model_from_folder(folder, ControlNetModel, "ControlNet", lazy,
+
+def _controlnet_from_folder(folder: Path, lazy: bool):
+    import diffusers
+
+    name = None
+    if (folder / "config.json").is_file():
+        name = _controlnet_class_name(diffusers.ControlNetModel.load_config(folder).get("_class_name"), str(folder))
+    return _model_from_folder(folder, getattr(diffusers, name or "ControlNetModel"), "ControlNet", lazy,
                               saved="`controlnet.save_pretrained(DIR)`, or `kasoku tiny DIR --controlnet` writes "
                                     "one in DIR/controlnet",
-                              runs="the Stable Diffusion ControlNets diffusers loads as ControlNetModel")
+                              runs=f"the ControlNets diffusers loads as {', '.join(controlnet_classes())}")
 
 
 def _model_from_folder(folder: Path, cls: type, what: str, lazy: bool, *, saved: str, runs: str):

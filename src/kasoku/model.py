@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any
 
 from .architectures.base import ModuleRef, module_at
 from .components import ComponentSpec, ShapeProfile
-from .families import Family, family_of
+from .families import TASKS, Family, family_of
 from .fingerprint import WeightsFingerprints
 from .loading import lazy_source, load_pipeline, model_label, own_module, real_module, release_module
 from .schedulers import few_step_defaults
@@ -155,6 +155,12 @@ class Model:
         """The component specs (all the model has, or `names`), for `profile` (default: the model's default)."""
         branch = DEFAULT_BRANCH if cache_branch is None else cache_branch
         return self.family.specs(self, profile or self.default_profile(), names, branch)
+
+    @property
+    def pipeline_tasks(self) -> tuple[str, ...]:
+        """The tasks the family has a diffusers class for this model (with ControlNets: a ControlNet class)."""
+        classes = self.family.pipelines_for(type(self.pipe).__name__, controlnet=bool(self.controlnets))
+        return tuple(task for task in TASKS if task in classes)
 
     def pipeline_class(self, task: str):
         """The diffusers class this model runs `task` with (its ControlNet class with ControlNets; the class it

@@ -16,7 +16,6 @@ from collections.abc import Iterable, Mapping
 from typing import Any
 
 from .backends import Engine
-from .families import TASKS
 from .model import Model
 from .standins import EngineTimes
 from .step_cache import StepCaching, run_for
@@ -25,17 +24,19 @@ __all__ = ["EnginePipelines"]
 
 
 class EnginePipelines:
-    """`model`'s diffusers pipelines for `tasks` (default: every task) on stand-ins over `engines`.
+    """`model`'s diffusers pipelines for `tasks` (default: every task its family has a pipeline for) on stand-ins
+    over `engines`.
 
     `engines` is read on every call: rebinding weights (LoRA) swaps its entries under the stand-ins."""
 
     def __init__(self, model: Model, engines: Mapping[str, Engine], times: EngineTimes | None = None,
-                 tasks: Iterable[str] = TASKS):
+                 tasks: Iterable[str] | None = None):
         self.model = model
         self.engines = engines
         self.times = times or EngineTimes()
         self.stand_ins = model.family.stand_ins(model, engines, self.times)
-        self.pipes = {task: model.task_pipeline(task, **self.stand_ins) for task in tasks}
+        self.pipes = {task: model.task_pipeline(task, **self.stand_ins)
+                      for task in (model.pipeline_tasks if tasks is None else tasks)}
         self._step_cache_target = model.family.step_cache_target(self.stand_ins)
 
     def __call__(self, task: str, *, step_cache=None, **kwargs: Any):

@@ -15,7 +15,6 @@ import inspect
 from collections.abc import Iterable, Mapping
 from typing import Any
 
-from .families import TASKS
 from .model import Model
 from .standins import InvalidInput
 
@@ -29,11 +28,8 @@ KASOKU_ARGUMENTS = {"control_image": None, "cache_interval": 1, "cache_schedule"
 def pipeline_classes(model: Model) -> list[type]:
     """The class the model's pipeline is, then the family's classes of the other tasks (ControlNet ones with
     ControlNets)."""
-    family, controlnet = model.family, bool(model.controlnets)
-    source = type(model.pipe)
-    others = [model.pipeline_class(task) for task in TASKS
-              if task in family.pipelines_for(source.__name__, controlnet=controlnet)]
-    return list(dict.fromkeys([source, *others]))
+    others = [model.pipeline_class(task) for task in model.pipeline_tasks]
+    return list(dict.fromkeys([type(model.pipe), *others]))
 
 
 def call_signature(model: Model, extras: Mapping[str, Any] = KASOKU_ARGUMENTS) -> inspect.Signature:

@@ -26,9 +26,10 @@ def family_names() -> tuple[str, ...]:
 
 def check_variant(family: str, *, inpainting: bool = False, prediction: str = "epsilon",
                   controlnet: bool = False, lcm: bool = False, ip_adapter: bool = False) -> None:
-    """The tiny variants are the U-Net families': an inpainting U-Net, v-prediction, a ControlNet, an LCM U-Net
-    (not with the others); IP-Adapters are every family's that runs them."""
-    if isinstance(FAMILIES[family], UNetFamily):
+    """The tiny variants are the U-Net families': an inpainting U-Net, v-prediction, an LCM U-Net (not with the
+    others); a ControlNet is every family's that runs them, IP-Adapters too."""
+    chosen = FAMILIES[family]
+    if isinstance(chosen, UNetFamily):
         others = [flag for flag, given in (("--inpainting", inpainting), ("--prediction v_prediction",
                                                                           prediction != "epsilon")) if given]
         if lcm and others:
@@ -37,13 +38,12 @@ def check_variant(family: str, *, inpainting: bool = False, prediction: str = "e
         return
     asked = [flag for flag, given in (("--inpainting", inpainting), ("--prediction v_prediction",
                                                                      prediction != "epsilon"),
-                                      ("--controlnet", controlnet), ("--lcm", lcm),
-                                      ("--ip-adapter", ip_adapter and not FAMILIES[family].runs_ip_adapters))
+                                      ("--controlnet", controlnet and not chosen.controlnet_architecture),
+                                      ("--lcm", lcm), ("--ip-adapter", ip_adapter and not chosen.runs_ip_adapters))
              if given]
     if asked:
-        raise KasokuError(f"{asked[0]}: the tiny {FAMILIES[family].title} pipeline has no such variant "
-                                      "(they are the U-Net families': sd1, sd2, sdxl); every "
-                                      f"{FAMILIES[family].title} pipeline inpaints and runs img2img as it is.")
+        raise KasokuError(f"{asked[0]}: the tiny {chosen.title} pipeline has no such variant (the U-Net families' "
+                          f"are: sd1, sd2, sdxl); every {chosen.title} pipeline inpaints and runs img2img as it is.")
 
 
 def _check_choice(name: str, value: str, choices: tuple[str, ...]) -> None:

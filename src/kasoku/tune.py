@@ -24,14 +24,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import torch
-
 from .cache import default_cache_dir
 from .checks import InvalidInput
 from .choices import TUNE_PRECISIONS
 from .components import ImageShape, ShapeProfile
 from .errors import KasokuError
-from .fidelity import FIDELITY_PROMPTS, VERIFY_SEED, diffusers_inputs, task_inputs
+from .fidelity import FIDELITY_PROMPTS, VERIFY_SEED, diffusers_inputs, seeded_call, task_inputs
 from .model import Model
 from .parity import psnr, ssim
 from .precision import Precision
@@ -167,7 +165,7 @@ def tune(
         images, seconds = [], []
         for index, prompt in enumerate(prompts):
             begun = time.perf_counter()
-            images.append(pipe(prompt, generator=torch.Generator().manual_seed(VERIFY_SEED + index), **call).images)
+            images.append(seeded_call(pipe, prompt, VERIFY_SEED + index, **call).images)
             seconds.append(time.perf_counter() - begun)
         return images, seconds
 

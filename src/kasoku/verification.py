@@ -12,7 +12,6 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 
 import numpy as np
-import torch
 
 from .cache import Cache
 from .components import ImageShape, Precision, ShapeProfile
@@ -22,6 +21,7 @@ from .fidelity import (  # noqa: F401 - verify's prompts and seed, where callers
     VERIFY_SEED,
     diffusers_inputs,
     inpaint_inputs,
+    seeded_call,
     task_inputs,
 )
 from .image_prompts import load_files
@@ -162,8 +162,8 @@ def image_parity(reference: Model, pipe: KasokuPipeline, precision: Precision, o
         expected_extra = extra
 
     def run(p, prompt, inputs):
-        return p(prompt, num_inference_steps=tolerance.image_steps, height=shape.height, width=shape.width,
-                 generator=torch.Generator().manual_seed(VERIFY_SEED), output_type="np", **inputs).images
+        return seeded_call(p, prompt, VERIFY_SEED, num_inference_steps=tolerance.image_steps, height=shape.height,
+                           width=shape.width, output_type="np", **inputs).images
 
     return _compare_images(prompts, lambda prompt: run(expected_pipe, prompt, expected_extra),
                            lambda prompt: run(pipe, prompt, extra),
@@ -180,8 +180,8 @@ def step_cache_parity(reference: Model, pipe: KasokuPipeline, caching: StepCachi
     extra = inpaint_inputs(shape) if task == "inpaint" else {}
 
     def run(prompt, **cache):
-        return pipe(prompt, num_inference_steps=tolerance.image_steps, height=shape.height, width=shape.width,
-                    generator=torch.Generator().manual_seed(VERIFY_SEED), output_type="np", **extra, **cache).images
+        return seeded_call(pipe, prompt, VERIFY_SEED, num_inference_steps=tolerance.image_steps, height=shape.height,
+                           width=shape.width, output_type="np", **extra, **cache).images
 
     beyond = ""
     if caching.method != FIRST_BLOCK and caching.interval > STEP_CACHE_INTERVAL:

@@ -49,6 +49,10 @@ def check_fits(controlnet_config: Mapping[str, Any], unet_config: Mapping[str, A
                               "differ; give a ControlNet trained for this model.")
 
 
+def check_together(configs: list[Mapping[str, Any]]) -> None:
+    """ControlNets that each fit the U-Net fit it together (their residuals are the U-Net's sizes)."""
+
+
 class ControlNetModule(torch.nn.Module):
     """A diffusers ControlNetModel on (sample, timestep, encoder_hidden_states, controlnet_cond,
     conditioning_scale, *added conditioning) returning each residual times its scale.
@@ -110,13 +114,13 @@ def residual_scales(count: int, conditioning_scale: float, guess_mode: bool, dev
     return torch.full((count,), float(conditioning_scale), dtype=torch.float32, device=device)
 
 
-class EngineControlNet(EngineModule):
-    """A ControlNet engine as diffusers' pipelines call a ControlNetModel (one of them, or each net of a
-    MultiControlNetModel). diffusers branches on `isinstance(controlnet, ControlNetModel)`, so the stand-in
-    is made a subclass of it by :func:`engine_controlnet`; it builds no layers of its own."""
+class ControlNetStandIn(EngineModule):
+    """An engine-backed ControlNet as diffusers' pipelines call one (alone, or each net of a multi-ControlNet).
+    diffusers branches on `isinstance(controlnet, <its ControlNet class>)`, so a family's stand-in is made a
+    subclass of that class as well (:func:`stand_in_class`); it builds no layers of its own."""
 
     def __init__(self, original: torch.nn.Module, engines, times, component: str):
-        torch.nn.Module.__init__(self)  # not ControlNetModel's __init__, which builds the network
+        torch.nn.Module.__init__(self)  # not the diffusers class's __init__, which builds the network
         self._internal_dict = original.config  # where diffusers' ConfigMixin keeps `config`
         self._engines = engines
         self._times = times
@@ -124,9 +128,24 @@ class EngineControlNet(EngineModule):
         self._step_cache = None
 
     def step_cache(self, run):
-        """Step caching for one pipeline call (None: none): a step whose U-Net call the run skips or forecasts needs
-        no residuals, so the ControlNet is not run for it."""
+        """Step caching for one pipeline call (None: none): a step whose denoiser call the run skips or forecasts
+        needs no ControlNet outputs, so the ControlNet is not run for it."""
         return call_state(self, "_step_cache", run)
+
+    def _outputs(self, feeds: Mapping[str, torch.Tensor], conditioning_scale) -> dict[str, torch.Tensor]:
+        """The engine's outputs on `feeds`; zeros, without the call, where diffusers' scale is 0 (outside the
+        control-guidance window diffusers multiplies every output by 0) or the denoiser reads none (a step the
+        step cache does not compute in full)."""
+        run = self._step_cache
+        if float(conditioning_scale) == 0.0 or (run is not None and run.skips_next(self._cache_branch)):
+            device = next(iter(feeds.values())).device
+            shapes = self.engine.spec.output_shapes({name: tuple(value.shape) for name, value in feeds.items()})
+            return {name: torch.zeros(shape, dtype=self.dtype, device=device) for name, shape in shapes.items()}
+        return self._run(self._component, **feeds)
+
+
+class EngineControlNet(ControlNetStandIn):
+    """A ControlNetModel's engine, as diffusers' pipelines call it (see :class:`ControlNetStandIn`)."""
 
     def forward(self, sample, timestep, encoder_hidden_states, controlnet_cond, conditioning_scale=1.0,
                 class_labels=None, timestep_cond=None, attention_mask=None, added_cond_kwargs=None,
@@ -146,14 +165,7 @@ class EngineControlNet(EngineModule):
                      conditioning_scale=residual_scales(len(spec.outputs), conditioning_scale, guess_mode,
                                                         sample.device),
                      **{name: added_cond_kwargs[name].to(torch.float32) for name in added_names})
-        run = self._step_cache
-        if float(conditioning_scale) == 0.0 or (run is not None and run.skips_next(self._cache_branch)):
-            # Outside the control-guidance window diffusers multiplies every residual by 0, and a step the U-Net does
-            # not compute in full reads none: zeros, without the call.
-            shapes = spec.output_shapes({name: tuple(value.shape) for name, value in feeds.items()})
-            out = {name: torch.zeros(shape, dtype=self.dtype, device=sample.device) for name, shape in shapes.items()}
-        else:
-            out = self._run(self._component, **feeds)
+        out = self._outputs(feeds, conditioning_scale)
         down = [out[name] for name in spec.output_names[:-1]]
         mid = out[spec.output_names[-1]]
         if not return_dict:
@@ -164,32 +176,36 @@ class EngineControlNet(EngineModule):
 
 
 @functools.cache
-def _controlnet_classes() -> tuple[type, type]:
-    """The stand-ins as subclasses of diffusers' ControlNetModel and MultiControlNetModel (made on first
-    use, so that importing kasoku does not import diffusers)."""
-    from diffusers import ControlNetModel, MultiControlNetModel
+def stand_in_class(stand_in: type, model_class: type) -> type:
+    """`stand_in` as a subclass of diffusers' `model_class` too (diffusers' pipelines branch on it)."""
+    return type(f"Engine{model_class.__name__}", (stand_in, model_class), {"__module__": stand_in.__module__})
 
-    class EngineMultiControlNet(MultiControlNetModel):
-        """diffusers' own MultiControlNetModel (it sums the residuals) over ControlNet stand-ins; dtype and
-        device are the engines'."""
 
-        @property
-        def dtype(self) -> torch.dtype:
-            return self.nets[0].dtype
+@functools.cache
+def multi_stand_in_class(multi_class: type) -> type:
+    """diffusers' own multi-ControlNet class (`multi_class`: it runs each net and sums their outputs), for
+    ControlNet stand-ins: its dtype and device are theirs."""
+    return type(f"Engine{multi_class.__name__}", (multi_class,), {
+        "__module__": __name__,
+        "dtype": property(lambda self: self.nets[0].dtype),
+        "device": property(lambda self: self.nets[0].device),
+    })
 
-        @property
-        def device(self) -> torch.device:
-            return self.nets[0].device
 
-    single = type("EngineControlNetModel", (EngineControlNet, ControlNetModel), {"__module__": __name__})
-    return single, EngineMultiControlNet
+# The diffusers classes of these ControlNets (the stand-ins subclass them; loading reads folders of them).
+MODEL_CLASS = "ControlNetModel"
+MULTI_CLASS = "MultiControlNetModel"
 
 
 def engine_controlnet(original: torch.nn.Module, engines, times, component: str) -> torch.nn.Module:
     """An engine-backed stand-in that diffusers takes for a ControlNetModel."""
-    return _controlnet_classes()[0](original, engines, times, component)
+    import diffusers
+
+    return stand_in_class(EngineControlNet, getattr(diffusers, MODEL_CLASS))(original, engines, times, component)
 
 
 def engine_multi_controlnet(nets: list[torch.nn.Module]) -> torch.nn.Module:
     """diffusers' MultiControlNetModel over ControlNet stand-ins."""
-    return _controlnet_classes()[1](nets)
+    import diffusers
+
+    return multi_stand_in_class(getattr(diffusers, MULTI_CLASS))(nets)

@@ -8,6 +8,10 @@ product of the image's height and width, as are the image position ids (tokens, 
 config), schnell has none. Classifier-free guidance, where asked (``true_cfg_scale``), runs the transformer
 twice, so every input has one row per image. With IP-Adapters loaded (the plain kind, in the double-stream
 blocks) it takes their image encodings and per-layer scales after those (see :mod:`.ip_adapter`).
+
+``transformer_controlnet`` is the same transformer taking a Flux ControlNet's samples (see
+:mod:`.flux_controlnet`) after its own inputs: one ``controlnet_block_<i>`` per double-stream and one
+``controlnet_single_block_<i>`` per single-stream ControlNet block, packed tokens as its latents are.
 """
 
 from __future__ import annotations
@@ -20,6 +24,9 @@ from . import blockcache, ip_adapter
 from .base import Axes, ModuleRef
 
 PATCH = 2  # Flux packs 2x2 latent cells into one token
+CONTROLLED = "transformer_controlnet"  # the transformer of a ControlNet pipeline: it takes the block samples
+CONTROLNET_BLOCK = "controlnet_block_{}"
+CONTROLNET_SINGLE_BLOCK = "controlnet_single_block_{}"
 
 
 def image_tokens(axes: Axes) -> Axis:
@@ -31,28 +38,42 @@ class FluxTransformerModule(torch.nn.Module):
     """The transformer on (hidden_states, timestep, encoder_hidden_states, pooled_projections, img_ids, txt_ids
     [, guidance])."""
 
-    def __init__(self, transformer: torch.nn.Module, adapters: int = 0):
+    def __init__(self, transformer: torch.nn.Module, adapters: int = 0, control_blocks: tuple[int, int] = (0, 0)):
         super().__init__()
         self.transformer = transformer
         self.adapters = adapters
+        self.control_blocks = control_blocks  # the ControlNet's double- and single-stream samples it takes
 
     def forward(self, hidden_states, timestep, encoder_hidden_states, pooled_projections, img_ids, txt_ids, *rest):
-        guidance, ip_embeds, ip_scale = ip_adapter.split_inputs(rest, self.adapters)
+        double, single = self.control_blocks
+        guidance, rest = (rest[:1], rest[1:]) if self.transformer.config.guidance_embeds else ((), rest)
+        control, single_control, rest = rest[:double], rest[double:double + single], rest[double + single:]
+        _, ip_embeds, ip_scale = ip_adapter.split_inputs(rest, self.adapters)
         arguments = dict(hidden_states=hidden_states, timestep=timestep, guidance=guidance[0] if guidance else None,
                          encoder_hidden_states=encoder_hidden_states, pooled_projections=pooled_projections,
-                         img_ids=img_ids, txt_ids=txt_ids, return_dict=False)
+                         img_ids=img_ids, txt_ids=txt_ids, return_dict=False,
+                         controlnet_block_samples=list(control) or None,
+                         controlnet_single_block_samples=list(single_control) or None)
         if not self.adapters:
             return (self.transformer(**arguments)[0],)
         with ip_adapter.run_time_scales(self.transformer, ip_scale):
             return (self.transformer(**arguments, joint_attention_kwargs={"ip_adapter_image_embeds": ip_embeds})[0],)
 
 
+def token_samples(name: str, count: int, width: int, axes: Axes) -> tuple[TensorSpec, ...]:
+    """`count` ControlNet samples (images, image tokens, `width`), packed as the latents are."""
+    return tuple(TensorSpec(name.format(i), (axes.images, image_tokens(axes), width)) for i in range(count))
+
+
 def transformer_spec(ref: ModuleRef, profile: ShapeProfile, axes: Axes, *, text_length: int,
-                     ip: tuple[TensorSpec, ...] = (), name: str = "transformer") -> ComponentSpec:
-    """The transformer at `ref` on `text_length` T5 tokens; `ip` its IP-Adapters' inputs (see
+                     ip: tuple[TensorSpec, ...] = (), control_blocks: tuple[int, int] = (0, 0),
+                     name: str = "transformer") -> ComponentSpec:
+    """The transformer at `ref` on `text_length` T5 tokens; `control_blocks` the ControlNet's double- and
+    single-stream samples it takes ((0, 0): none); `ip` its IP-Adapters' inputs (see
     :func:`kasoku.architectures.ip_adapter.embeds_inputs`)."""
     config = ref.config
     tokens = image_tokens(axes)
+    width = config.num_attention_heads * config.attention_head_dim
     guidance = (TensorSpec("guidance", (axes.images,), always_fp32=True),) if config.guidance_embeds else ()
     adapters = sum(1 for t in ip if t.name != ip_adapter.IP_SCALE)
     return ComponentSpec(
@@ -65,11 +86,13 @@ def transformer_spec(ref: ModuleRef, profile: ShapeProfile, axes: Axes, *, text_
             TensorSpec("img_ids", (tokens, 3), always_fp32=True),
             TensorSpec("txt_ids", (text_length, 3), always_fp32=True),
             *guidance,
+            *token_samples(CONTROLNET_BLOCK, control_blocks[0], width, axes),
+            *token_samples(CONTROLNET_SINGLE_BLOCK, control_blocks[1], width, axes),
             *ip,
         ),
         outputs=(TensorSpec("out_sample", (axes.images, tokens, config.out_channels or config.in_channels)),),
         profile=profile,
-        load_module=lambda: FluxTransformerModule(ref.load(), adapters),
+        load_module=lambda: FluxTransformerModule(ref.load(), adapters, control_blocks),
         sample_input=sample_input,
         **ip_adapter.weights_and_config(ref, ip),
         graph_kind="mmdit",
@@ -156,6 +179,18 @@ class EngineFluxTransformer(EngineModule):
         """Step caching for one pipeline call (None: none; see kasoku.step_cache); its state goes with the call."""
         return call_state(self, "_step_cache", run)
 
+    def _control_feeds(self, name: str, samples) -> dict[str, torch.Tensor]:
+        """A ControlNet's double- or single-stream samples (`name` their inputs' pattern) as the engine's inputs."""
+        names = [n for n in self.engine.spec.input_names if n.startswith(name.format(""))]
+        given = list(samples or ())
+        if given and not names:
+            raise InvalidInput("this Flux transformer was compiled without a ControlNet; compile the ControlNet "
+                               "pipeline (`controlnet=`) so that kasoku builds the transformer_controlnet engine.")
+        if len(given) != len(names):
+            raise InvalidInput(f"the compiled Flux transformer takes {len(names)} ControlNet samples "
+                               f"({name.format('<i>')}) but was given {len(given)}.")
+        return dict(zip(names, given))
+
     @property
     def encoder_hid_proj(self):
         """diffusers' Flux pipelines count the IP-Adapters in the projection layers here."""
@@ -166,9 +201,10 @@ class EngineFluxTransformer(EngineModule):
                 controlnet_single_block_samples=None, return_dict=True, controlnet_blocks_repeat=False):
         attention = dict(joint_attention_kwargs or {})
         ip_embeds = attention.pop("ip_adapter_image_embeds", None)
-        if controlnet_block_samples is not None or controlnet_single_block_samples is not None or attention:
+        if attention or controlnet_blocks_repeat:
             raise InvalidInput("the compiled Flux transformer takes the latents, timestep, text embeddings, pooled "
-                               "projections, ids, guidance and image prompts only (no ControlNet or LoRA scale).")
+                               "projections, ids, guidance, a ControlNet's samples (not repeated: XLabs' kind) and "
+                               "image prompts only (no LoRA scale).")
         names = self.engine.spec.input_names
         if ("guidance" in names) != (guidance is not None):
             raise InvalidInput("this Flux transformer " + ("embeds a guidance scale (Flux.1 dev): diffusers must pass "
@@ -180,6 +216,9 @@ class EngineFluxTransformer(EngineModule):
                      img_ids=img_ids.to(torch.float32), txt_ids=txt_ids.to(torch.float32))
         if guidance is not None:
             feeds["guidance"] = timesteps_for(guidance, batch)
+        for name, samples in ((CONTROLNET_BLOCK, controlnet_block_samples),
+                              (CONTROLNET_SINGLE_BLOCK, controlnet_single_block_samples)):
+            feeds.update(self._control_feeds(name, samples))
         feeds.update(ip_adapter.engine_feeds(self._original, names, ip_embeds))
         run = self._step_cache
         out = self._run(self._component, **feeds)["out_sample"] if run is None else run.denoise(self, feeds)

@@ -8,6 +8,10 @@ and the pooled projection is both CLIP encoders' projected embeddings side by si
 layers and QK RMS norm are part of the config and export as they run. With an IP-Adapter loaded (InstantX's
 kind: a timestep-aware resampler over SigLIP's hidden states, an image key/value in every attention) it takes
 the image encoding and one scale per attention layer after those (see :mod:`.ip_adapter`).
+
+``transformer_controlnet`` is the same transformer taking an SD3 ControlNet's block samples (see
+:mod:`.sd3_controlnet`) after its own inputs: one ``controlnet_block_<i>`` per ControlNet block, each a
+(rows, height / 2, width / 2, width) grid of tokens, which diffusers adds after the transformer's blocks.
 """
 
 from __future__ import annotations
@@ -20,19 +24,39 @@ from . import blockcache, ip_adapter
 from .base import Axes, ModuleRef
 
 INPUTS = ("hidden_states", "timestep", "encoder_hidden_states", "pooled_projections")
+CONTROLLED = "transformer_controlnet"  # the transformer of a ControlNet pipeline: it takes the block samples
+CONTROLNET_BLOCK = "controlnet_block_{}"
+
+
+def token_grid(name: str, config, axes: Axes, width: int | None = None) -> TensorSpec:
+    """A (rows, height / patch, width / patch, width) grid of image tokens of a transformer of `config`: what
+    crosses between graphs (tokens in diffusers' row-major order)."""
+    scale = axes.vae_scale / config["patch_size"]
+    width = width or config["num_attention_heads"] * config["attention_head_dim"]
+    return TensorSpec(name, (axes.guided, Axis("token_height", "height", scale), Axis("token_width", "width", scale),
+                             width))
+
+
+def as_grid(tokens: torch.Tensor, latents: torch.Tensor, patch: int) -> torch.Tensor:
+    """(rows, tokens, width) image tokens as the grid of the latents' patches (see :func:`token_grid`)."""
+    return tokens.reshape(tokens.shape[0], latents.shape[-2] // patch, latents.shape[-1] // patch, tokens.shape[-1])
 
 
 class SD3TransformerModule(torch.nn.Module):
-    """The transformer on (hidden_states, timestep, encoder_hidden_states, pooled_projections)."""
+    """The transformer on (hidden_states, timestep, encoder_hidden_states, pooled_projections, *the ControlNet's
+    block samples as token grids, *the IP-Adapter's inputs)."""
 
-    def __init__(self, transformer: torch.nn.Module, adapters: int = 0):
+    def __init__(self, transformer: torch.nn.Module, adapters: int = 0, control_blocks: int = 0):
         super().__init__()
         self.transformer = transformer
         self.adapters = adapters
+        self.control_blocks = control_blocks
 
-    def forward(self, hidden_states, timestep, encoder_hidden_states, pooled_projections, *ip):
+    def forward(self, hidden_states, timestep, encoder_hidden_states, pooled_projections, *rest):
+        control, ip = rest[:self.control_blocks], rest[self.control_blocks:]
         arguments = dict(hidden_states=hidden_states, timestep=timestep, encoder_hidden_states=encoder_hidden_states,
-                         pooled_projections=pooled_projections, return_dict=False)
+                         pooled_projections=pooled_projections, return_dict=False,
+                         block_controlnet_hidden_states=[grid.flatten(1, 2) for grid in control] or None)
         if not self.adapters:
             return (self.transformer(**arguments)[0],)
         _, (ip_embeds,), ip_scale = ip_adapter.split_inputs(ip, self.adapters)
@@ -41,9 +65,11 @@ class SD3TransformerModule(torch.nn.Module):
 
 
 def transformer_spec(ref: ModuleRef, profile: ShapeProfile, axes: Axes, *, text_length: int,
-                     ip: tuple[TensorSpec, ...] = (), name: str = "transformer") -> ComponentSpec:
-    """The transformer at `ref` on `text_length` text tokens (CLIP's and T5's together); `ip` its IP-Adapter's
-    inputs (see :func:`kasoku.architectures.ip_adapter.embeds_inputs`)."""
+                     ip: tuple[TensorSpec, ...] = (), control_blocks: int = 0,
+                     name: str = "transformer") -> ComponentSpec:
+    """The transformer at `ref` on `text_length` text tokens (CLIP's and T5's together); `control_blocks` the
+    ControlNet block samples it takes (0: none); `ip` its IP-Adapter's inputs (see
+    :func:`kasoku.architectures.ip_adapter.embeds_inputs`)."""
     config = ref.config
     adapters = sum(1 for t in ip if t.name != ip_adapter.IP_SCALE)
     return ComponentSpec(
@@ -53,11 +79,12 @@ def transformer_spec(ref: ModuleRef, profile: ShapeProfile, axes: Axes, *, text_
             TensorSpec("timestep", (axes.guided,), always_fp32=True),
             TensorSpec("encoder_hidden_states", (axes.guided, text_length, config.joint_attention_dim)),
             TensorSpec("pooled_projections", (axes.guided, config.pooled_projection_dim)),
+            *(token_grid(CONTROLNET_BLOCK.format(i), config, axes) for i in range(control_blocks)),
             *ip,
         ),
         outputs=(TensorSpec("out_sample", (axes.guided, config.out_channels, axes.latent_h, axes.latent_w)),),
         profile=profile,
-        load_module=lambda: SD3TransformerModule(ref.load(), adapters),
+        load_module=lambda: SD3TransformerModule(ref.load(), adapters, control_blocks),
         **ip_adapter.weights_and_config(ref, ip),
         graph_kind="mmdit",
         modules=(ref.path,),
@@ -111,12 +138,8 @@ class SD3Layers:
 
 def block_cache_specs(plain: ComponentSpec, ref: ModuleRef, axes: Axes) -> dict[str, ComponentSpec]:
     """transformer_first and transformer_rest of the transformer whose plain spec is `plain`."""
-    config = ref.config
-    width = config.num_attention_heads * config.attention_head_dim
-    grid = axes.vae_scale / config.patch_size
-    hidden = TensorSpec("tokens", (axes.guided, Axis("token_height", "height", grid),
-                                   Axis("token_width", "width", grid), width))
-    encoder = TensorSpec("text_tokens", (axes.guided, plain.inputs[2].dims[1], width))
+    hidden = token_grid("tokens", ref.config, axes)
+    encoder = TensorSpec("text_tokens", (axes.guided, plain.inputs[2].dims[1], hidden.dims[-1]))
     return {blockcache.FIRST: blockcache.first_block_spec(plain, hidden, encoder, SD3Layers, ref.load),
             blockcache.REST: blockcache.rest_blocks_spec(plain, hidden, encoder, SD3Layers, ref.load)}
 
@@ -138,13 +161,14 @@ class EngineSD3Transformer(EngineModule):
                 block_controlnet_hidden_states=None, joint_attention_kwargs=None, return_dict=True, skip_layers=None):
         attention = dict(joint_attention_kwargs or {})
         ip_embeds = attention.pop("ip_adapter_image_embeds", None)
-        if block_controlnet_hidden_states is not None or skip_layers is not None or attention:
+        if skip_layers is not None or attention:
             raise InvalidInput("the compiled SD3 transformer takes the latents, timestep, text embeddings, pooled "
-                               "projections and an image prompt only (no ControlNet, skip-layer guidance or LoRA "
-                               "scale).")
+                               "projections, a ControlNet's block samples and an image prompt only (no skip-layer "
+                               "guidance or LoRA scale).")
         feeds = dict(hidden_states=hidden_states, timestep=timesteps_for(timestep, hidden_states.shape[0]),
                      encoder_hidden_states=encoder_hidden_states,
                      pooled_projections=pooled_projections.to(torch.float32),
+                     **self._control_feeds(block_controlnet_hidden_states, hidden_states),
                      **self._ip_feeds(ip_embeds, hidden_states.shape[0]))
         run = self._step_cache
         out = self._run(self._component, **feeds)["out_sample"] if run is None else run.denoise(self, feeds)
@@ -157,6 +181,20 @@ class EngineSD3Transformer(EngineModule):
     def step_cache(self, run):
         """Step caching for one pipeline call (None: none; see kasoku.step_cache); its state goes with the call."""
         return call_state(self, "_step_cache", run)
+
+    def _control_feeds(self, samples, latents) -> dict[str, torch.Tensor]:
+        """A ControlNet's block samples as the engine's token grids."""
+        names = [name for name in self.engine.spec.input_names if name.startswith(CONTROLNET_BLOCK.format(""))]
+        if samples is None:
+            return {}
+        if not names:
+            raise InvalidInput("this SD3 transformer was compiled without a ControlNet; compile the ControlNet "
+                               "pipeline (`controlnet=`) so that kasoku builds the transformer_controlnet engine.")
+        if len(samples) != len(names):
+            raise InvalidInput(f"the compiled SD3 transformer takes {len(names)} ControlNet block samples but was "
+                               f"given {len(samples)}.")
+        patch = self.config.patch_size
+        return {name: as_grid(sample, latents, patch) for name, sample in zip(names, samples)}
 
     def _ip_feeds(self, ip_embeds, rows: int) -> dict[str, torch.Tensor]:
         """The image prompt's encoding and scales; diffusers passes none while every scale is 0 (its processors

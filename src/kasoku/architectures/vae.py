@@ -120,7 +120,13 @@ class EngineVAE(EngineModule):
         if "vae_encoder" not in self._engines:
             raise InvalidInput("img2img and inpaint need the vae_encoder engine; compile it "
                                "(`components` including 'vae_encoder').")
-        outputs = self._run("vae_encoder", sample=x)
+        # diffusers' SD3 ControlNet pipeline encodes its control image after doubling it for classifier-free guidance:
+        # the same rows twice. Encoding them once gives the same latents and keeps the engine in the images' batch.
+        half = x.shape[0] // 2
+        twice = x.shape[0] % 2 == 0 and half > 0 and torch.equal(x[:half], x[half:])
+        outputs = self._run("vae_encoder", sample=x[:half] if twice else x)
+        if twice:
+            outputs = {name: torch.cat([value, value]) for name, value in outputs.items()}
         if "latents" in outputs:  # AutoencoderTiny: the latents themselves
             from diffusers.models.autoencoders.autoencoder_tiny import AutoencoderTinyOutput
 

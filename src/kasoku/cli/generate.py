@@ -214,7 +214,9 @@ def _call_arguments(args: argparse.Namespace, image, mask, controls: list) -> di
     if mask is not None:
         kwargs["mask_image"] = mask
     if controls:
-        kwargs.update(control_image=controls[0] if len(controls) == 1 else controls, guess_mode=args.guess_mode)
+        kwargs["control_image"] = controls[0] if len(controls) == 1 else controls
+        if args.guess_mode:  # SD3's ControlNet pipeline has no guess mode: the checks refuse it there, by name
+            kwargs["guess_mode"] = True
         if args.control_scale:
             kwargs["controlnet_conditioning_scale"] = args.control_scale[0] if len(args.control_scale) == 1 \
                 else args.control_scale

@@ -14,7 +14,7 @@ from typing import Any
 
 from ..choices import COMPONENT_NAMES, FAMILY_TITLES, is_component_name
 from ..errors import NotADiffusersPipeline
-from .base import CONTROLNET_COMPONENT, CONTROLNET_UNET, TASKS, Family, TransformerFamily, UNetFamily
+from .base import CONTROLNET_COMPONENT, TASKS, Family, TransformerFamily, UNetFamily
 from .flux import Flux
 from .sd import StableDiffusion1, StableDiffusion2
 from .sd3 import StableDiffusion3
@@ -34,7 +34,8 @@ def component_names() -> tuple[str, ...]:
     """Every component name any family has, with ControlNet pipelines' (`controlnet_<i>` stands for each
     ControlNet's): what `--components` accepts."""
     plain = (n for f in FAMILIES.values() for n in f.component_names())
-    return tuple(dict.fromkeys((*plain, CONTROLNET_UNET, CONTROLNET_COMPONENT.format("<i>"))))
+    controlled = (f.controlled_denoiser for f in FAMILIES.values() if f.controlled_denoiser)
+    return tuple(dict.fromkeys((*plain, *controlled, CONTROLNET_COMPONENT.format("<i>"))))
 
 
 if {name: f.title for name, f in FAMILIES.items()} != FAMILY_TITLES or component_names() != COMPONENT_NAMES:

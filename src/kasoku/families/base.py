@@ -73,6 +73,10 @@ class Family:
     title: ClassVar[str]
     pipelines: ClassVar[Mapping[str, str]]  # task -> diffusers pipeline class name
     controlnet_pipelines: ClassVar[Mapping[str, str]] = {}  # task -> diffusers ControlNet pipeline class name
+    # the architecture module of its ControlNets (kasoku.architectures.controlnet, .sd3_controlnet; None: it takes
+    # none): their diffusers class, fit check and stand-ins
+    controlnet_architecture: ClassVar[Any] = None
+    controlled_denoiser: ClassVar[str] = ""  # in a ControlNet pipeline, the denoiser component taking their outputs
     # Other pipeline classes of the family, each set task -> class: a model compiled from one of a set runs that
     # set's classes for their tasks, the plain ones for the rest (LatentConsistencyModelPipeline and its img2img)
     pipeline_sets: ClassVar[tuple[Mapping[str, str], ...]] = ()
@@ -169,7 +173,10 @@ class Family:
         return False
 
     def denoiser_components(self, model: ModelView | None = None) -> tuple[str, ...]:
-        """The denoiser's components (what runs in the loop) for this model."""
+        """The denoiser's components (what runs in the loop) for this model: in a ControlNet pipeline, one engine
+        per distinct ControlNet and the denoiser that takes their outputs."""
+        if model is not None and self.controlnet_paths(model.pipe):
+            return (*self.controlnet_components(model.pipe), self.controlled_denoiser)
         return (self.denoiser,)
 
     def component_names(self, model: ModelView | None = None) -> tuple[str, ...]:
@@ -315,17 +322,73 @@ class Family:
 
         return getattr(diffusers, self.pipelines_for(source, controlnet=controlnet)[task])
 
+    # ---- ControlNet (the families whose `controlnet_pipelines` and `controlnet_architecture` say they take them) --
+
     def controlnet_paths(self, pipe) -> tuple[str, ...]:
-        """Where each ControlNet the pipeline runs is (empty: none; families without ControlNets have none)."""
-        return ()
+        """Where each ControlNet the pipeline runs is, in diffusers' order: "controlnet", or
+        "controlnet.nets.<i>" in a multi-ControlNet (see module_at); empty without one."""
+        net = getattr(pipe, "controlnet", None) if self.controlnet_architecture else None
+        if net is None:
+            return ()
+        nets = getattr(net, "nets", None)
+        return ("controlnet",) if nets is None else tuple(f"controlnet.nets.{i}" for i in range(len(nets)))
+
+    def controlnet_components(self, pipe) -> dict[str, str]:
+        """Component name -> where its ControlNet is: one engine per distinct ControlNet model (a model
+        given twice runs one engine)."""
+        names: dict[int, str] = {}
+        components: dict[str, str] = {}
+        for path in self.controlnet_paths(pipe):
+            module = module_at(pipe, path)
+            if id(module) not in names:
+                names[id(module)] = CONTROLNET_COMPONENT.format(len(names))
+                components[names[id(module)]] = path
+        return components
+
+    def check_controlnet(self, pipe, net, where: str) -> None:
+        """Raise :class:`UnfitControlNet` for a ControlNet that cannot steer this pipeline's denoiser on engines."""
+        wanted = self.controlnet_architecture.MODEL_CLASS
+        if type(net).__name__ != wanted:
+            raise UnfitControlNet(f"{where} is a {type(net).__name__}; a {self.title} pipeline takes a {wanted}.")
+        self.controlnet_architecture.check_fits(net.config, getattr(pipe, self.denoiser).config,
+                                                getattr(pipe, self.vae).config.latent_channels, where, self.title)
+
+    def controlnet_task(self, pipe) -> str:
+        """The task of the ControlNet pipeline `pipe` becomes with a ControlNet."""
+        return "txt2img"
 
     def with_controlnet(self, pipe, net):
-        """Families without ControlNets refuse one (the U-Net families take them)."""
-        raise UnfitControlNet(f"kasoku runs ControlNets on the U-Net families (SD 1.x, 2.x, XL); {self.title} "
-                              "pipelines take none here. Compile without `controlnet`.")
+        """This family's ControlNet pipeline of `pipe`'s task, sharing `pipe`'s components, with `net` (a
+        ControlNet, or a list of them for several); families without ControlNets refuse one."""
+        if not self.controlnet_architecture:
+            raise UnfitControlNet(f"kasoku runs no ControlNet on {self.title} pipelines; compile without "
+                                  "`controlnet`.")
+        nets = net if isinstance(net, (list, tuple)) else getattr(net, "nets", [net])
+        for index, one in enumerate(nets):
+            self.check_controlnet(pipe, one, f"ControlNet {index + 1} of {len(nets)}" if len(nets) > 1 else
+                                  "the ControlNet")
+        self.controlnet_architecture.check_together([one.config for one in nets])
+        new = self.pipeline_class(self.controlnet_task(pipe), controlnet=True).from_pipe(pipe, controlnet=net)
+        new.set_progress_bar_config(disable=True)
+        return new
+
+    def control_arguments(self, task: str, control_image) -> dict[str, Any]:
+        """The control images as the family's ControlNet pipeline for `task` takes them."""
+        return {"control_image": control_image}
+
+    def controlnet_stand_in(self, pipe, engines, times):
+        """What replaces the pipeline's ControlNet: one engine-backed ControlNet, or diffusers' own
+        multi-ControlNet over one per ControlNet (it sums their outputs, as in diffusers)."""
+        architecture = self.controlnet_architecture
+        component_of = {id(module_at(pipe, path)): name for name, path in self.controlnet_components(pipe).items()}
+        nets = [architecture.engine_controlnet(module_at(pipe, path), engines, times,
+                                               component_of[id(module_at(pipe, path))])
+                for path in self.controlnet_paths(pipe)]
+        return nets[0] if self.controlnet_paths(pipe) == ("controlnet",) else architecture.engine_multi_controlnet(nets)
 
     def tiny_controlnet(self, *, seed: int = 0):
-        raise UnfitControlNet(f"{self.title} has no tiny ControlNet: kasoku runs ControlNets on the U-Net families.")
+        """A tiny ControlNet for this family's tiny pipeline, with deterministic weights from `seed`."""
+        raise UnfitControlNet(f"{self.title} has no tiny ControlNet: kasoku runs no ControlNet on its pipelines.")
 
     def tiny_vae(self, *, seed: int = 0):
         """A tiny AutoencoderTiny (TAESD) for this family's tiny pipeline, with deterministic weights from `seed`."""
@@ -363,8 +426,14 @@ class Family:
         raise NotImplementedError
 
     def step_cache_target(self, stand_ins: Mapping[str, Any]):
-        """The stand-in that runs a call's step caching (see kasoku.step_cache); None without the capability."""
-        return None
+        """The stand-in that runs a call's step caching (see kasoku.step_cache; None without the capability): the
+        denoiser, and its ControlNets (they skip the steps the run does not compute in full)."""
+        if not self.cache_methods:
+            return None
+        nets = stand_ins.get("controlnet")
+        if nets is None:
+            return stand_ins[self.denoiser]
+        return StepCacheTargets((stand_ins[self.denoiser], *getattr(nets, "nets", [nets])))
 
     # ---- call arguments --------------------------------------------------------------------
 
@@ -372,8 +441,11 @@ class Family:
         """Family-specific checks of a call's arguments (raise InvalidInput)."""
 
     def lora_aliases(self, components: Iterable[str]) -> dict[str, str]:
-        """A LoRA file's component prefix -> the engine component it changes, where the two differ."""
-        return {}
+        """A LoRA file's component prefix -> the engine component it changes, where the two differ: LoRA files
+        name the denoiser by its attribute; in a ControlNet pipeline its engine is the one taking their outputs."""
+        components = set(components)
+        return {self.denoiser: self.controlled_denoiser} if self.controlled_denoiser in components and \
+            self.denoiser not in components else {}
 
     def lora_state_dict(self, source, model: ModelView, **kwargs) -> tuple[dict, dict | None, dict | None]:
         """diffusers' reading of a LoRA file for this family's pipelines: (state dict, network alphas, metadata).
@@ -399,16 +471,13 @@ class UNetFamily(Family):
     step-cache graphs (DeepCache) are two more components of its weights."""
 
     denoiser = "unet"
+    controlnet_architecture = controlnet
+    controlled_denoiser = CONTROLNET_UNET
     cache_methods = (DEEPCACHE, TAYLORSEER)
     step_cache_components = STEP_CACHE_COMPONENTS
     runs_ip_adapters = True
 
     # ---- the U-Net's components ----------------------------------------------------------------
-
-    def denoiser_components(self, model: ModelView | None = None) -> tuple[str, ...]:
-        if model is not None and self.controlnet_paths(model.pipe):
-            return (*self.controlnet_components(model.pipe), CONTROLNET_UNET)
-        return (self.denoiser,)
 
     def extra_components(self, model: ModelView) -> tuple[str, ...]:
         return STEP_CACHE_COMPONENTS
@@ -472,47 +541,12 @@ class UNetFamily(Family):
 
     # ---- ControlNet ------------------------------------------------------------------------------
 
-    def controlnet_paths(self, pipe) -> tuple[str, ...]:
-        """Where each ControlNet the pipeline runs is, in diffusers' order: "controlnet", or
-        "controlnet.nets.<i>" in a MultiControlNetModel (see module_at); empty without one."""
-        net = getattr(pipe, "controlnet", None)
-        if net is None:
-            return ()
-        nets = getattr(net, "nets", None)
-        return ("controlnet",) if nets is None else tuple(f"controlnet.nets.{i}" for i in range(len(nets)))
-
-    def controlnet_components(self, pipe) -> dict[str, str]:
-        """Component name -> where its ControlNet is: one engine per distinct ControlNet model (a model
-        given twice runs one engine)."""
-        names: dict[int, str] = {}
-        components: dict[str, str] = {}
-        for path in self.controlnet_paths(pipe):
-            module = module_at(pipe, path)
-            if id(module) not in names:
-                names[id(module)] = CONTROLNET_COMPONENT.format(len(names))
-                components[names[id(module)]] = path
-        return components
-
-    def check_controlnet(self, pipe, net, where: str) -> None:
-        """Raise :class:`UnfitControlNet` for a ControlNet that cannot steer this pipeline's U-Net on engines."""
-        controlnet.check_fits(net.config, getattr(pipe, self.denoiser).config,
-                              getattr(pipe, self.vae).config.latent_channels, where, self.title)
-
-    def with_controlnet(self, pipe, net):
-        """This family's ControlNet pipeline of `pipe`'s task, sharing `pipe`'s components, with
-        `net` (a ControlNetModel, or a list of them for several)."""
-        nets = net if isinstance(net, (list, tuple)) else getattr(net, "nets", [net])
-        for index, one in enumerate(nets):
-            self.check_controlnet(pipe, one, f"ControlNet {index + 1} of {len(nets)}" if len(nets) > 1 else
-                                  "the ControlNet")
-        task = "inpaint" if getattr(pipe, self.denoiser).config.in_channels == 9 else "txt2img"
-        new = self.pipeline_class(task, controlnet=True).from_pipe(pipe, controlnet=net)
-        new.set_progress_bar_config(disable=True)
-        return new
+    def controlnet_task(self, pipe) -> str:
+        """An inpainting U-Net's ControlNet pipeline is diffusers' ControlNet inpainting one."""
+        return "inpaint" if getattr(pipe, self.denoiser).config.in_channels == 9 else "txt2img"
 
     def control_arguments(self, task: str, control_image) -> dict[str, Any]:
-        """The control images as the family's ControlNet pipeline for `task` takes them (its text-to-image
-        pipeline calls them `image`, the others `control_image`)."""
+        """Its text-to-image ControlNet pipeline calls the control images `image`, the others `control_image`."""
         return {"image" if task == "txt2img" else "control_image": control_image}
 
     def controlnet_spec(self, model: ModelView, name: str, path: str, profile: ShapeProfile,
@@ -536,29 +570,7 @@ class UNetFamily(Family):
             replaced["controlnet"] = self.controlnet_stand_in(pipe, engines, times)
         return replaced
 
-    def controlnet_stand_in(self, pipe, engines, times):
-        """What replaces the pipeline's ControlNet: one engine-backed ControlNetModel, or diffusers' own
-        MultiControlNetModel over one per ControlNet (it sums their residuals, as in diffusers)."""
-        component_of = {id(module_at(pipe, path)): name for name, path in self.controlnet_components(pipe).items()}
-        nets = [controlnet.engine_controlnet(module_at(pipe, path), engines, times,
-                                             component_of[id(module_at(pipe, path))])
-                for path in self.controlnet_paths(pipe)]
-        return nets[0] if self.controlnet_paths(pipe) == ("controlnet",) else controlnet.engine_multi_controlnet(nets)
-
-    def step_cache_target(self, stand_ins: Mapping[str, Any]):
-        """The U-Net, and its ControlNets: they skip the steps the run does not compute in full."""
-        nets = stand_ins.get("controlnet")
-        if nets is None:
-            return stand_ins[self.denoiser]
-        return StepCacheTargets((stand_ins[self.denoiser], *getattr(nets, "nets", [nets])))
-
     # ---- LoRA and the tiny model -------------------------------------------------------------------
-
-    def lora_aliases(self, components: Iterable[str]) -> dict[str, str]:
-        """LoRA files name the U-Net `unet`; in a ControlNet pipeline its engine is the residual-taking one."""
-        components = set(components)
-        return {self.denoiser: CONTROLNET_UNET} if CONTROLNET_UNET in components and \
-            self.denoiser not in components else {}
 
     def lora_state_dict(self, source, model: ModelView, **kwargs) -> tuple[dict, dict | None, dict | None]:
         return self.pipeline_class("txt2img").lora_state_dict(source, unet_config=model.ref(self.denoiser).config,
@@ -606,8 +618,15 @@ class TransformerFamily(Family):
     def extra_components(self, model: ModelView) -> tuple[str, ...]:
         return BLOCK_COMPONENTS
 
-    def step_cache_target(self, stand_ins: Mapping[str, Any]):
-        return stand_ins[self.denoiser]
+    def tasks(self, model: ModelView) -> tuple[str, ...]:
+        """With ControlNets, the tasks diffusers has a ControlNet pipeline for (SD3's: text-to-image only)."""
+        return tuple(self.controlnet_pipelines) if self.controlnet_paths(model.pipe) else super().tasks(model)
+
+    def task_components(self, task: str, model: ModelView | None = None) -> tuple[str, ...]:
+        """Their ControlNet pipelines encode the control images with the VAE, text-to-image as it is."""
+        if model is not None and self.controlnet_paths(model.pipe):
+            return self.component_names(model)
+        return super().task_components(task, model)
 
     def native_size(self, model: ModelView) -> int:
         config = model.ref(self.denoiser).config

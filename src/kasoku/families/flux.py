@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from ..architectures import clip, flux
+from ..architectures import clip, flux, flux_controlnet
 from ..architectures.base import Axes
 from ..architectures.tiny import (
     TINY_JOINT_WIDTH,
@@ -40,6 +40,13 @@ class Flux(TransformerFamily):
     }
     text_encoder_slots = (TextEncoderSlot("text_encoder", "tokenizer", clip.POOLED),
                           TextEncoderSlot("text_encoder_2", "tokenizer_2", kind="t5"))
+    controlnet_pipelines = {
+        "txt2img": "FluxControlNetPipeline",
+        "img2img": "FluxControlNetImg2ImgPipeline",
+        "inpaint": "FluxControlNetInpaintPipeline",
+    }
+    controlnet_architecture = flux_controlnet
+    controlled_denoiser = flux.CONTROLLED
     call_arguments = ("prompt_2", "negative_prompt_2", "true_cfg_scale", "pooled_prompt_embeds",
                       "negative_pooled_prompt_embeds", "max_sequence_length", "sigmas")
     default_steps = 28
@@ -58,17 +65,35 @@ class Flux(TransformerFamily):
     def denoiser_builders(self, model: ModelView, profile: ShapeProfile, axes: Axes,
                           cache_branch: int) -> dict[str, Callable[[], ComponentSpec]]:
         length = self.denoiser_text_length(model, profile)
+        controlnets = self.controlnet_components(model.pipe)
 
-        def build() -> ComponentSpec:
+        def build(control_blocks: tuple[int, int] = (0, 0), name: str = self.denoiser) -> ComponentSpec:
             ip = self.denoiser_ip_inputs(model, axes, axes.images)  # one row per image, as its other inputs
-            return flux.transformer_spec(model.ref(self.denoiser), profile, axes, text_length=length, ip=ip)
+            return flux.transformer_spec(model.ref(self.denoiser), profile, axes, text_length=length, ip=ip,
+                                         control_blocks=control_blocks, name=name)
 
-        return {self.denoiser: build, **{name: lambda name=name: flux.block_cache_specs(
+        def controlnet(name: str, path: str) -> ComponentSpec:
+            ref = model.ref(path)
+            self.check_controlnet(model.pipe, ref.module, f"ControlNet {name}")
+            return flux_controlnet.controlnet_spec(name, ref, profile, axes, text_length=length)
+
+        builders = {self.denoiser: build, **{name: lambda name=name: flux.block_cache_specs(
             build(), model.ref(self.denoiser), axes)[name] for name in self.step_cache_components}}
+        if controlnets:
+            config = model.ref(next(iter(controlnets.values()))).config  # they have one layout: see check_together
+            blocks = (config.num_layers, config.num_single_layers)
+            builders[self.controlled_denoiser] = lambda: build(blocks, self.controlled_denoiser)
+            builders.update({name: lambda name=name, path=path: controlnet(name, path)
+                             for name, path in controlnets.items()})
+        return builders
 
     def denoiser_stand_ins(self, model: ModelView, engines: Mapping[str, Any], times: EngineTimes) -> dict[str, Any]:
-        return {self.denoiser: flux.EngineFluxTransformer(getattr(model.pipe, self.denoiser), engines, times,
-                                                          self.denoiser)}
+        pipe = model.pipe
+        controlled = bool(self.controlnet_paths(pipe))
+        transformer = flux.EngineFluxTransformer(getattr(pipe, self.denoiser), engines, times,
+                                                 self.controlled_denoiser if controlled else self.denoiser)
+        return {self.denoiser: transformer, **({"controlnet": self.controlnet_stand_in(pipe, engines, times)}
+                                               if controlled else {})}
 
     # ---- the built-in tiny model -----------------------------------------------------------
 
@@ -82,6 +107,25 @@ class Flux(TransformerFamily):
             joint_attention_dim=TINY_JOINT_WIDTH, pooled_projection_dim=sizes.text_hidden,
             guidance_embeds=guidance, axes_dims_rope=(2, 2, 4),
         )
+
+    def tiny_controlnet(self, *, seed: int = 0):
+        """A tiny Flux ControlNet (InstantX's kind: a VAE-encoded control image) for the tiny dev transformer, with
+        deterministic weights from `seed` (the layers diffusers zeroes are random here)."""
+        from diffusers import FluxControlNetModel
+
+        def build():
+            transformer = self.tiny_transformer()
+            config = {key: transformer.config[key] for key in (
+                "patch_size", "in_channels", "num_layers", "num_single_layers", "attention_head_dim",
+                "num_attention_heads", "joint_attention_dim", "pooled_projection_dim", "guidance_embeds",
+                "axes_dims_rope")}
+            controlnet = FluxControlNetModel(**config)
+            for layer in (*controlnet.controlnet_blocks, *controlnet.controlnet_single_blocks,
+                          controlnet.controlnet_x_embedder):
+                layer.reset_parameters()
+            return controlnet.eval()
+
+        return seeded(seed, 9, build)
 
     def tiny_pipeline(self, *, inpainting: bool = False, prediction: str = "epsilon", seed: int = 0,
                       guidance: bool = True):

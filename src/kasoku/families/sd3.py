@@ -5,6 +5,10 @@ embeddings) and T5 for long prompts, which a pipeline may leave out (`text_encod
 feeds the transformer zeros in its place). The transformer (SD3Transformer2DModel; SD3.5's dual-attention
 layers and QK norm included) reads the CLIP states beside T5's, 77 + the profile's text tokens long. The
 VAE has 16 latent channels and a shift factor (the pipelines apply it around the decoder and encoder).
+
+ControlNets (diffusers' StableDiffusion3ControlNetPipeline, text-to-image): one engine per SD3 ControlNet and
+``transformer_controlnet``, the transformer taking their block samples (see
+:mod:`kasoku.architectures.sd3_controlnet`); the pipeline encodes the control image with the VAE.
 """
 
 from __future__ import annotations
@@ -12,7 +16,7 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from ..architectures import clip, sd3
+from ..architectures import clip, sd3, sd3_controlnet
 from ..architectures.base import Axes
 from ..architectures.tiny import (
     TINY_IMAGE_SIZE,
@@ -45,6 +49,9 @@ class StableDiffusion3(TransformerFamily):
     call_arguments = ("prompt_2", "prompt_3", "negative_prompt_2", "negative_prompt_3", "pooled_prompt_embeds",
                       "negative_pooled_prompt_embeds", "max_sequence_length", "skip_guidance_layers",
                       "skip_layer_guidance_scale", "skip_layer_guidance_start", "skip_layer_guidance_stop", "mu")
+    controlnet_pipelines = {"txt2img": "StableDiffusion3ControlNetPipeline"}
+    controlnet_architecture = sd3_controlnet
+    controlled_denoiser = sd3.CONTROLLED
     default_steps = 28
     default_guidance = 7.0
     default_text_tokens = 256
@@ -58,17 +65,34 @@ class StableDiffusion3(TransformerFamily):
     def denoiser_builders(self, model: ModelView, profile: ShapeProfile, axes: Axes,
                           cache_branch: int) -> dict[str, Callable[[], ComponentSpec]]:
         length = self.denoiser_text_length(model, profile)
+        controlnets = self.controlnet_components(model.pipe)
 
-        def build() -> ComponentSpec:
+        def build(control_blocks: int = 0, name: str = self.denoiser) -> ComponentSpec:
             return sd3.transformer_spec(model.ref(self.denoiser), profile, axes, text_length=length,
-                                        ip=self.denoiser_ip_inputs(model, axes))
+                                        ip=self.denoiser_ip_inputs(model, axes), control_blocks=control_blocks,
+                                        name=name)
 
-        return {self.denoiser: build, **{name: lambda name=name: sd3.block_cache_specs(
+        def controlnet(name: str, path: str) -> ComponentSpec:
+            ref = model.ref(path)
+            self.check_controlnet(model.pipe, ref.module, f"ControlNet {name}")
+            return sd3_controlnet.controlnet_spec(name, ref, profile, axes, text_length=length)
+
+        builders = {self.denoiser: build, **{name: lambda name=name: sd3.block_cache_specs(
             build(), model.ref(self.denoiser), axes)[name] for name in self.step_cache_components}}
+        if controlnets:
+            blocks = model.ref(next(iter(controlnets.values()))).config.num_layers  # they have as many: see check
+            builders[self.controlled_denoiser] = lambda: build(blocks, self.controlled_denoiser)
+            builders.update({name: lambda name=name, path=path: controlnet(name, path)
+                             for name, path in controlnets.items()})
+        return builders
 
     def denoiser_stand_ins(self, model: ModelView, engines: Mapping[str, Any], times: EngineTimes) -> dict[str, Any]:
-        return {self.denoiser: sd3.EngineSD3Transformer(getattr(model.pipe, self.denoiser), engines, times,
-                                                        self.denoiser)}
+        pipe = model.pipe
+        controlled = bool(self.controlnet_paths(pipe))
+        transformer = sd3.EngineSD3Transformer(getattr(pipe, self.denoiser), engines, times,
+                                               self.controlled_denoiser if controlled else self.denoiser)
+        return {self.denoiser: transformer, **({"controlnet": self.controlnet_stand_in(pipe, engines, times)}
+                                               if controlled else {})}
 
     # ---- the built-in tiny model -----------------------------------------------------------
 
@@ -83,6 +107,24 @@ class StableDiffusion3(TransformerFamily):
             pooled_projection_dim=sizes.text_hidden + sizes.text_projection_2, pos_embed_max_size=32,
             dual_attention_layers=(0,), qk_norm="rms_norm",  # SD3.5's
         )
+
+    def tiny_controlnet(self, *, seed: int = 0):
+        """A tiny SD3 ControlNet (InstantX's kind: its own positional and context embedding) for the tiny
+        transformer, with deterministic weights from `seed` (the layers diffusers zeroes are random here)."""
+        from diffusers import SD3ControlNetModel
+
+        def build():
+            transformer = self.tiny_transformer()
+            config = {key: transformer.config[key] for key in (
+                "sample_size", "patch_size", "in_channels", "attention_head_dim", "num_attention_heads",
+                "joint_attention_dim", "caption_projection_dim", "pooled_projection_dim", "out_channels",
+                "pos_embed_max_size", "qk_norm")}
+            controlnet = SD3ControlNetModel(**config, num_layers=1)
+            for layer in (*controlnet.controlnet_blocks, controlnet.pos_embed_input.proj):
+                layer.reset_parameters()
+            return controlnet.eval()
+
+        return seeded(seed, 8, build)
 
     def tiny_pipeline(self, *, inpainting: bool = False, prediction: str = "epsilon", seed: int = 0):
         tokenizer, tokenizer_2, tokenizer_3 = tiny_tokenizer(), tiny_tokenizer("!"), tiny_t5_tokenizer()

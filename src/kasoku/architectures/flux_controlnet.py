@@ -1,0 +1,172 @@
+"""diffusers' FluxControlNetModel: double- and single-stream blocks whose outputs steer a Flux.1 transformer.
+
+One engine per ControlNet (``controlnet_<i>``), one graph per architecture: the packed latents, the control image
+as the pipeline packs it after the VAE encodes it, timestep, text embeddings, pooled projections, ids, guidance
+(where the ControlNet embeds it) and one scale per block in; each double-stream block's sample, then each
+single-stream block's, times its scale out, packed tokens as the latents are. ``transformer_controlnet``
+(:mod:`.flux`) takes them. Several ControlNets run as diffusers' FluxMultiControlNetModel over the stand-ins (it
+sums their samples).
+
+kasoku compiles InstantX's kind (the control image VAE-encoded, no mode embedding). XLabs' ControlNets (a pixel-space
+`input_hint_block`, samples repeated over the blocks) and the union ControlNets (`num_mode`: a control mode per
+image) are refused with the reason.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+
+from ..components import ComponentSpec, ShapeProfile, TensorSpec
+from ..standins import InvalidInput, timesteps_for
+from .base import Axes, ModuleRef
+from .controlnet import ControlNetStandIn, UnfitControlNet, multi_stand_in_class, residual_scales, stand_in_class
+from .flux import CONTROLNET_BLOCK, CONTROLNET_SINGLE_BLOCK, image_tokens, sample_input, token_samples
+
+MODEL_CLASS = "FluxControlNetModel"
+MULTI_CLASS = "FluxMultiControlNetModel"
+# What a ControlNet must share with the transformer it steers (its samples are added to the transformer's tokens).
+FITS = ("in_channels", "joint_attention_dim", "pooled_projection_dim", "axes_dims_rope")
+
+
+def inner_width(config: Mapping[str, Any]) -> int:
+    return config["num_attention_heads"] * config["attention_head_dim"]
+
+
+def check_fits(controlnet_config: Mapping[str, Any], transformer_config: Mapping[str, Any], latent_channels: int,
+               where: str, model: str) -> None:
+    """Raise :class:`UnfitControlNet` for a ControlNet that cannot steer a Flux transformer of
+    `transformer_config` on engines."""
+    config = controlnet_config
+    if config.get("conditioning_embedding_channels") is not None:
+        raise UnfitControlNet(f"{where} is one of XLabs' Flux ControlNets (a pixel-space input_hint_block, its samples "
+                              "repeated over the blocks); kasoku compiles InstantX's kind (the control image "
+                              "VAE-encoded).")
+    if config.get("num_mode") is not None:
+        raise UnfitControlNet(f"{where} is a union ControlNet (num_mode: a control mode per image), which kasoku "
+                              "does not compile; give a ControlNet of one kind of control image.")
+    differ = [key for key in FITS if tuple(_listed(config.get(key))) != tuple(_listed(transformer_config.get(key)))]
+    if inner_width(config) != inner_width(transformer_config):
+        differ.append("width (num_attention_heads x attention_head_dim)")
+    if differ:
+        raise UnfitControlNet(f"{where} does not fit this {model} model's transformer: its {', '.join(differ)} "
+                              "differ; give a ControlNet trained for this model.")
+
+
+def _listed(value) -> list:
+    return list(value) if isinstance(value, (list, tuple)) else [value]
+
+
+def check_together(configs: list[Mapping[str, Any]]) -> None:
+    """Several ControlNets' samples are summed block by block, and the pipeline reads the first one's guidance
+    embedding for all: they must have as many blocks of each kind and embed guidance alike."""
+    kinds = {(config["num_layers"], config["num_single_layers"], bool(config["guidance_embeds"])) for config in configs}
+    if len(kinds) > 1:
+        raise UnfitControlNet("the ControlNets differ in their double- or single-stream block counts or guidance "
+                              "embedding; diffusers sums their samples block by block, so give ControlNets of one "
+                              "layout.")
+
+
+class FluxControlNetModule(torch.nn.Module):
+    """A FluxControlNetModel on (hidden_states, controlnet_cond, timestep, encoder_hidden_states, pooled_projections,
+    img_ids, txt_ids[, guidance], conditioning_scale) returning each block's sample times its scale."""
+
+    def __init__(self, controlnet: torch.nn.Module):
+        super().__init__()
+        self.controlnet = controlnet
+
+    def forward(self, hidden_states, controlnet_cond, timestep, encoder_hidden_states, pooled_projections, img_ids,
+                txt_ids, *rest):
+        guidance, conditioning_scale = (rest[0], rest[1]) if len(rest) == 2 else (None, rest[0])
+        double, single = self.controlnet(hidden_states=hidden_states, controlnet_cond=controlnet_cond,
+                                         conditioning_scale=1.0, timestep=timestep, guidance=guidance,
+                                         encoder_hidden_states=encoder_hidden_states,
+                                         pooled_projections=pooled_projections, img_ids=img_ids, txt_ids=txt_ids,
+                                         return_dict=False)
+        samples = [*(double or ()), *(single or ())]
+        return tuple(sample * conditioning_scale[i] for i, sample in enumerate(samples))
+
+
+def controlnet_spec(name: str, ref: ModuleRef, profile: ShapeProfile, axes: Axes, *,
+                    text_length: int) -> ComponentSpec:
+    """The ControlNet at `ref` (see the module docstring), reading `text_length` T5 tokens as the transformer."""
+    config = ref.config
+    tokens = image_tokens(axes)
+    width = inner_width(config)
+    blocks = config.num_layers + config.num_single_layers
+    guidance = (TensorSpec("guidance", (axes.images,), always_fp32=True),) if config.guidance_embeds else ()
+    return ComponentSpec(
+        name=name,
+        inputs=(
+            TensorSpec("hidden_states", (axes.images, tokens, config.in_channels)),
+            TensorSpec("controlnet_cond", (axes.images, tokens, config.in_channels)),
+            TensorSpec("timestep", (axes.images,), always_fp32=True),
+            TensorSpec("encoder_hidden_states", (axes.images, text_length, config.joint_attention_dim)),
+            TensorSpec("pooled_projections", (axes.images, config.pooled_projection_dim)),
+            TensorSpec("img_ids", (tokens, 3), always_fp32=True),
+            TensorSpec("txt_ids", (text_length, 3), always_fp32=True),
+            *guidance,
+            TensorSpec("conditioning_scale", (blocks,)),
+        ),
+        outputs=(*token_samples(CONTROLNET_BLOCK, config.num_layers, width, axes),
+                 *token_samples(CONTROLNET_SINGLE_BLOCK, config.num_single_layers, width, axes)),
+        profile=profile,
+        load_module=lambda: FluxControlNetModule(ref.load()),
+        sample_input=sample_input,
+        weights=ref.digest,
+        config=dict(config),
+        graph_kind="mmdit",
+        modules=(ref.path,),
+        graph_name="flux_controlnet",
+    )
+
+
+class EngineFluxControlNet(ControlNetStandIn):
+    """A FluxControlNetModel's engine, as diffusers' Flux ControlNet pipelines call it."""
+
+    input_hint_block = None  # the pipelines read it: None is InstantX's kind (a VAE-encoded control image)
+
+    def forward(self, hidden_states, controlnet_cond, controlnet_mode=None, conditioning_scale=1.0,
+                encoder_hidden_states=None, pooled_projections=None, timestep=None, img_ids=None, txt_ids=None,
+                guidance=None, joint_attention_kwargs=None, return_dict=True):
+        # joint_attention_kwargs: diffusers' FluxControlNetModel hands them to none of its blocks
+        spec = self.engine.spec
+        if controlnet_mode is not None and bool((controlnet_mode >= 0).any()):
+            raise InvalidInput("this Flux ControlNet has no control modes (it is not a union ControlNet); leave out "
+                               "`control_mode`.")
+        if ("guidance" in spec.input_names) != (guidance is not None):
+            raise InvalidInput("this Flux ControlNet " + ("embeds a guidance scale: diffusers must pass `guidance`"
+                                                          if "guidance" in spec.input_names else
+                                                          "has no guidance embedding") + ".")
+        rows = hidden_states.shape[0]
+        feeds = dict(hidden_states=hidden_states, controlnet_cond=controlnet_cond,
+                     timestep=timesteps_for(timestep, rows), encoder_hidden_states=encoder_hidden_states,
+                     pooled_projections=pooled_projections, img_ids=img_ids.to(torch.float32),
+                     txt_ids=txt_ids.to(torch.float32),
+                     **({"guidance": timesteps_for(guidance, rows)} if guidance is not None else {}),
+                     conditioning_scale=residual_scales(len(spec.outputs), conditioning_scale, False,
+                                                        hidden_states.device))
+        out = self._outputs(feeds, conditioning_scale)
+        double = [out[n] for n in spec.output_names if n.startswith(CONTROLNET_BLOCK.format(""))] or None
+        single = [out[n] for n in spec.output_names if n.startswith(CONTROLNET_SINGLE_BLOCK.format(""))] or None
+        if not return_dict:
+            return double, single
+        from diffusers.models.controlnets.controlnet_flux import FluxControlNetOutput
+
+        return FluxControlNetOutput(controlnet_block_samples=double, controlnet_single_block_samples=single)
+
+
+def engine_controlnet(original: torch.nn.Module, engines, times, component: str) -> torch.nn.Module:
+    """An engine-backed stand-in that diffusers takes for a FluxControlNetModel."""
+    import diffusers
+
+    return stand_in_class(EngineFluxControlNet, getattr(diffusers, MODEL_CLASS))(original, engines, times, component)
+
+
+def engine_multi_controlnet(nets: list[torch.nn.Module]) -> torch.nn.Module:
+    """diffusers' FluxMultiControlNetModel over Flux ControlNet stand-ins."""
+    import diffusers
+
+    return multi_stand_in_class(getattr(diffusers, MULTI_CLASS))(nets)
