@@ -7,6 +7,7 @@ kinds at full width.
                                    [--contenders onnxruntime:fp32,openvino:fp32,openvino:bf16,openvino:int8]
                                    [--repeats 3] [--threads 2] [--smoke]
     python benchmarks/full_sd35.py --stages loop [--loop-thresholds auto] [--loop-intervals 3,5]
+    python benchmarks/full_sd35.py --stages sd35 --components controlnet_0@512 --contenders openvino:fp32,openvino:bf16
 
 SD3.5-medium's transformer (SD3Transformer2DModel: 24 MMDiT layers 1536 wide, dual attention in the first 13,
 QK RMS norm) is 2.5B parameters, 9.9 GB in fp32: torch's copy and a runtime's do not share 24 GiB comfortably,
@@ -17,6 +18,11 @@ times the engine after a warm-up and compares it with torch's saved outputs (max
 engines are exact-shape (static, as `kasoku generate` builds them). T5-XXL (4.7B parameters, 19 GB in fp32)
 does not fit beside its own export here: kasoku refuses it before reading a weight (see the README), and this
 benchmark leaves it out. The text embeddings are the transformer's inputs: 77 CLIP + 256 T5 tokens.
+
+`controlnet_0` is an SD3 ControlNet (SD3ControlNetModel, InstantX's kind: its own positional and context
+embedding) at SD3.5-medium's width with 6 joint layers, seeded random weights: its engine is the ControlNet a
+ControlNet pipeline runs beside the transformer every step (the transformer that adds its samples costs what the
+plain one does, plus one addition per block).
 
 The first-block cache (kasoku.step_cache): `transformer_first` and `transformer_rest` are components like the
 transformer; with all three measured at a size, the report adds the 20-step loop they make at several counts of
@@ -90,6 +96,10 @@ CLIP_G = dict(vocab_size=49408, hidden_size=1280, intermediate_size=5120, num_hi
               num_attention_heads=20, max_position_embeddings=77, projection_dim=1280, hidden_act="gelu")
 T5_XXL = dict(vocab_size=32128, d_model=4096, d_kv=64, d_ff=10240, num_layers=24, num_heads=64,
               feed_forward_proj="gated-gelu", is_encoder_decoder=False, use_cache=False)
+# an SD3 ControlNet of InstantX's kind at SD3.5-medium's width, 6 joint layers
+CONTROLNET = dict(sample_size=128, patch_size=2, in_channels=16, num_layers=6, attention_head_dim=64,
+                  num_attention_heads=24, joint_attention_dim=4096, caption_projection_dim=1536,
+                  pooled_projection_dim=2048, out_channels=16, pos_embed_max_size=384)
 FLUX_WIDTH = dict(dim=3072, num_attention_heads=24, attention_head_dim=128)  # black-forest-labs/FLUX.1-dev
 # FLUX.1-dev's whole transformer (12B parameters; benchmarks/gpu_check.py builds it on a GPU) and its VAE
 FLUX_DEV = dict(patch_size=1, in_channels=64, num_layers=19, num_single_layers=38, joint_attention_dim=4096,
@@ -97,7 +107,8 @@ FLUX_DEV = dict(patch_size=1, in_channels=64, num_layers=19, num_single_layers=3
                 **{name: FLUX_WIDTH[name] for name in ("num_attention_heads", "attention_head_dim")})
 FLUX_VAE = {**VAE, "scaling_factor": 0.3611, "shift_factor": 0.1159}
 FLUX_TOKENS = (4096, 512)  # 1024x1024 image tokens, T5 tokens
-SEEDS = {"transformer": 3, "vae": 4, "flux_double_block": 5, "flux_single_block": 6, "loop": 7, "calibration": 8}
+SEEDS = {"transformer": 3, "vae": 4, "flux_double_block": 5, "flux_single_block": 6, "loop": 7, "calibration": 8,
+         "controlnet": 9}
 LOOP_STEPS = 20
 LOOP_SIZE = 512
 LOOP_GUIDANCE = 4.5  # stabilityai/stable-diffusion-3.5-medium's model card
@@ -197,9 +208,24 @@ def flux_block_spec(name: str, real: bool):
         config={"block": name, **FLUX_WIDTH}, graph_kind="mmdit", int8="full")
 
 
+def sd35_controlnet_pipeline(real: bool):
+    """The SD3.5-medium pipeline with the SD3 ControlNet (CONTROLNET), which holds weights when `real` (the
+    transformer never does here; --smoke: the tiny SD3 pipeline and its tiny ControlNet)."""
+    from diffusers import SD3ControlNetModel
+
+    from kasoku.families import FAMILIES
+
+    sd3 = FAMILIES["sd3"]
+    if SMOKE:
+        return sd3.with_controlnet(sd3.tiny_pipeline(), sd3.tiny_controlnet())
+    return sd3.with_controlnet(sd35_pipeline(), _module("controlnet", real, lambda: SD3ControlNetModel(**CONTROLNET)))
+
+
 def _component_spec(component: str, size: int, real: bool):
     if component in FLUX_BLOCKS:
         return flux_block_spec(component, real)
+    if component.startswith("controlnet_"):
+        return _spec(sd35_controlnet_pipeline(real), component, _size(size))
     # the first-block cache's graphs (transformer_first, transformer_rest) are the transformer's weights
     pipe = sd35_pipeline(real=(("vae",) if component.startswith("vae") else ("transformer",)) if real else ())
     return _spec(pipe, component, _size(size))
