@@ -303,7 +303,8 @@ def stage_engine(component: str, size: int, backend: str, precision: str, repeat
                        check_parity=False, threads=threads, label="sd35-random",
                        calibration_samples=calibration_samples)
         _calibrate(spec, options)
-        engines, report = compile_components(sd35_pipeline(), specs={spec.name: spec}, **options)
+        pipe = sd35_controlnet_pipeline(real=False) if component.startswith("controlnet_") else sd35_pipeline()
+        engines, report = compile_components(pipe, specs={spec.name: spec}, **options)
         run, stages = engines[spec.name].run, {s.stage: s.seconds for s in report.stages}
     compile_s = time.perf_counter() - start
     start = time.perf_counter()
