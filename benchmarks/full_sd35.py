@@ -218,7 +218,10 @@ def sd35_controlnet_pipeline(real: bool):
     sd3 = FAMILIES["sd3"]
     if SMOKE:
         return sd3.with_controlnet(sd3.tiny_pipeline(), sd3.tiny_controlnet())
-    return sd3.with_controlnet(sd35_pipeline(), _module("controlnet", real, lambda: SD3ControlNetModel(**CONTROLNET)))
+    from kasoku.architectures.sd3_controlnet import randomize_zeroed
+
+    net = _module("controlnet", real, lambda: randomize_zeroed(SD3ControlNetModel(**CONTROLNET)))
+    return sd3.with_controlnet(sd35_pipeline(), net)
 
 
 def _component_spec(component: str, size: int, real: bool):

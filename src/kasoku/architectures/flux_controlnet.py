@@ -69,6 +69,21 @@ def check_together(configs: list[Mapping[str, Any]]) -> None:
                               "layout.")
 
 
+def control_blocks(config: Mapping[str, Any]) -> tuple[int, int]:
+    """The double- and single-stream samples a ControlNet of `config` gives the transformer (transformer_spec's
+    `control_blocks`)."""
+    return config["num_layers"], config["num_single_layers"]
+
+
+def randomize_zeroed(controlnet: torch.nn.Module) -> torch.nn.Module:
+    """`controlnet` with the layers diffusers initialises to zero (an untrained ControlNet adds nothing) made random:
+    a ControlNet with random weights that steers, for the tiny model and the benchmarks."""
+    zeroed = (*controlnet.controlnet_blocks, *controlnet.controlnet_single_blocks, controlnet.controlnet_x_embedder)
+    for layer in zeroed:
+        layer.reset_parameters()
+    return controlnet
+
+
 class FluxControlNetModule(torch.nn.Module):
     """A FluxControlNetModel on (hidden_states, controlnet_cond, timestep, encoder_hidden_states, pooled_projections,
     img_ids, txt_ids[, guidance], conditioning_scale) returning each block's sample times its scale."""

@@ -67,6 +67,19 @@ def check_together(configs: list[Mapping[str, Any]]) -> None:
                               "samples block by block, so give ControlNets with as many blocks.")
 
 
+def control_blocks(config: Mapping[str, Any]) -> int:
+    """The block samples a ControlNet of `config` gives the transformer (transformer_spec's `control_blocks`)."""
+    return config["num_layers"]
+
+
+def randomize_zeroed(controlnet: torch.nn.Module) -> torch.nn.Module:
+    """`controlnet` with the layers diffusers initialises to zero (an untrained ControlNet adds nothing) made random:
+    a ControlNet with random weights that steers, for the tiny model and the benchmarks."""
+    for layer in (*controlnet.controlnet_blocks, controlnet.pos_embed_input.proj):
+        layer.reset_parameters()
+    return controlnet
+
+
 class SD3ControlNetModule(torch.nn.Module):
     """An SD3ControlNetModel on (hidden_states, timestep, encoder_hidden_states, pooled_projections,
     controlnet_cond, conditioning_scale) returning each block's sample times its scale, as a token grid."""

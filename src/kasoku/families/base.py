@@ -607,9 +607,12 @@ class UNetFamily(Family):
 
 class TransformerFamily(Family):
     """A family whose denoiser is a diffusion transformer (`transformer`: SD3, Flux), with a T5 encoder for
-    long prompts. Subclasses give the transformer's spec and stand-in."""
+    long prompts. Subclasses name their transformer's architecture module and stand-in (and their ControlNets'),
+    their text encoders and their tiny model."""
 
     denoiser = "transformer"
+    transformer_architecture: ClassVar[Any]  # its transformer's module (kasoku.architectures.sd3, .flux)
+    transformer_stand_in: ClassVar[type]  # what diffusers calls in its place
     patch = 2  # latent cells per token side
     latent_channels = 16
     cache_methods = (FIRST_BLOCK, TAYLORSEER)
@@ -617,6 +620,47 @@ class TransformerFamily(Family):
 
     def extra_components(self, model: ModelView) -> tuple[str, ...]:
         return BLOCK_COMPONENTS
+
+    def transformer_ip_inputs(self, model: ModelView, axes: Axes) -> tuple[TensorSpec, ...]:
+        """The transformer's IP-Adapter inputs (their rows: the guided batch's, as its other inputs)."""
+        return self.denoiser_ip_inputs(model, axes)
+
+    def denoiser_builders(self, model: ModelView, profile: ShapeProfile, axes: Axes,
+                          cache_branch: int) -> dict[str, Callable[[], ComponentSpec]]:
+        """The transformer, its first-block cache graphs and, in a ControlNet pipeline, the ControlNets and the
+        transformer taking their samples (`controlled_denoiser`)."""
+        architecture, length = self.transformer_architecture, self.denoiser_text_length(model, profile)
+
+        def build(**control) -> ComponentSpec:
+            return architecture.transformer_spec(model.ref(self.denoiser), profile, axes, text_length=length,
+                                                 ip=self.transformer_ip_inputs(model, axes), **control)
+
+        builders = {self.denoiser: build, **{name: lambda name=name: architecture.block_cache_specs(
+            build(), model.ref(self.denoiser), axes)[name] for name in self.step_cache_components}}
+        controlnets = self.controlnet_components(model.pipe)
+        if controlnets:
+            # the ControlNets have one layout (see check_together): the first says what the transformer takes
+            blocks = self.controlnet_architecture.control_blocks(model.ref(next(iter(controlnets.values()))).config)
+            builders[self.controlled_denoiser] = lambda: build(control_blocks=blocks, name=self.controlled_denoiser)
+            builders.update({name: lambda name=name, path=path: self.controlnet_spec(model, name, path, profile, axes)
+                             for name, path in controlnets.items()})
+        return builders
+
+    def controlnet_spec(self, model: ModelView, name: str, path: str, profile: ShapeProfile,
+                        axes: Axes) -> ComponentSpec:
+        """A ControlNet, reading the text embeddings the transformer reads."""
+        ref = model.ref(path)
+        self.check_controlnet(model.pipe, ref.module, f"ControlNet {name}")
+        return self.controlnet_architecture.controlnet_spec(name, ref, profile, axes,
+                                                            text_length=self.denoiser_text_length(model, profile))
+
+    def denoiser_stand_ins(self, model: ModelView, engines: Mapping[str, Any], times: EngineTimes) -> dict[str, Any]:
+        pipe = model.pipe
+        controlled = bool(self.controlnet_paths(pipe))
+        transformer = self.transformer_stand_in(getattr(pipe, self.denoiser), engines, times,
+                                                self.controlled_denoiser if controlled else self.denoiser)
+        return {self.denoiser: transformer, **({"controlnet": self.controlnet_stand_in(pipe, engines, times)}
+                                               if controlled else {})}
 
     def tasks(self, model: ModelView) -> tuple[str, ...]:
         """With ControlNets, the tasks diffusers has a ControlNet pipeline for (SD3's: text-to-image only)."""

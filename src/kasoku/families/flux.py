@@ -9,7 +9,7 @@ runs it twice. The VAE has 16 latent channels and a shift factor.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from typing import Any
 
 from ..architectures import clip, flux, flux_controlnet
@@ -25,8 +25,7 @@ from ..architectures.tiny import (
     tiny_text_encoder,
     tiny_tokenizer,
 )
-from ..components import ComponentSpec, ShapeProfile
-from ..standins import EngineTimes
+from ..components import ShapeProfile, TensorSpec
 from .base import ModelView, TextEncoderSlot, TransformerFamily
 
 
@@ -47,6 +46,8 @@ class Flux(TransformerFamily):
     }
     controlnet_architecture = flux_controlnet
     controlled_denoiser = flux.CONTROLLED
+    transformer_architecture = flux
+    transformer_stand_in = flux.EngineFluxTransformer
     call_arguments = ("prompt_2", "negative_prompt_2", "true_cfg_scale", "pooled_prompt_embeds",
                       "negative_pooled_prompt_embeds", "max_sequence_length", "sigmas")
     default_steps = 28
@@ -62,38 +63,8 @@ class Flux(TransformerFamily):
     def denoiser_text_length(self, model: ModelView, profile: ShapeProfile) -> int:
         return self.text_tokens(profile)  # T5's states alone; CLIP gives only the pooled vector
 
-    def denoiser_builders(self, model: ModelView, profile: ShapeProfile, axes: Axes,
-                          cache_branch: int) -> dict[str, Callable[[], ComponentSpec]]:
-        length = self.denoiser_text_length(model, profile)
-        controlnets = self.controlnet_components(model.pipe)
-
-        def build(control_blocks: tuple[int, int] = (0, 0), name: str = self.denoiser) -> ComponentSpec:
-            ip = self.denoiser_ip_inputs(model, axes, axes.images)  # one row per image, as its other inputs
-            return flux.transformer_spec(model.ref(self.denoiser), profile, axes, text_length=length, ip=ip,
-                                         control_blocks=control_blocks, name=name)
-
-        def controlnet(name: str, path: str) -> ComponentSpec:
-            ref = model.ref(path)
-            self.check_controlnet(model.pipe, ref.module, f"ControlNet {name}")
-            return flux_controlnet.controlnet_spec(name, ref, profile, axes, text_length=length)
-
-        builders = {self.denoiser: build, **{name: lambda name=name: flux.block_cache_specs(
-            build(), model.ref(self.denoiser), axes)[name] for name in self.step_cache_components}}
-        if controlnets:
-            config = model.ref(next(iter(controlnets.values()))).config  # they have one layout: see check_together
-            blocks = (config.num_layers, config.num_single_layers)
-            builders[self.controlled_denoiser] = lambda: build(blocks, self.controlled_denoiser)
-            builders.update({name: lambda name=name, path=path: controlnet(name, path)
-                             for name, path in controlnets.items()})
-        return builders
-
-    def denoiser_stand_ins(self, model: ModelView, engines: Mapping[str, Any], times: EngineTimes) -> dict[str, Any]:
-        pipe = model.pipe
-        controlled = bool(self.controlnet_paths(pipe))
-        transformer = flux.EngineFluxTransformer(getattr(pipe, self.denoiser), engines, times,
-                                                 self.controlled_denoiser if controlled else self.denoiser)
-        return {self.denoiser: transformer, **({"controlnet": self.controlnet_stand_in(pipe, engines, times)}
-                                               if controlled else {})}
+    def transformer_ip_inputs(self, model: ModelView, axes: Axes) -> tuple[TensorSpec, ...]:
+        return self.denoiser_ip_inputs(model, axes, axes.images)  # one row per image, as its other inputs
 
     # ---- the built-in tiny model -----------------------------------------------------------
 
@@ -119,11 +90,7 @@ class Flux(TransformerFamily):
                 "patch_size", "in_channels", "num_layers", "num_single_layers", "attention_head_dim",
                 "num_attention_heads", "joint_attention_dim", "pooled_projection_dim", "guidance_embeds",
                 "axes_dims_rope")}
-            controlnet = FluxControlNetModel(**config)
-            for layer in (*controlnet.controlnet_blocks, *controlnet.controlnet_single_blocks,
-                          controlnet.controlnet_x_embedder):
-                layer.reset_parameters()
-            return controlnet.eval()
+            return flux_controlnet.randomize_zeroed(FluxControlNetModel(**config)).eval()
 
         return seeded(seed, 9, build)
 

@@ -13,11 +13,7 @@ ControlNets (diffusers' StableDiffusion3ControlNetPipeline, text-to-image): one 
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
-from typing import Any
-
 from ..architectures import clip, sd3, sd3_controlnet
-from ..architectures.base import Axes
 from ..architectures.tiny import (
     TINY_IMAGE_SIZE,
     TINY_JOINT_WIDTH,
@@ -30,8 +26,7 @@ from ..architectures.tiny import (
     tiny_text_encoder,
     tiny_tokenizer,
 )
-from ..components import ComponentSpec, ShapeProfile
-from ..standins import EngineTimes
+from ..components import ShapeProfile
 from .base import ModelView, TextEncoderSlot, TransformerFamily
 
 
@@ -52,6 +47,8 @@ class StableDiffusion3(TransformerFamily):
     controlnet_pipelines = {"txt2img": "StableDiffusion3ControlNetPipeline"}
     controlnet_architecture = sd3_controlnet
     controlled_denoiser = sd3.CONTROLLED
+    transformer_architecture = sd3
+    transformer_stand_in = sd3.EngineSD3Transformer
     default_steps = 28
     default_guidance = 7.0
     default_text_tokens = 256
@@ -61,38 +58,6 @@ class StableDiffusion3(TransformerFamily):
 
     def denoiser_text_length(self, model: ModelView, profile: ShapeProfile) -> int:
         return self.text_length(model) + self.text_tokens(profile)  # the CLIP states (77 tokens) and T5's side by side
-
-    def denoiser_builders(self, model: ModelView, profile: ShapeProfile, axes: Axes,
-                          cache_branch: int) -> dict[str, Callable[[], ComponentSpec]]:
-        length = self.denoiser_text_length(model, profile)
-        controlnets = self.controlnet_components(model.pipe)
-
-        def build(control_blocks: int = 0, name: str = self.denoiser) -> ComponentSpec:
-            return sd3.transformer_spec(model.ref(self.denoiser), profile, axes, text_length=length,
-                                        ip=self.denoiser_ip_inputs(model, axes), control_blocks=control_blocks,
-                                        name=name)
-
-        def controlnet(name: str, path: str) -> ComponentSpec:
-            ref = model.ref(path)
-            self.check_controlnet(model.pipe, ref.module, f"ControlNet {name}")
-            return sd3_controlnet.controlnet_spec(name, ref, profile, axes, text_length=length)
-
-        builders = {self.denoiser: build, **{name: lambda name=name: sd3.block_cache_specs(
-            build(), model.ref(self.denoiser), axes)[name] for name in self.step_cache_components}}
-        if controlnets:
-            blocks = model.ref(next(iter(controlnets.values()))).config.num_layers  # they have as many: see check
-            builders[self.controlled_denoiser] = lambda: build(blocks, self.controlled_denoiser)
-            builders.update({name: lambda name=name, path=path: controlnet(name, path)
-                             for name, path in controlnets.items()})
-        return builders
-
-    def denoiser_stand_ins(self, model: ModelView, engines: Mapping[str, Any], times: EngineTimes) -> dict[str, Any]:
-        pipe = model.pipe
-        controlled = bool(self.controlnet_paths(pipe))
-        transformer = sd3.EngineSD3Transformer(getattr(pipe, self.denoiser), engines, times,
-                                               self.controlled_denoiser if controlled else self.denoiser)
-        return {self.denoiser: transformer, **({"controlnet": self.controlnet_stand_in(pipe, engines, times)}
-                                               if controlled else {})}
 
     # ---- the built-in tiny model -----------------------------------------------------------
 
@@ -119,10 +84,7 @@ class StableDiffusion3(TransformerFamily):
                 "sample_size", "patch_size", "in_channels", "attention_head_dim", "num_attention_heads",
                 "joint_attention_dim", "caption_projection_dim", "pooled_projection_dim", "out_channels",
                 "pos_embed_max_size", "qk_norm")}
-            controlnet = SD3ControlNetModel(**config, num_layers=1)
-            for layer in (*controlnet.controlnet_blocks, controlnet.pos_embed_input.proj):
-                layer.reset_parameters()
-            return controlnet.eval()
+            return sd3_controlnet.randomize_zeroed(SD3ControlNetModel(**config, num_layers=1)).eval()
 
         return seeded(seed, 8, build)
 
