@@ -141,7 +141,7 @@ def load_pipeline(model: Any, *, torch_dtype: torch.dtype = torch.float32, lazy:
 
 
 def controlnet_classes() -> tuple[str, ...]:
-    """The diffusers ControlNet classes some family runs (ControlNetModel, SD3ControlNetModel)."""
+    """The diffusers ControlNet classes some family runs (ControlNetModel, SD3ControlNetModel, FluxControlNetModel)."""
     return tuple(dict.fromkeys(family.controlnet_architecture.MODEL_CLASS for family in FAMILIES.values()
                                if family.controlnet_architecture))
 
