@@ -140,18 +140,21 @@ def load_pipeline(model: Any, *, torch_dtype: torch.dtype = torch.float32, lazy:
     return pipe
 
 
+def _controlnet_architectures() -> tuple[Any, ...]:
+    """The ControlNet architecture modules some family runs, once each (U-Net, SD3, Flux)."""
+    return tuple(dict.fromkeys(f.controlnet_architecture for f in FAMILIES.values() if f.controlnet_architecture))
+
+
 def controlnet_classes() -> tuple[str, ...]:
     """The diffusers ControlNet classes some family runs (ControlNetModel, SD3ControlNetModel, FluxControlNetModel)."""
-    return tuple(dict.fromkeys(family.controlnet_architecture.MODEL_CLASS for family in FAMILIES.values()
-                               if family.controlnet_architecture))
+    return tuple(architecture.MODEL_CLASS for architecture in _controlnet_architectures())
 
 
 def _is_controlnet(value: Any) -> bool:
     import diffusers
 
-    classes = [getattr(diffusers, name) for family in FAMILIES.values() if family.controlnet_architecture
-               for name in (family.controlnet_architecture.MODEL_CLASS, family.controlnet_architecture.MULTI_CLASS)]
-    return isinstance(value, tuple(classes))
+    return isinstance(value, tuple(getattr(diffusers, name) for architecture in _controlnet_architectures()
+                                   for name in (architecture.MODEL_CLASS, architecture.MULTI_CLASS)))
 
 
 def load_controlnets(controlnet: Any, *, lazy: bool = False):

@@ -56,6 +56,11 @@ class ModuleRef:
         return self.module.config
 
 
+def attention_width(config: Mapping[str, Any]) -> int:
+    """A diffusion transformer's (or its ControlNet's) token width: its attention heads x their width."""
+    return config["num_attention_heads"] * config["attention_head_dim"]
+
+
 def config_dict(config) -> dict[str, Any]:
     """A diffusers FrozenDict or a transformers PretrainedConfig as a plain dict (what a spec's config keys)."""
     return config.to_dict() if hasattr(config, "to_dict") else dict(config)

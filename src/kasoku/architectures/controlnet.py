@@ -44,8 +44,13 @@ def check_fits(controlnet_config: Mapping[str, Any], unet_config: Mapping[str, A
         differ.append("residuals (block_out_channels, layers_per_block)")
     if config.get("in_channels") != latent_channels:
         differ.append("in_channels (the latent channels)")
+    refuse_differences(differ, where, model, "U-Net")
+
+
+def refuse_differences(differ: list[str], where: str, model: str, denoiser: str) -> None:
+    """Raise :class:`UnfitControlNet` naming what a ControlNet does not share with the `denoiser` it would steer."""
     if differ:
-        raise UnfitControlNet(f"{where} does not fit this {model} model's U-Net: its {', '.join(differ)} "
+        raise UnfitControlNet(f"{where} does not fit this {model} model's {denoiser}: its {', '.join(differ)} "
                               "differ; give a ControlNet trained for this model.")
 
 
@@ -195,17 +200,4 @@ def multi_stand_in_class(multi_class: type) -> type:
 # The diffusers classes of these ControlNets (the stand-ins subclass them; loading reads folders of them).
 MODEL_CLASS = "ControlNetModel"
 MULTI_CLASS = "MultiControlNetModel"
-
-
-def engine_controlnet(original: torch.nn.Module, engines, times, component: str) -> torch.nn.Module:
-    """An engine-backed stand-in that diffusers takes for a ControlNetModel."""
-    import diffusers
-
-    return stand_in_class(EngineControlNet, getattr(diffusers, MODEL_CLASS))(original, engines, times, component)
-
-
-def engine_multi_controlnet(nets: list[torch.nn.Module]) -> torch.nn.Module:
-    """diffusers' MultiControlNetModel over ControlNet stand-ins."""
-    import diffusers
-
-    return multi_stand_in_class(getattr(diffusers, MULTI_CLASS))(nets)
+STAND_IN = EngineControlNet  # its engine, made a MODEL_CLASS too (see stand_in_class)

@@ -21,7 +21,7 @@ import torch
 from ..components import Axis, ComponentSpec, ShapeProfile, TensorSpec, default_sample_input
 from ..standins import EngineModule, InvalidInput, call_state, timesteps_for
 from . import blockcache, ip_adapter
-from .base import Axes, ModuleRef
+from .base import Axes, ModuleRef, attention_width
 
 PATCH = 2  # Flux packs 2x2 latent cells into one token
 CONTROLLED = "transformer_controlnet"  # the transformer of a ControlNet pipeline: it takes the block samples
@@ -65,6 +65,22 @@ def token_samples(name: str, count: int, width: int, axes: Axes) -> tuple[Tensor
     return tuple(TensorSpec(name.format(i), (axes.images, image_tokens(axes), width)) for i in range(count))
 
 
+def denoiser_inputs(config, axes: Axes, text_length: int) -> tuple[TensorSpec, ...]:
+    """(hidden_states, timestep, encoder_hidden_states, pooled_projections, img_ids, txt_ids[, guidance]) as a
+    transformer of `config` (or its ControlNet: guidance where it embeds one) takes them."""
+    tokens = image_tokens(axes)
+    guidance = (TensorSpec("guidance", (axes.images,), always_fp32=True),) if config.guidance_embeds else ()
+    return (
+        TensorSpec("hidden_states", (axes.images, tokens, config.in_channels)),
+        TensorSpec("timestep", (axes.images,), always_fp32=True),
+        TensorSpec("encoder_hidden_states", (axes.images, text_length, config.joint_attention_dim)),
+        TensorSpec("pooled_projections", (axes.images, config.pooled_projection_dim)),
+        TensorSpec("img_ids", (tokens, 3), always_fp32=True),
+        TensorSpec("txt_ids", (text_length, 3), always_fp32=True),
+        *guidance,
+    )
+
+
 def transformer_spec(ref: ModuleRef, profile: ShapeProfile, axes: Axes, *, text_length: int,
                      ip: tuple[TensorSpec, ...] = (), control_blocks: tuple[int, int] = (0, 0),
                      name: str = "transformer") -> ComponentSpec:
@@ -72,25 +88,18 @@ def transformer_spec(ref: ModuleRef, profile: ShapeProfile, axes: Axes, *, text_
     single-stream samples it takes ((0, 0): none); `ip` its IP-Adapters' inputs (see
     :func:`kasoku.architectures.ip_adapter.embeds_inputs`)."""
     config = ref.config
-    tokens = image_tokens(axes)
-    width = config.num_attention_heads * config.attention_head_dim
-    guidance = (TensorSpec("guidance", (axes.images,), always_fp32=True),) if config.guidance_embeds else ()
+    width = attention_width(config)
     adapters = sum(1 for t in ip if t.name != ip_adapter.IP_SCALE)
     return ComponentSpec(
         name=name,
         inputs=(
-            TensorSpec("hidden_states", (axes.images, tokens, config.in_channels)),
-            TensorSpec("timestep", (axes.images,), always_fp32=True),
-            TensorSpec("encoder_hidden_states", (axes.images, text_length, config.joint_attention_dim)),
-            TensorSpec("pooled_projections", (axes.images, config.pooled_projection_dim)),
-            TensorSpec("img_ids", (tokens, 3), always_fp32=True),
-            TensorSpec("txt_ids", (text_length, 3), always_fp32=True),
-            *guidance,
+            *denoiser_inputs(config, axes, text_length),
             *token_samples(CONTROLNET_BLOCK, control_blocks[0], width, axes),
             *token_samples(CONTROLNET_SINGLE_BLOCK, control_blocks[1], width, axes),
             *ip,
         ),
-        outputs=(TensorSpec("out_sample", (axes.images, tokens, config.out_channels or config.in_channels)),),
+        outputs=(TensorSpec("out_sample", (axes.images, image_tokens(axes),
+                                           config.out_channels or config.in_channels)),),
         profile=profile,
         load_module=lambda: FluxTransformerModule(ref.load(), adapters, control_blocks),
         sample_input=sample_input,
@@ -159,10 +168,8 @@ class FluxLayers:
 
 def block_cache_specs(plain: ComponentSpec, ref: ModuleRef, axes: Axes) -> dict[str, ComponentSpec]:
     """transformer_first and transformer_rest of the transformer whose plain spec is `plain`."""
-    config = ref.config
-    width = config.num_attention_heads * config.attention_head_dim
-    hidden = TensorSpec("tokens", (axes.images, image_tokens(axes), width))
-    encoder = TensorSpec("text_tokens", (axes.images, plain.inputs[2].dims[1], width))
+    hidden = TensorSpec("tokens", (axes.images, image_tokens(axes), attention_width(ref.config)))
+    encoder = TensorSpec("text_tokens", (axes.images, plain.inputs[2].dims[1], hidden.dims[-1]))
     return {blockcache.FIRST: blockcache.first_block_spec(plain, hidden, encoder, FluxLayers, ref.load),
             blockcache.REST: blockcache.rest_blocks_spec(plain, hidden, encoder, FluxLayers, ref.load)}
 

@@ -1,11 +1,11 @@
 """diffusers' FluxControlNetModel: double- and single-stream blocks whose outputs steer a Flux.1 transformer.
 
-One engine per ControlNet (``controlnet_<i>``), one graph per architecture: the packed latents, the control image
-as the pipeline packs it after the VAE encodes it, timestep, text embeddings, pooled projections, ids, guidance
-(where the ControlNet embeds it) and one scale per block in; each double-stream block's sample, then each
-single-stream block's, times its scale out, packed tokens as the latents are. ``transformer_controlnet``
-(:mod:`.flux`) takes them. Several ControlNets run as diffusers' FluxMultiControlNetModel over the stand-ins (it
-sums their samples).
+One engine per ControlNet (``controlnet_<i>``), one graph per architecture: the transformer's own inputs (packed
+latents, timestep, text embeddings, pooled projections, ids, and guidance where the ControlNet embeds it), the
+control image as the pipeline packs it after the VAE encodes it, and one scale per block in; each double-stream
+block's sample, then each single-stream block's, times its scale out, packed tokens as the latents are.
+``transformer_controlnet`` (:mod:`.flux`) takes them. Several ControlNets run as diffusers' FluxMultiControlNetModel
+over the stand-ins (it sums their samples).
 
 kasoku compiles InstantX's kind (the control image VAE-encoded, no mode embedding). XLabs' ControlNets (a pixel-space
 `input_hint_block`, samples repeated over the blocks) and the union ControlNets (`num_mode`: a control mode per
@@ -21,18 +21,19 @@ import torch
 
 from ..components import ComponentSpec, ShapeProfile, TensorSpec
 from ..standins import InvalidInput, timesteps_for
-from .base import Axes, ModuleRef
-from .controlnet import ControlNetStandIn, UnfitControlNet, multi_stand_in_class, residual_scales, stand_in_class
-from .flux import CONTROLNET_BLOCK, CONTROLNET_SINGLE_BLOCK, image_tokens, sample_input, token_samples
+from .base import Axes, ModuleRef, attention_width
+from .controlnet import (
+    ControlNetStandIn,
+    UnfitControlNet,
+    refuse_differences,
+    residual_scales,
+)
+from .flux import CONTROLNET_BLOCK, CONTROLNET_SINGLE_BLOCK, denoiser_inputs, sample_input, token_samples
 
 MODEL_CLASS = "FluxControlNetModel"
 MULTI_CLASS = "FluxMultiControlNetModel"
 # What a ControlNet must share with the transformer it steers (its samples are added to the transformer's tokens).
 FITS = ("in_channels", "joint_attention_dim", "pooled_projection_dim", "axes_dims_rope")
-
-
-def inner_width(config: Mapping[str, Any]) -> int:
-    return config["num_attention_heads"] * config["attention_head_dim"]
 
 
 def check_fits(controlnet_config: Mapping[str, Any], transformer_config: Mapping[str, Any], latent_channels: int,
@@ -48,11 +49,9 @@ def check_fits(controlnet_config: Mapping[str, Any], transformer_config: Mapping
         raise UnfitControlNet(f"{where} is a union ControlNet (num_mode: a control mode per image), which kasoku "
                               "does not compile; give a ControlNet of one kind of control image.")
     differ = [key for key in FITS if tuple(_listed(config.get(key))) != tuple(_listed(transformer_config.get(key)))]
-    if inner_width(config) != inner_width(transformer_config):
+    if attention_width(config) != attention_width(transformer_config):
         differ.append("width (num_attention_heads x attention_head_dim)")
-    if differ:
-        raise UnfitControlNet(f"{where} does not fit this {model} model's transformer: its {', '.join(differ)} "
-                              "differ; give a ControlNet trained for this model.")
+    refuse_differences(differ, where, model, "transformer")
 
 
 def _listed(value) -> list:
@@ -85,16 +84,15 @@ def randomize_zeroed(controlnet: torch.nn.Module) -> torch.nn.Module:
 
 
 class FluxControlNetModule(torch.nn.Module):
-    """A FluxControlNetModel on (hidden_states, controlnet_cond, timestep, encoder_hidden_states, pooled_projections,
-    img_ids, txt_ids[, guidance], conditioning_scale) returning each block's sample times its scale."""
+    """A FluxControlNetModel on (hidden_states, timestep, encoder_hidden_states, pooled_projections, img_ids,
+    txt_ids[, guidance], controlnet_cond, conditioning_scale) returning each block's sample times its scale."""
 
     def __init__(self, controlnet: torch.nn.Module):
         super().__init__()
         self.controlnet = controlnet
 
-    def forward(self, hidden_states, controlnet_cond, timestep, encoder_hidden_states, pooled_projections, img_ids,
-                txt_ids, *rest):
-        guidance, conditioning_scale = (rest[0], rest[1]) if len(rest) == 2 else (None, rest[0])
+    def forward(self, hidden_states, timestep, encoder_hidden_states, pooled_projections, img_ids, txt_ids, *rest):
+        guidance, controlnet_cond, conditioning_scale = rest if len(rest) == 3 else (None, *rest)
         double, single = self.controlnet(hidden_states=hidden_states, controlnet_cond=controlnet_cond,
                                          conditioning_scale=1.0, timestep=timestep, guidance=guidance,
                                          encoder_hidden_states=encoder_hidden_states,
@@ -108,22 +106,14 @@ def controlnet_spec(name: str, ref: ModuleRef, profile: ShapeProfile, axes: Axes
                     text_length: int) -> ComponentSpec:
     """The ControlNet at `ref` (see the module docstring), reading `text_length` T5 tokens as the transformer."""
     config = ref.config
-    tokens = image_tokens(axes)
-    width = inner_width(config)
-    blocks = config.num_layers + config.num_single_layers
-    guidance = (TensorSpec("guidance", (axes.images,), always_fp32=True),) if config.guidance_embeds else ()
+    width = attention_width(config)
+    own = denoiser_inputs(config, axes, text_length)
     return ComponentSpec(
         name=name,
         inputs=(
-            TensorSpec("hidden_states", (axes.images, tokens, config.in_channels)),
-            TensorSpec("controlnet_cond", (axes.images, tokens, config.in_channels)),
-            TensorSpec("timestep", (axes.images,), always_fp32=True),
-            TensorSpec("encoder_hidden_states", (axes.images, text_length, config.joint_attention_dim)),
-            TensorSpec("pooled_projections", (axes.images, config.pooled_projection_dim)),
-            TensorSpec("img_ids", (tokens, 3), always_fp32=True),
-            TensorSpec("txt_ids", (text_length, 3), always_fp32=True),
-            *guidance,
-            TensorSpec("conditioning_scale", (blocks,)),
+            *own,
+            TensorSpec("controlnet_cond", own[0].dims),  # the control image's packed latents, as the latents'
+            TensorSpec("conditioning_scale", (config.num_layers + config.num_single_layers,)),
         ),
         outputs=(*token_samples(CONTROLNET_BLOCK, config.num_layers, width, axes),
                  *token_samples(CONTROLNET_SINGLE_BLOCK, config.num_single_layers, width, axes)),
@@ -173,15 +163,4 @@ class EngineFluxControlNet(ControlNetStandIn):
         return FluxControlNetOutput(controlnet_block_samples=double, controlnet_single_block_samples=single)
 
 
-def engine_controlnet(original: torch.nn.Module, engines, times, component: str) -> torch.nn.Module:
-    """An engine-backed stand-in that diffusers takes for a FluxControlNetModel."""
-    import diffusers
-
-    return stand_in_class(EngineFluxControlNet, getattr(diffusers, MODEL_CLASS))(original, engines, times, component)
-
-
-def engine_multi_controlnet(nets: list[torch.nn.Module]) -> torch.nn.Module:
-    """diffusers' FluxMultiControlNetModel over Flux ControlNet stand-ins."""
-    import diffusers
-
-    return multi_stand_in_class(getattr(diffusers, MULTI_CLASS))(nets)
+STAND_IN = EngineFluxControlNet  # its engine, made a MODEL_CLASS too (see .controlnet.stand_in_class)

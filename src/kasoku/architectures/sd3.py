@@ -21,20 +21,30 @@ import torch
 from ..components import Axis, ComponentSpec, ShapeProfile, TensorSpec
 from ..standins import EngineModule, InvalidInput, call_state, timesteps_for
 from . import blockcache, ip_adapter
-from .base import Axes, ModuleRef
+from .base import Axes, ModuleRef, attention_width
 
 INPUTS = ("hidden_states", "timestep", "encoder_hidden_states", "pooled_projections")
 CONTROLLED = "transformer_controlnet"  # the transformer of a ControlNet pipeline: it takes the block samples
 CONTROLNET_BLOCK = "controlnet_block_{}"
 
 
-def token_grid(name: str, config, axes: Axes, width: int | None = None) -> TensorSpec:
+def token_grid(name: str, config, axes: Axes) -> TensorSpec:
     """A (rows, height / patch, width / patch, width) grid of image tokens of a transformer of `config`: what
     crosses between graphs (tokens in diffusers' row-major order)."""
     scale = axes.vae_scale / config["patch_size"]
-    width = width or config["num_attention_heads"] * config["attention_head_dim"]
     return TensorSpec(name, (axes.guided, Axis("token_height", "height", scale), Axis("token_width", "width", scale),
-                             width))
+                             attention_width(config)))
+
+
+def denoiser_inputs(config, axes: Axes, text_length: int) -> tuple[TensorSpec, ...]:
+    """(hidden_states, timestep, encoder_hidden_states, pooled_projections) as a transformer of `config` (or its
+    ControlNet) takes them."""
+    return (
+        TensorSpec("hidden_states", (axes.guided, config.in_channels, axes.latent_h, axes.latent_w)),
+        TensorSpec("timestep", (axes.guided,), always_fp32=True),
+        TensorSpec("encoder_hidden_states", (axes.guided, text_length, config.joint_attention_dim)),
+        TensorSpec("pooled_projections", (axes.guided, config.pooled_projection_dim)),
+    )
 
 
 def as_grid(tokens: torch.Tensor, latents: torch.Tensor, patch: int) -> torch.Tensor:
@@ -75,10 +85,7 @@ def transformer_spec(ref: ModuleRef, profile: ShapeProfile, axes: Axes, *, text_
     return ComponentSpec(
         name=name,
         inputs=(
-            TensorSpec("hidden_states", (axes.guided, config.in_channels, axes.latent_h, axes.latent_w)),
-            TensorSpec("timestep", (axes.guided,), always_fp32=True),
-            TensorSpec("encoder_hidden_states", (axes.guided, text_length, config.joint_attention_dim)),
-            TensorSpec("pooled_projections", (axes.guided, config.pooled_projection_dim)),
+            *denoiser_inputs(config, axes, text_length),
             *(token_grid(CONTROLNET_BLOCK.format(i), config, axes) for i in range(control_blocks)),
             *ip,
         ),

@@ -22,18 +22,19 @@ import torch
 
 from ..components import ComponentSpec, ShapeProfile, TensorSpec
 from ..standins import InvalidInput, timesteps_for
-from .base import Axes, ModuleRef
-from .controlnet import ControlNetStandIn, UnfitControlNet, multi_stand_in_class, residual_scales, stand_in_class
-from .sd3 import CONTROLNET_BLOCK, as_grid, token_grid
+from .base import Axes, ModuleRef, attention_width
+from .controlnet import (
+    ControlNetStandIn,
+    UnfitControlNet,
+    refuse_differences,
+    residual_scales,
+)
+from .sd3 import CONTROLNET_BLOCK, as_grid, denoiser_inputs, token_grid
 
 MODEL_CLASS = "SD3ControlNetModel"
 MULTI_CLASS = "SD3MultiControlNetModel"
 # What a ControlNet must share with the transformer it steers (its samples are added to the transformer's tokens).
 FITS = ("patch_size", "pooled_projection_dim", "joint_attention_dim")
-
-
-def inner_width(config: Mapping[str, Any]) -> int:
-    return config["num_attention_heads"] * config["attention_head_dim"]
 
 
 def check_fits(controlnet_config: Mapping[str, Any], transformer_config: Mapping[str, Any], latent_channels: int,
@@ -50,13 +51,11 @@ def check_fits(controlnet_config: Mapping[str, Any], transformer_config: Mapping
                               "StableDiffusion3ControlNetInpaintingPipeline), which kasoku does not compile; give a "
                               "ControlNet for StableDiffusion3ControlNetPipeline.")
     differ = [key for key in FITS if config.get(key) != transformer_config.get(key)]
-    if inner_width(config) != inner_width(transformer_config):
+    if attention_width(config) != attention_width(transformer_config):
         differ.append("width (num_attention_heads x attention_head_dim)")
     if config.get("in_channels") != latent_channels:
         differ.append("in_channels (the latent channels)")
-    if differ:
-        raise UnfitControlNet(f"{where} does not fit this {model} model's transformer: its {', '.join(differ)} "
-                              "differ; give a ControlNet trained for this model.")
+    refuse_differences(differ, where, model, "transformer")
 
 
 def check_together(configs: list[Mapping[str, Any]]) -> None:
@@ -102,15 +101,12 @@ def controlnet_spec(name: str, ref: ModuleRef, profile: ShapeProfile, axes: Axes
     """The ControlNet at `ref` (see the module docstring), reading `text_length` text tokens as the transformer."""
     config = ref.config
     blocks = config.num_layers
-    latent = (axes.guided, config.in_channels, axes.latent_h, axes.latent_w)
+    own = denoiser_inputs(config, axes, text_length)
     return ComponentSpec(
         name=name,
         inputs=(
-            TensorSpec("hidden_states", latent),
-            TensorSpec("timestep", (axes.guided,), always_fp32=True),
-            TensorSpec("encoder_hidden_states", (axes.guided, text_length, config.joint_attention_dim)),
-            TensorSpec("pooled_projections", (axes.guided, config.pooled_projection_dim)),
-            TensorSpec("controlnet_cond", latent),
+            *own,
+            TensorSpec("controlnet_cond", own[0].dims),  # the control image's latents, as the latents
             TensorSpec("conditioning_scale", (blocks,)),
         ),
         outputs=tuple(token_grid(CONTROLNET_BLOCK.format(i), config, axes) for i in range(blocks)),
@@ -148,15 +144,4 @@ class EngineSD3ControlNet(ControlNetStandIn):
         return SD3ControlNetOutput(controlnet_block_samples=samples)
 
 
-def engine_controlnet(original: torch.nn.Module, engines, times, component: str) -> torch.nn.Module:
-    """An engine-backed stand-in that diffusers takes for an SD3ControlNetModel."""
-    import diffusers
-
-    return stand_in_class(EngineSD3ControlNet, getattr(diffusers, MODEL_CLASS))(original, engines, times, component)
-
-
-def engine_multi_controlnet(nets: list[torch.nn.Module]) -> torch.nn.Module:
-    """diffusers' SD3MultiControlNetModel over SD3 ControlNet stand-ins."""
-    import diffusers
-
-    return multi_stand_in_class(getattr(diffusers, MULTI_CLASS))(nets)
+STAND_IN = EngineSD3ControlNet  # its engine, made a MODEL_CLASS too (see .controlnet.stand_in_class)

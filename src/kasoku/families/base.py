@@ -379,12 +379,16 @@ class Family:
     def controlnet_stand_in(self, pipe, engines, times):
         """What replaces the pipeline's ControlNet: one engine-backed ControlNet, or diffusers' own
         multi-ControlNet over one per ControlNet (it sums their outputs, as in diffusers)."""
+        import diffusers
+
         architecture = self.controlnet_architecture
+        single = controlnet.stand_in_class(architecture.STAND_IN, getattr(diffusers, architecture.MODEL_CLASS))
         component_of = {id(module_at(pipe, path)): name for name, path in self.controlnet_components(pipe).items()}
-        nets = [architecture.engine_controlnet(module_at(pipe, path), engines, times,
-                                               component_of[id(module_at(pipe, path))])
+        nets = [single(module_at(pipe, path), engines, times, component_of[id(module_at(pipe, path))])
                 for path in self.controlnet_paths(pipe)]
-        return nets[0] if self.controlnet_paths(pipe) == ("controlnet",) else architecture.engine_multi_controlnet(nets)
+        if self.controlnet_paths(pipe) == ("controlnet",):
+            return nets[0]
+        return controlnet.multi_stand_in_class(getattr(diffusers, architecture.MULTI_CLASS))(nets)
 
     def tiny_controlnet(self, *, seed: int = 0):
         """A tiny ControlNet for this family's tiny pipeline, with deterministic weights from `seed`."""
