@@ -65,10 +65,10 @@ def main(argv: list[str] | None = None) -> Path:
 
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     from kasoku.batch import PipelineRecipe, batch_profile
-    from kasoku.console import console, quiet_third_party_logs
-    from kasoku.loading import load_pipeline
-    from kasoku.options import CompileOptions
-    from kasoku.tiny import write_tiny_pipeline
+    from kasoku.core.console import console, quiet_third_party_logs
+    from kasoku.core.options import CompileOptions
+    from kasoku.model.loading import load_pipeline
+    from kasoku.tools.tiny import write_tiny_pipeline
 
     quiet_third_party_logs()
     work = Path(tempfile.mkdtemp(prefix="kasoku-batch-bench-"))
@@ -121,7 +121,7 @@ def _median(values) -> float:
 
 
 def markdown(report: dict) -> str:
-    from kasoku.info import system_info
+    from kasoku.tools.info import system_info
 
     cpu = system_info()["machine"]["cpu"]
     lines = [

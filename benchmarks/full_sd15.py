@@ -88,13 +88,13 @@ def use_smoke_model() -> None:
     CONTROLNET_DIR = MODEL_DIR / "controlnet"
     SECOND_MODEL_DIR = SMOKE_DIR / "model-2"
     SIZE, MULTIPLE = 64, 16
-    from kasoku.tiny import write_tiny_pipeline
+    from kasoku.tools.tiny import write_tiny_pipeline
 
     for folder, seed in ((MODEL_DIR, 0), (SECOND_MODEL_DIR, 1)):
         if not (folder / "model_index.json").exists():
             write_tiny_pipeline(folder, seed=seed)
     if not (CONTROLNET_DIR / "config.json").exists():
-        from kasoku.tiny import write_tiny_controlnet
+        from kasoku.tools.tiny import write_tiny_controlnet
 
         write_tiny_controlnet(CONTROLNET_DIR)
 
@@ -133,7 +133,7 @@ def build_sd15(directory: Path, seed: int = 0) -> Path:
 
 
 def peak_mb() -> float:
-    from kasoku.benchmark import rss_mb
+    from kasoku.tools.benchmark import rss_mb
 
     return rss_mb("VmHWM")
 
@@ -168,7 +168,7 @@ def stage_model(target: str, args) -> dict:
 
 
 def stage_cold(target: str, args) -> dict:
-    from kasoku.compiling import compile_components
+    from kasoku.pipeline.compiling import compile_components
 
     backend, precision = backend_precision(target)
     shutil.rmtree(cache_for(args, target), ignore_errors=True)  # cold means cold
@@ -198,7 +198,7 @@ def preheat(folder: Path) -> None:
 
 def stage_warm(target: str, args) -> dict:
     import kasoku
-    from kasoku.loading import load_pipeline
+    from kasoku.model.loading import load_pipeline
 
     backend, precision = backend_precision(target)
     preheat(cache_for(args, target))
@@ -261,11 +261,11 @@ def stage_runtime(target: str, args) -> dict:
 
 def stage_speed(contender: str, args) -> dict:
     """One call per component after warm-up; torch also counts FLOPs and saves inputs and outputs."""
-    from kasoku.benchmark import count_flops
-    from kasoku.components import ImageShape, ShapeProfile
-    from kasoku.loading import load_pipeline
-    from kasoku.model import component_specs
-    from kasoku.parity import compare_output
+    from kasoku.core.components import ImageShape, ShapeProfile
+    from kasoku.core.parity import compare_output
+    from kasoku.model.loading import load_pipeline
+    from kasoku.model.pipeline_model import component_specs
+    from kasoku.tools.benchmark import count_flops
 
     profile = ShapeProfile.from_ranges((1, 1, 1), (SIZE,) * 3, (SIZE,) * 3, MULTIPLE)
     io_file = args.work / "speed-io.npz"
@@ -284,7 +284,7 @@ def stage_speed(contender: str, args) -> dict:
                                           "shapes": {k: list(v.shape) for k, v in inputs.items()}}
         np.savez(io_file, **saved)
     else:
-        from kasoku.compiling import compile_components
+        from kasoku.pipeline.compiling import compile_components
 
         io = np.load(io_file)
         backend, precision = backend_precision(contender)
@@ -333,11 +333,11 @@ def stage_controlnet(contender: str, args) -> dict:
     after warm-up, median of repeats. torch builds the ControlNet when it is missing, counts the FLOPs and
     saves its inputs and outputs (the U-Net's residual inputs are the ControlNet's own outputs); every other
     contender is kasoku's engine on that backend, checked against them."""
-    from kasoku.benchmark import count_flops
-    from kasoku.components import ImageShape, ShapeProfile
-    from kasoku.loading import load_pipeline
-    from kasoku.model import component_specs
-    from kasoku.parity import compare_output
+    from kasoku.core.components import ImageShape, ShapeProfile
+    from kasoku.core.parity import compare_output
+    from kasoku.model.loading import load_pipeline
+    from kasoku.model.pipeline_model import component_specs
+    from kasoku.tools.benchmark import count_flops
 
     profile = ShapeProfile.from_ranges((1, 1, 1), (SIZE,) * 3, (SIZE,) * 3, MULTIPLE)
     io_file = args.work / "controlnet-io.npz"
@@ -361,7 +361,7 @@ def stage_controlnet(contender: str, args) -> dict:
                                           "shapes": {k: list(v.shape) for k, v in inputs.items()}}
         np.savez(io_file, **saved)
     else:
-        from kasoku.compiling import compile_components
+        from kasoku.pipeline.compiling import compile_components
 
         io = np.load(io_file)
         pipe = load_pipeline(MODEL_DIR, lazy=True, controlnet=CONTROLNET_DIR)
@@ -396,8 +396,8 @@ def stage_ov_probe(_target: str, args) -> dict:
 
     import openvino as ov
 
-    from kasoku.cache import Cache
-    from kasoku.export import export_component
+    from kasoku.build.export import export_component
+    from kasoku.core.cache import Cache
 
     entry = next(e for e in Cache(cache_for(args, "openvino")).list() if e.kind == "engine" and e.component == "unet")
     config = {"INFERENCE_PRECISION_HINT": "f32", "PERFORMANCE_HINT": "LATENCY", "INFERENCE_NUM_THREADS": args.threads}
@@ -406,7 +406,7 @@ def stage_ov_probe(_target: str, args) -> dict:
     ov.Core().import_model(ov.Tensor(blob, shared_memory=True), "CPU", config)
     import_s = time.perf_counter() - start
     del blob
-    from kasoku.model import Model
+    from kasoku.model.pipeline_model import Model
 
     pipe = Model.load(MODEL_DIR)
     spec = pipe.specs(names=["unet"])["unet"]
@@ -480,9 +480,9 @@ def stage_image(contender: str, args) -> dict:
                         str(args.threads)], check=True)
         return json.loads(out.read_text())
     import kasoku
-    from kasoku.components import ImageShape, ShapeProfile
+    from kasoku.core.components import ImageShape, ShapeProfile
     from kasoku.families import FAMILIES
-    from kasoku.loading import load_pipeline
+    from kasoku.model.loading import load_pipeline
 
     latents = torch.from_numpy(np.load(latents_file(args)))
     result: dict = {}
@@ -528,7 +528,7 @@ def tuned_pipeline(contender: str, args, result: dict):
     """`kasoku tune` at this size and the largest --steps (resumed when an earlier contender tuned), then the
     pipeline of the recorded winner at the contender's bound."""
     import kasoku
-    from kasoku.tune import PRECISIONS, TUNE_PROMPTS, markdown, tune
+    from kasoku.tools.tune import PRECISIONS, TUNE_PROMPTS, markdown, tune
 
     cache = args.work / "images" / "tuned-cache"
     min_psnr = TUNED_IMAGES[contender]
@@ -556,7 +556,7 @@ def tuned_pipeline(contender: str, args, result: dict):
 
 def compare_images(args) -> dict:
     """PSNR and SSIM of every contender's images against diffusers fp32's (same latents)."""
-    from kasoku.parity import psnr, ssim
+    from kasoku.core.parity import psnr, ssim
 
     folder = args.work / "images"
     reference_file = folder / "diffusers.npz"
@@ -581,11 +581,11 @@ def stage_fidelity(precision: str, args) -> dict:
     error against torch fp32 at 512x512, and the images of verify's prompts at the contract's steps against the
     fp32 engines' (saved by the fp32 stage), with the same seed."""
     import kasoku
-    from kasoku.components import ImageShape, Precision, ShapeProfile
-    from kasoku.loading import load_pipeline
-    from kasoku.model import component_specs
-    from kasoku.parity import TOLERANCES, parity_against_torch, psnr, ssim
-    from kasoku.verification import FIDELITY_PROMPTS
+    from kasoku.core.components import ImageShape, Precision, ShapeProfile
+    from kasoku.core.parity import TOLERANCES, parity_against_torch, psnr, ssim
+    from kasoku.model.loading import load_pipeline
+    from kasoku.model.pipeline_model import component_specs
+    from kasoku.tools.verification import FIDELITY_PROMPTS
 
     folder = args.work / "fidelity"
     folder.mkdir(parents=True, exist_ok=True)
@@ -635,8 +635,8 @@ def stage_ort_qdq(_target: str, args) -> dict:
     from onnxruntime.quantization import CalibrationDataReader, QuantFormat, QuantType, quantize_static
 
     import kasoku
-    from kasoku.calibration import CalibrationPlan, load_samples
-    from kasoku.components import ImageShape, ShapeProfile
+    from kasoku.core.components import ImageShape, ShapeProfile
+    from kasoku.policies.calibration import CalibrationPlan, load_samples
 
     profile = ShapeProfile.exact(ImageShape(1, SIZE, SIZE), guidance=True, multiple=MULTIPLE)
     cache = args.work / "qdq-cache"
@@ -646,7 +646,7 @@ def stage_ort_qdq(_target: str, args) -> dict:
                                                  components=("text_encoder", "unet"), cache_dir=cache,
                                                  threads=args.threads, keep_intermediate=True)
     openvino_compile_s = time.perf_counter() - start
-    from kasoku.cache import Cache
+    from kasoku.core.cache import Cache
 
     entries = Cache(cache).list()
     samples = load_samples(cache / "entries" / next(e.key for e in entries if e.kind == "calibration")
@@ -703,9 +703,9 @@ def deepcache_flops(branch: int) -> dict:
     counted on the meta device (no weights are read, nothing is computed)."""
     from kasoku.architectures.deepcache import Branch, StepCacheFullModule, StepCacheShallowModule
     from kasoku.architectures.unet import UNetModule
-    from kasoku.benchmark import count_flops_meta
-    from kasoku.components import ImageShape, ShapeProfile
-    from kasoku.model import Model
+    from kasoku.core.components import ImageShape, ShapeProfile
+    from kasoku.model.pipeline_model import Model
+    from kasoku.tools.benchmark import count_flops_meta
 
     model = Model.load(MODEL_DIR, lazy=True)  # every module on the meta device
     unet = model.pipe.unet
@@ -725,9 +725,9 @@ def stage_deepcache(backend: str, args) -> dict:
     the U-Net engines' calls and seconds, and the image's PSNR and SSIM against interval 1's; with the FLOPs of the
     plain U-Net and of the full and shallow graphs (the shallow graph's share of the U-Net's FLOPs)."""
     import kasoku
-    from kasoku.components import ImageShape, ShapeProfile
-    from kasoku.parity import psnr, ssim
-    from kasoku.step_cache import DEFAULT_BRANCH
+    from kasoku.core.components import ImageShape, ShapeProfile
+    from kasoku.core.parity import psnr, ssim
+    from kasoku.core.step_cache import DEFAULT_BRANCH
 
     flops = deepcache_flops(DEFAULT_BRANCH)
     cache = args.work / f"deepcache-cache-{backend}"
@@ -820,7 +820,7 @@ def _record(stage: str, target: str, result: dict, machine: dict) -> None:
 
 def machine_description(threads: int) -> dict:
     from kasoku.backends.base import cpu_name
-    from kasoku.benchmark import cpu_flags, matmul_gflops
+    from kasoku.tools.benchmark import cpu_flags, matmul_gflops
 
     return {"host": socket.gethostname(), "cpu": cpu_name(), "flags": cpu_flags(), "threads": threads,
             "torch": torch.__version__, "matmul_gflops": matmul_gflops(), "date": datetime.date.today().isoformat()}
@@ -866,7 +866,7 @@ def main(argv: list[str] | None = None) -> int:
     args.work.mkdir(parents=True, exist_ok=True)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-    from kasoku.console import console, quiet_third_party_logs
+    from kasoku.core.console import console, quiet_third_party_logs
 
     quiet_third_party_logs()
     torch.set_num_threads(args.threads)

@@ -24,7 +24,7 @@ embedding) at SD3.5-medium's width with 6 joint layers, seeded random weights: i
 ControlNet pipeline runs beside the transformer every step (the transformer that adds its samples costs what the
 plain one does, plus one addition per block).
 
-The first-block cache (kasoku.step_cache): `transformer_first` and `transformer_rest` are components like the
+The first-block cache (kasoku.core.step_cache): `transformer_first` and `transformer_rest` are components like the
 transformer; with all three measured at a size, the report adds the 20-step loop they make at several counts of
 full steps.
 
@@ -137,7 +137,7 @@ def sd35_pipeline(real: tuple[str, ...] = ()):
     from transformers import CLIPTextConfig, CLIPTextModelWithProjection, T5Config, T5EncoderModel
 
     from kasoku.architectures.tiny import flow_match_scheduler, tiny_t5_tokenizer, tiny_tokenizer
-    from kasoku.tiny import tiny_pipeline
+    from kasoku.tools.tiny import tiny_pipeline
 
     if SMOKE:
         return tiny_pipeline(family="sd3")
@@ -163,8 +163,8 @@ def _size(size: int) -> int:
 
 
 def _spec(pipe, component: str, size: int):
-    from kasoku.components import ImageShape, ShapeProfile
-    from kasoku.model import Model
+    from kasoku.core.components import ImageShape, ShapeProfile
+    from kasoku.model.pipeline_model import Model
 
     profile = ShapeProfile.exact(ImageShape(1, size, size), guidance=True, multiple=16, text_tokens=TEXT_TOKENS)
     return Model.of(pipe).specs(profile, [component])[component]
@@ -190,7 +190,7 @@ def flux_block_spec(name: str, real: bool):
     """A full-width Flux.1 double- or single-stream block as a ComponentSpec (one image, 1024x1024; static)."""
     from diffusers.models.transformers.transformer_flux import FluxSingleTransformerBlock, FluxTransformerBlock
 
-    from kasoku.components import ComponentSpec, ImageShape, ShapeProfile, TensorSpec
+    from kasoku.core.components import ComponentSpec, ImageShape, ShapeProfile, TensorSpec
 
     kind = FluxTransformerBlock if name == "flux_double_block" else FluxSingleTransformerBlock
     module = FluxBlockModule(_module(name, real, lambda: kind(**FLUX_WIDTH)))
@@ -235,7 +235,7 @@ def _component_spec(component: str, size: int, real: bool):
 
 
 def _peak_mb() -> float:
-    from kasoku.benchmark import rss_mb
+    from kasoku.tools.benchmark import rss_mb
 
     return rss_mb("VmHWM")
 
@@ -248,8 +248,8 @@ def _key(component: str, size: int) -> str:
 
 
 def stage_torch(component: str, size: int, repeats: int, work: Path) -> dict:
-    from kasoku.benchmark import count_flops
-    from kasoku.export import export_component
+    from kasoku.build.export import export_component
+    from kasoku.tools.benchmark import count_flops
 
     start = time.perf_counter()
     spec = _component_spec(component, size, real=True)
@@ -290,8 +290,8 @@ def _openvino_defaults(spec, onnx: Path, threads: int):
 
 def stage_engine(component: str, size: int, backend: str, precision: str, repeats: int, threads: int,
                  work: Path, calibration_samples: int = 32) -> dict:
-    from kasoku.compiling import compile_components
-    from kasoku.parity import compare_output
+    from kasoku.core.parity import compare_output
+    from kasoku.pipeline.compiling import compile_components
 
     spec = _component_spec(component, size, real=False)  # every module on the meta device
     key = _key(component, size)
@@ -328,11 +328,11 @@ def _calibrate(spec, options: dict) -> None:
     from seeded random prompt embeddings (the text encoders hold no weights here); a Flux block's, which no pipeline
     loop runs alone, seeded random inputs of its shapes (as random as its weights; the timed input's seed is not
     among them)."""
-    from kasoku.build import Compiler
-    from kasoku.cache import Cache
-    from kasoku.calibration import recorded_samples, stored_samples
-    from kasoku.model import Model
-    from kasoku.options import CompileOptions
+    from kasoku.build.compiler import Compiler
+    from kasoku.core.cache import Cache
+    from kasoku.core.options import CompileOptions
+    from kasoku.model.pipeline_model import Model
+    from kasoku.policies.calibration import recorded_samples, stored_samples
 
     fields = {k: v for k, v in options.items() if k not in ("cache", "label")}
     compiler = Compiler(Cache(options["cache"]), CompileOptions.of(None, **fields), label=options["label"])
@@ -356,7 +356,7 @@ def random_prompt_embeddings(pipe, profile, generator: torch.Generator, guided: 
     """Seeded random prompt embeddings of a transformer pipeline, as long as its denoiser's engines read them for
     `profile` (kasoku's fact for the family): a call's inputs without text encoders (the negative ones when
     `guided`)."""
-    from kasoku.model import Model
+    from kasoku.model.pipeline_model import Model
 
     model = Model.of(pipe)
     tokens = model.family.denoiser_text_length(model, profile)
@@ -372,7 +372,7 @@ def random_prompt_embeddings(pipe, profile, generator: torch.Generator, guided: 
 def _loop_inputs(pipe, size: int) -> dict:
     """Seeded random prompt embeddings (the CLIP tokens + TEXT_TOKENS T5 tokens) and initial latents: the call's inputs
     without text encoders."""
-    from kasoku.components import ImageShape, ShapeProfile
+    from kasoku.core.components import ImageShape, ShapeProfile
 
     generator = torch.Generator().manual_seed(SEEDS["loop"])
     profile = ShapeProfile.exact(ImageShape(1, size, size), guidance=True, multiple=16, text_tokens=TEXT_TOKENS)
@@ -389,7 +389,7 @@ def auto_threshold(changes: list[float]) -> float:
 
 def stage_loop(thresholds: str, intervals: list[int], threads: int, work: Path) -> dict:
     import kasoku
-    from kasoku.parity import psnr, ssim
+    from kasoku.core.parity import psnr, ssim
 
     start = time.perf_counter()
     pipe = sd35_pipeline(real=("transformer", "vae"))
@@ -512,7 +512,7 @@ def taylorseer_loop(report: dict) -> list[str]:
     """TaylorSeer's loop from the measured plain step: a computed step is one transformer call, a forecast step a
     few tensor operations on the output (no call), so the loop's speed-up is the steps over the computed steps
     (diffusers' rule: warm-up 3, then one in the interval)."""
-    from kasoku.step_cache import TaylorSeerRun
+    from kasoku.core.step_cache import TaylorSeerRun
 
     computed = {n: sum(TaylorSeerRun(n).computes(s) for s in range(LOOP_STEPS)) for n in (2, 3, 4)}
     lines = ["", f"TaylorSeer, a {LOOP_STEPS}-step transformer loop (warm-up 3): computed steps "
@@ -597,7 +597,7 @@ def main(argv: list[str] | None = None) -> int:
         use_smoke_model()
         args.work = WORK if default_work else args.work
 
-    from kasoku.console import console, quiet_third_party_logs
+    from kasoku.core.console import console, quiet_third_party_logs
 
     quiet_third_party_logs()
     torch.set_num_threads(args.threads)
@@ -612,7 +612,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.stage == "torch":
             result = stage_torch(component, size, args.repeats, args.work)
         else:
-            from kasoku.errors import KasokuError
+            from kasoku.core.errors import KasokuError
 
             backend, precision = args.contender.split(":")
             try:
@@ -626,7 +626,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
 
     from kasoku.backends.base import cpu_flags, cpu_name
-    from kasoku.benchmark import matmul_gflops
+    from kasoku.tools.benchmark import matmul_gflops
 
     def log(message: str) -> None:
         console.log(message, markup=False)
@@ -680,7 +680,7 @@ def write_report(report: dict) -> None:
 
 def _write_results(name: str, text: str, data: dict) -> None:
     """<date>-<host>-NAME.md and .json under RESULTS, and the table on the console."""
-    from kasoku.console import console
+    from kasoku.core.console import console
 
     RESULTS.mkdir(parents=True, exist_ok=True)
     stem = RESULTS / f"{data['date']}-{socket.gethostname()}-{name}"

@@ -123,15 +123,15 @@ def _module_of(component: str) -> str:
 
 
 def _spec(pipe, component: str, size: int):
-    from kasoku.components import ShapeProfile
-    from kasoku.model import component_specs
+    from kasoku.core.components import ShapeProfile
+    from kasoku.model.pipeline_model import component_specs
 
     profile = ShapeProfile.from_ranges((1, 1, 1), (size,) * 3, (size,) * 3, 32)  # one image, with guidance
     return component_specs(pipe, profile, [component])[component]
 
 
 def _peak_mb() -> float:
-    from kasoku.benchmark import rss_mb
+    from kasoku.tools.benchmark import rss_mb
 
     return rss_mb("VmHWM")
 
@@ -150,9 +150,9 @@ def _repeat(fn, repeats: int) -> tuple[list[float], dict]:
 
 
 def stage_torch(component: str, size: int, repeats: int, work: Path, export: bool = True) -> dict:
-    from kasoku.benchmark import count_flops
-    from kasoku.components import ImageShape
-    from kasoku.export import export_component
+    from kasoku.build.export import export_component
+    from kasoku.core.components import ImageShape
+    from kasoku.tools.benchmark import count_flops
 
     start = time.perf_counter()
     pipe = sdxl_pipeline(real=(_module_of(component),))
@@ -175,8 +175,8 @@ def stage_torch(component: str, size: int, repeats: int, work: Path, export: boo
 
 
 def stage_engine(component: str, backend: str, size: int, repeats: int, threads: int, work: Path) -> dict:
-    from kasoku.compiling import compile_components
-    from kasoku.parity import compare_output
+    from kasoku.core.parity import compare_output
+    from kasoku.pipeline.compiling import compile_components
 
     pipe = sdxl_pipeline()  # every module on the meta device: the engines need the specs, not the weights
     spec = _spec(pipe, component, size)
@@ -329,7 +329,7 @@ def main(argv: list[str] | None = None) -> int:
         args.work = WORK if args.work == full_size[0] else args.work
         args.size = SIZE if args.size == full_size[1] else args.size
 
-    from kasoku.console import console, quiet_third_party_logs
+    from kasoku.core.console import console, quiet_third_party_logs
 
     quiet_third_party_logs()
     torch.set_num_threads(args.threads)
@@ -343,7 +343,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
 
     from kasoku.backends.base import cpu_name
-    from kasoku.benchmark import matmul_gflops
+    from kasoku.tools.benchmark import matmul_gflops
 
     def log(message: str) -> None:
         console.log(message, markup=False)
@@ -384,7 +384,7 @@ def _stem(date: str, size: int) -> Path:
 
 
 def write_report(report: dict, stem: Path) -> None:
-    from kasoku.console import console
+    from kasoku.core.console import console
 
     entries = [*report["components"].values(), *report.get("deepcache", {}).values()]
     runs = [r for e in entries for r in [e["torch"], *e["engines"].values()]]

@@ -90,7 +90,7 @@ class Model:
 
     def profile(self, exact: bool = False):
         """One image; height and width from size - multiple to size + multiple."""
-        from kasoku.components import ImageShape, ShapeProfile
+        from kasoku.core.components import ImageShape, ShapeProfile
 
         shape = ImageShape(1, self.size, self.size)
         if exact:
@@ -158,7 +158,7 @@ def why_not(stage: Stage) -> str | None:
     if stage.backend == "reference":
         return None
     from kasoku.backends import BACKENDS, get_backend
-    from kasoku.errors import KasokuError
+    from kasoku.core.errors import KasokuError
 
     if stage.backend == "inductor" and "inductor" not in BACKENDS:
         return "kasoku.backends.BACKENDS has no 'inductor' backend in this checkout"
@@ -303,8 +303,8 @@ def call_inputs(model: Model, work: Path) -> dict[str, torch.Tensor]:
         return torch.load(path)
     from full_sd35 import random_prompt_embeddings
 
-    from kasoku.loading import load_pipeline
-    from kasoku.model import Model as KasokuModel
+    from kasoku.model.loading import load_pipeline
+    from kasoku.model.pipeline_model import Model as KasokuModel
 
     pipe = load_pipeline(model.folder, lazy=True)  # configs only: the weights stay on disk
     generator = torch.Generator().manual_seed(SEED)
@@ -348,8 +348,8 @@ def stage_reference(model: Model, args) -> dict:
     peak memory."""
     from diffusers import DiffusionPipeline
 
+    from kasoku.core.parity import psnr
     from kasoku.families import family_of
-    from kasoku.parity import psnr
 
     dtype = DTYPES[model.dtype]
     inputs = _on_device(call_inputs(model, args.work), dtype)
@@ -376,7 +376,7 @@ def stage_reference(model: Model, args) -> dict:
 
 def _reference_outputs(spec, inputs: dict[str, torch.Tensor]) -> dict[str, np.ndarray]:
     """torch fp32 on the GPU, TF32 off: the parity reference."""
-    from kasoku.attention import exportable_attention
+    from kasoku.core.attention import exportable_attention
 
     torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
     module = spec.module.to(DEVICE, torch.float32)
@@ -394,7 +394,7 @@ def inputs_at(spec, which: str, seed: int = 5) -> dict[str, torch.Tensor]:
 
 def parity(engines: dict, precision: str) -> dict:
     """Per component, the worst output at the profile's min, opt and max, against torch fp32."""
-    from kasoku.parity import compare_outputs
+    from kasoku.core.parity import compare_outputs
 
     rows = {}
     for name, engine in engines.items():
@@ -421,10 +421,10 @@ def stage_backend(model: Model, stage: Stage, args) -> dict:
     """Cold compile, per-component parity at min/opt/max, the warm load, the image against diffusers eager,
     its seconds."""
     import kasoku
-    from kasoku.compiling import compile_components
-    from kasoku.loading import load_pipeline
-    from kasoku.model import Model as KasokuModel
-    from kasoku.parity import psnr
+    from kasoku.core.parity import psnr
+    from kasoku.model.loading import load_pipeline
+    from kasoku.model.pipeline_model import Model as KasokuModel
+    from kasoku.pipeline.compiling import compile_components
 
     # what text-to-image runs of this model (no text encoders where it has none)
     components = KasokuModel.of(load_pipeline(model.folder, lazy=True)).task_components("txt2img")
@@ -560,7 +560,7 @@ def main(argv: list[str] | None = None) -> int:
     args.work = args.work or WORK
     args.cache = args.work / "cache"
     if args.stage:
-        from kasoku.console import quiet_third_party_logs
+        from kasoku.core.console import quiet_third_party_logs
 
         quiet_third_party_logs()
         result = run_stage(Stage(**json.loads(args.stage)), args)

@@ -56,11 +56,11 @@ def kasoku_compile(model: Path, backend: str, precision: str, cache: Path, threa
 
 def speed(model: Path, caches: dict[str, Path], threads: int, repeats: int) -> dict:
     """Each contender's U-Net from its warm cache, called in turns; torch eager fp32 beside them."""
-    from kasoku.compiling import compile_components
-    from kasoku.components import Precision
-    from kasoku.loading import load_pipeline
-    from kasoku.model import component_specs
-    from kasoku.parity import compare_output
+    from kasoku.core.components import Precision
+    from kasoku.core.parity import compare_output
+    from kasoku.model.loading import load_pipeline
+    from kasoku.model.pipeline_model import component_specs
+    from kasoku.pipeline.compiling import compile_components
 
     torch.set_num_threads(threads)
     spec = component_specs(load_pipeline(model), None, ["unet"])["unet"]
@@ -133,8 +133,8 @@ def main(argv: list[str] | None = None) -> int:
     from kasoku.backends import inductor as inductor_backend
     from kasoku.backends.base import cpu_flags, cpu_name
     from kasoku.backends.openvino import native_bf16
-    from kasoku.console import console, quiet_third_party_logs
-    from kasoku.tiny import write_tiny_pipeline
+    from kasoku.core.console import console, quiet_third_party_logs
+    from kasoku.tools.tiny import write_tiny_pipeline
 
     quiet_third_party_logs()
     work = Path(tempfile.mkdtemp(prefix="kasoku-inductor-tiny-"))

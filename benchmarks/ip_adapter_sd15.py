@@ -120,7 +120,7 @@ def stage_torch(args) -> dict:
 
 def stage_kasoku(precision: str, args) -> dict:
     import kasoku
-    from kasoku.cache import Cache
+    from kasoku.core.cache import Cache
 
     torch.set_num_threads(args.threads)
     expected = torch.load(WORK / "torch-outputs.pt")

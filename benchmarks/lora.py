@@ -72,7 +72,7 @@ def in_own_process(function, *args):
 
 def _process_settings(threads: int | None) -> None:
     """What a fresh process needs to measure as the stage does: the thread count, the runtimes' logs quiet."""
-    from kasoku.console import quiet_third_party_logs
+    from kasoku.core.console import quiet_third_party_logs
 
     quiet_third_party_logs()
     if threads:
@@ -80,8 +80,8 @@ def _process_settings(threads: int | None) -> None:
 
 
 def _unet_spec(model: Path, threads: int | None):
-    from kasoku.loading import load_pipeline
-    from kasoku.model import component_specs
+    from kasoku.model.loading import load_pipeline
+    from kasoku.model.pipeline_model import component_specs
 
     _process_settings(threads)
     pipe = load_pipeline(model, lazy=True)  # the U-Net's weights load only where needed
@@ -95,11 +95,11 @@ def build_constants_engine(model: Path, backend: str, cache: Path, threads: int 
     constants the runtime may fold. Returns the seconds of the file and the build."""
     import contextlib
 
-    from kasoku.build import ONNX_FILE, Compiler
-    from kasoku.cache import Cache
-    from kasoku.components import Precision
-    from kasoku.export import materialize
-    from kasoku.options import CompileOptions
+    from kasoku.build.compiler import ONNX_FILE, Compiler
+    from kasoku.build.export import materialize
+    from kasoku.core.cache import Cache
+    from kasoku.core.components import Precision
+    from kasoku.core.options import CompileOptions
 
     _, spec = _unet_spec(model, threads)
     start = time.perf_counter()
@@ -123,9 +123,9 @@ def compare_speeds(model: Path, backend: str, cache: Path, threads: int | None, 
     """The U-Net engine with bound weights (kasoku's) against the constants engine in `folder`, then against
     the engine whose attention projections are run-time weights: interleaved, at the profile's optimum."""
     from kasoku.backends import get_backend
-    from kasoku.compiling import compile_components
-    from kasoku.components import Precision
-    from kasoku.options import CompileOptions
+    from kasoku.core.components import Precision
+    from kasoku.core.options import CompileOptions
+    from kasoku.pipeline.compiling import compile_components
 
     pipe, spec = _unet_spec(model, threads)
     inputs = spec.sample_inputs(spec.profile.opt, seed=3)
@@ -165,7 +165,7 @@ def interleaved(engines: dict, inputs: dict, repeats: int) -> dict[str, list[flo
 
 def timed_compile(model: Path, label: str, options: dict) -> tuple[float, list[str]]:
     """`compile_components` of `model`: its seconds and the entries it built."""
-    from kasoku.compiling import compile_components
+    from kasoku.pipeline.compiling import compile_components
 
     _process_settings(options.get("threads"))
     seconds, (_, report) = _timed(lambda: compile_components(model, label=label, **options))
@@ -176,7 +176,7 @@ def switch_times(model: Path, backend: str, cache: Path, threads: int | None, ta
                  repeats: int) -> dict:
     """Compile (engines with `targets` as run-time weights), load two adapters, switch between them."""
     import kasoku
-    from kasoku.loading import load_pipeline
+    from kasoku.model.loading import load_pipeline
 
     _process_settings(threads)
 
@@ -260,8 +260,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--threads", type=int, default=torch.get_num_threads())
     args = parser.parse_args(argv)
 
-    from kasoku.console import console, quiet_third_party_logs
-    from kasoku.tiny import write_tiny_pipeline
+    from kasoku.core.console import console, quiet_third_party_logs
+    from kasoku.tools.tiny import write_tiny_pipeline
 
     quiet_third_party_logs()
     torch.set_num_threads(args.threads)

@@ -66,7 +66,7 @@ def _benchmark_model(layers: int):
 
 
 def stage_export(layers: int) -> dict:
-    from kasoku.export import export_component
+    from kasoku.build.export import export_component
 
     spec = _benchmark_model(layers)._component_spec("transformer", 512, real=True)
     exported = export_component(spec, WORK / f"onnx-{layers}" / spec.name / "model.onnx", check_shapes=[])
@@ -91,7 +91,7 @@ def stage_build(contender: str, layers: int) -> dict:
             model.reshape({n: ov.PartialShape(list(s[0])) for n, s in spec.profile_shapes().items()})
             core.compile_model(model, "CPU", {"INFERENCE_PRECISION_HINT": "f32", "INFERENCE_NUM_THREADS": 2})
         else:
-            from kasoku.compiling import compile_components
+            from kasoku.pipeline.compiling import compile_components
 
             cache = WORK / f"cache-{contender}"
             shutil.rmtree(cache, ignore_errors=True)

@@ -91,8 +91,8 @@ def taesd_dir() -> Path:
 def build_model(workload: str) -> Path:
     """The workload's architecture at full size with random weights and its scheduler, as a diffusers folder
     (the tiny pipeline of its family with --smoke)."""
-    from kasoku.schedulers import scheduler_named
-    from kasoku.tiny import tiny_pipeline
+    from kasoku.core.schedulers import scheduler_named
+    from kasoku.tools.tiny import tiny_pipeline
 
     spec = WORKLOADS[workload]
     folder = model_dir(workload)
@@ -191,7 +191,7 @@ def stage_image(target: str, args) -> dict:
     out.parent.mkdir(parents=True, exist_ok=True)
     if contender in PEERS:
         return _peer_image(contender, workload_name, vae, out, args)
-    from kasoku.loading import load_pipeline
+    from kasoku.model.loading import load_pipeline
 
     latents = torch.from_numpy(np.load(latents_file()))
     tiny = taesd_dir() if vae == "taesd" else None
@@ -203,8 +203,8 @@ def stage_image(target: str, args) -> dict:
         result["load_s"] = time.perf_counter() - start
     else:
         import kasoku
-        from kasoku.components import ImageShape, ShapeProfile
-        from kasoku.model import Model
+        from kasoku.core.components import ImageShape, ShapeProfile
+        from kasoku.model.pipeline_model import Model
 
         multiple = Model.load(model_dir(workload_name), lazy=True).pixel_multiple
         profile = ShapeProfile.exact(ImageShape(1, SIZE, SIZE), guidance=False, multiple=multiple)
@@ -293,7 +293,7 @@ def _run_stage(stage: str, target: str, args, log) -> dict:
 
 def compare(report: dict) -> None:
     """PSNR and SSIM of each contender's image against diffusers' with the same workload and VAE."""
-    from kasoku.parity import psnr, ssim
+    from kasoku.core.parity import psnr, ssim
 
     for target, result in report.get("image", {}).items():
         workload, vae, contender = target.split(":")
@@ -344,7 +344,7 @@ def main(argv: list[str] | None = None) -> int:
     WORK.mkdir(parents=True, exist_ok=True)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-    from kasoku.console import console, quiet_third_party_logs
+    from kasoku.core.console import console, quiet_third_party_logs
 
     quiet_third_party_logs()
     torch.set_num_threads(args.threads)

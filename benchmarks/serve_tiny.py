@@ -157,10 +157,10 @@ def main(argv: list[str] | None = None) -> Path:
 
     from kasoku.batch import parse_job, prepare, run_local
     from kasoku.batch.worker import PipelineRecipe
-    from kasoku.console import console, quiet_third_party_logs
-    from kasoku.options import CompileOptions
+    from kasoku.core.console import console, quiet_third_party_logs
+    from kasoku.core.options import CompileOptions
     from kasoku.serve.config import Size, prepare_serving
-    from kasoku.tiny import write_tiny_pipeline
+    from kasoku.tools.tiny import write_tiny_pipeline
 
     quiet_third_party_logs()
     work = Path(tempfile.mkdtemp(prefix="kasoku-serve-bench-"))
@@ -265,7 +265,7 @@ def _median(values) -> float:
 
 
 def markdown(report: dict) -> str:
-    from kasoku.info import system_info
+    from kasoku.tools.info import system_info
 
     cpu = system_info()["machine"]["cpu"]
     engines = (f"engines loaded from a cache an earlier run built ({report['compile_seconds']} s)"

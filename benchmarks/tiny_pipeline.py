@@ -26,9 +26,9 @@ def main(argv: list[str] | None = None) -> Path:
     parser.add_argument("--backends", default="onnxruntime,openvino")
     args = parser.parse_args(argv)
 
-    from kasoku.benchmark import bench, markdown
-    from kasoku.console import console, quiet_third_party_logs
-    from kasoku.tiny import write_tiny_pipeline
+    from kasoku.core.console import console, quiet_third_party_logs
+    from kasoku.tools.benchmark import bench, markdown
+    from kasoku.tools.tiny import write_tiny_pipeline
 
     quiet_third_party_logs()
     model = write_tiny_pipeline(Path(tempfile.mkdtemp(prefix="kasoku-tiny-")) / "tiny-sd")

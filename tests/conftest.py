@@ -12,8 +12,8 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 import onnx  # noqa: E402
 import pytest  # noqa: E402
 
-from kasoku.components import ImageShape  # noqa: E402
-from kasoku.console import quiet_third_party_logs  # noqa: E402
+from kasoku.core.components import ImageShape  # noqa: E402
+from kasoku.core.console import quiet_third_party_logs  # noqa: E402
 
 quiet_third_party_logs()
 
@@ -74,8 +74,8 @@ def linear_layer_precisions(engine) -> list[str]:
 
 def tiny_profile(pipe):
     """`pipe`'s default profile at the tiny pipelines' sizes (TINY_SIZES)."""
-    from kasoku.components import profile_with_ranges
-    from kasoku.model import Model
+    from kasoku.core.components import profile_with_ranges
+    from kasoku.model.pipeline_model import Model
 
     return profile_with_ranges(Model.of(pipe).default_profile(), None, TINY_SIZES, TINY_SIZES)
 
@@ -86,21 +86,21 @@ TINY_CHECK_SHAPES = [ImageShape(1, 64, 64), ImageShape(2, 32, 48)]
 
 @pytest.fixture(scope="session")
 def tiny_pipe():
-    from kasoku.tiny import tiny_pipeline
+    from kasoku.tools.tiny import tiny_pipeline
 
     return tiny_pipeline()
 
 
 @pytest.fixture(scope="session")
 def tiny_dir(tmp_path_factory):
-    from kasoku.tiny import write_tiny_pipeline
+    from kasoku.tools.tiny import write_tiny_pipeline
 
     return write_tiny_pipeline(tmp_path_factory.mktemp("models") / "tiny-sd")
 
 
 @pytest.fixture(scope="session")
 def tiny_specs(tiny_pipe):
-    from kasoku.model import component_specs
+    from kasoku.model.pipeline_model import component_specs
 
     return component_specs(tiny_pipe)
 
@@ -109,11 +109,11 @@ def tiny_specs(tiny_pipe):
 def tiny_onnx(tiny_specs, tiny_cache, tmp_path_factory):
     """Every tiny component as a self-contained ONNX file (what `export_component` writes: the architecture graph
     the session's first compile exported, with the weights written in), parity checked at two shapes.
-    tests/test_export.py exports through `export_component` itself."""
-    from kasoku.build import ONNX_FILE, Compiler
-    from kasoku.export import ExportedComponent, check_onnx_parity, module_weights
-    from kasoku.options import CompileOptions
-    from kasoku.weights import materialize, onnx_files
+    tests/build/test_export.py exports through `export_component` itself."""
+    from kasoku.build.compiler import ONNX_FILE, Compiler
+    from kasoku.build.export import ExportedComponent, check_onnx_parity, module_weights
+    from kasoku.core.options import CompileOptions
+    from kasoku.core.weights import materialize, onnx_files
 
     root = tmp_path_factory.mktemp("onnx")
     compiler = Compiler(tiny_cache, CompileOptions(backend="onnxruntime"))
@@ -132,7 +132,7 @@ def tiny_onnx(tiny_specs, tiny_cache, tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def _session_cache(tmp_path_factory):
-    from kasoku.cache import Cache
+    from kasoku.core.cache import Cache
 
     return Cache(tmp_path_factory.mktemp("cache"))
 
@@ -141,7 +141,7 @@ def _session_cache(tmp_path_factory):
 def tiny_compiled(tiny_dir, _session_cache):
     """The tiny pipeline compiled once per CPU backend into the empty session cache: {backend: (engines,
     report)}; its reports show every stage built (export, engine)."""
-    from kasoku.compiling import compile_components
+    from kasoku.pipeline.compiling import compile_components
 
     return {
         backend: compile_components(tiny_dir, backend=backend, cache=_session_cache)
@@ -159,8 +159,8 @@ def tiny_cache(_session_cache, tiny_compiled):
 @pytest.fixture(scope="session")
 def tiny_graphs(tiny_specs, tiny_cache):
     """The tiny pipeline's architecture graph entries (weightless) in the session cache: {component: folder}."""
-    from kasoku.build import Compiler
-    from kasoku.options import CompileOptions
+    from kasoku.build.compiler import Compiler
+    from kasoku.core.options import CompileOptions
 
     compiler = Compiler(tiny_cache, CompileOptions(backend="onnxruntime"))
     return {name: tiny_cache.lookup(compiler.export_parts(spec)).path for name, spec in tiny_specs.items()}
@@ -172,7 +172,7 @@ def cache_with_graphs(root, graphs):
     import shutil
     from pathlib import Path
 
-    from kasoku.cache import Cache
+    from kasoku.core.cache import Cache
 
     cache = Cache(root)
     for entry in graphs:
@@ -190,7 +190,7 @@ def tiny_kasoku(tiny_pipe, tiny_cache, tiny_compiled):
 
 @pytest.fixture(scope="session")
 def tiny_inpaint_pipe():
-    from kasoku.tiny import tiny_pipeline
+    from kasoku.tools.tiny import tiny_pipeline
 
     return tiny_pipeline(inpainting=True)
 

@@ -12,22 +12,22 @@ import importlib
 __version__ = "0.1.0"
 
 _PUBLIC = {
-    "exportable_attention": "kasoku.attention",
-    "memory_efficient_attention": "kasoku.attention",
-    "KasokuError": "kasoku.errors",
-    "ShapeProfile": "kasoku.components",
-    "ImageShape": "kasoku.components",
-    "Precision": "kasoku.components",
-    "export_pipeline": "kasoku.export",
-    "compile": "kasoku.pipeline",
-    "KasokuPipeline": "kasoku.pipeline",
-    "compile_components": "kasoku.compiling",
-    "CompileOptions": "kasoku.options",
-    "verify": "kasoku.verification",
-    "bench": "kasoku.benchmark",
+    "exportable_attention": "kasoku.core.attention",
+    "memory_efficient_attention": "kasoku.core.attention",
+    "KasokuError": "kasoku.core.errors",
+    "ShapeProfile": "kasoku.core.components",
+    "ImageShape": "kasoku.core.components",
+    "Precision": "kasoku.core.components",
+    "export_pipeline": "kasoku.build.export",
+    "compile": "kasoku.pipeline.kasoku_pipeline",
+    "KasokuPipeline": "kasoku.pipeline.kasoku_pipeline",
+    "compile_components": "kasoku.pipeline.compiling",
+    "CompileOptions": "kasoku.core.options",
+    "verify": "kasoku.tools.verification",
+    "bench": "kasoku.tools.benchmark",
     "FAMILIES": "kasoku.families",
-    "Cache": "kasoku.cache",
-    "write_tiny_pipeline": "kasoku.tiny",
+    "Cache": "kasoku.core.cache",
+    "write_tiny_pipeline": "kasoku.tools.tiny",
 }
 
 __all__ = sorted(_PUBLIC)

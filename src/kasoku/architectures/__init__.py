@@ -12,4 +12,6 @@ Families (:mod:`kasoku.families`) compose them into pipelines.
 - :mod:`.controlnet`: ControlNetModel (one, or diffusers' MultiControlNetModel over several)
 - :mod:`.vae`: AutoencoderKL's decoder and encoder
 - :mod:`.tiny`: the building blocks of the built-in tiny models
+
+The architectures layer. May import: the core only (and one architecture module another).
 """

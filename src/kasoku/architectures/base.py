@@ -10,7 +10,7 @@ from typing import Any
 
 import torch
 
-from ..components import Axis
+from ..core.components import Axis
 
 
 class Axes:

@@ -1,4 +1,4 @@
-"""The transformers' first-block cache graphs (see :mod:`kasoku.step_cache` for the method and one call's state).
+"""The transformers' first-block cache graphs (see :mod:`kasoku.core.step_cache` for the method and one call's state).
 
 Two more components of a transformer's weights, exported, built, cached and parity-checked like every
 component:
@@ -25,8 +25,8 @@ from typing import Any, Protocol
 
 import torch
 
-from ..components import ComponentSpec, TensorSpec
-from ..step_cache import (
+from ..core.components import ComponentSpec, TensorSpec
+from ..core.step_cache import (
     CACHED_RESIDUAL,
     FIRST,
     FIRST_ENCODER,

@@ -14,8 +14,8 @@ from __future__ import annotations
 
 import torch
 
-from ..components import ComponentSpec, ShapeProfile, TensorSpec
-from ..standins import EngineModule, InvalidInput
+from ..core.components import ComponentSpec, ShapeProfile, TensorSpec
+from ..core.standins import EngineModule, InvalidInput
 from .base import Axes, ModuleRef
 
 LAST_HIDDEN = ("last_hidden_state", "pooler_output")  # SD 1.x / 2.x

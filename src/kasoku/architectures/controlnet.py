@@ -17,9 +17,9 @@ from typing import Any
 
 import torch
 
-from ..components import ComponentSpec, ShapeProfile, TensorSpec
-from ..errors import NotADiffusersPipeline
-from ..standins import EngineModule, InvalidInput, call_state, timesteps_for
+from ..core.components import ComponentSpec, ShapeProfile, TensorSpec
+from ..core.errors import NotADiffusersPipeline
+from ..core.standins import EngineModule, InvalidInput, call_state, timesteps_for
 from .base import Axes, ModuleRef
 from .unet import controlnet_residuals, denoiser_inputs, residual_specs
 

@@ -1,6 +1,6 @@
 """The U-Net's step-cache graphs: DeepCache (Ma, Fang and Wang, CVPR 2024) inside the engines.
 
-Two more components of a U-Net's weights (see :mod:`kasoku.step_cache` for the schedules and one call's
+Two more components of a U-Net's weights (see :mod:`kasoku.core.step_cache` for the schedules and one call's
 state): ``unet_full`` (the whole U-Net, run layer by layer with diffusers' own operations in the same
 order, also returning the *deep feature*: the input of the up layer at the chosen skip branch) and
 ``unet_shallow`` (conv_in, the down layers up to the branch, the up layers from it outwards, on the deep
@@ -25,8 +25,8 @@ from typing import Any
 
 import torch
 
-from ..components import Axis, ComponentSpec, TensorSpec
-from ..step_cache import FEATURE, FULL, SHALLOW, InvalidStepCache
+from ..core.components import Axis, ComponentSpec, TensorSpec
+from ..core.step_cache import FEATURE, FULL, SHALLOW, InvalidStepCache
 from .base import Axes, ModuleRef
 from .unet import residual_names
 

@@ -18,8 +18,8 @@ from __future__ import annotations
 
 import torch
 
-from ..components import Axis, ComponentSpec, ShapeProfile, TensorSpec, default_sample_input
-from ..standins import EngineModule, InvalidInput, call_state, timesteps_for
+from ..core.components import Axis, ComponentSpec, ShapeProfile, TensorSpec, default_sample_input
+from ..core.standins import EngineModule, InvalidInput, call_state, timesteps_for
 from . import blockcache, ip_adapter
 from .base import Axes, ModuleRef, attention_width
 
@@ -123,7 +123,7 @@ def sample_input(tensor: TensorSpec, shape: tuple[int, ...], generator: torch.Ge
     return default_sample_input(tensor, shape, generator)
 
 
-# ---- the first-block cache's graphs (kasoku.step_cache) ------------------------------------------------------
+# ---- the first-block cache's graphs (kasoku.core.step_cache) ------------------------------------------------------
 
 
 class FluxLayers:
@@ -183,7 +183,7 @@ class EngineFluxTransformer(EngineModule):
         self._step_cache = None
 
     def step_cache(self, run):
-        """Step caching for one pipeline call (None: none; see kasoku.step_cache); its state goes with the call."""
+        """Step caching for one pipeline call (None: none; see kasoku.core.step_cache); its state goes with the call."""
         return call_state(self, "_step_cache", run)
 
     def _control_feeds(self, name: str, samples) -> dict[str, torch.Tensor]:

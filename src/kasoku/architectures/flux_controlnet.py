@@ -19,8 +19,8 @@ from typing import Any
 
 import torch
 
-from ..components import ComponentSpec, ShapeProfile, TensorSpec
-from ..standins import InvalidInput, timesteps_for
+from ..core.components import ComponentSpec, ShapeProfile, TensorSpec
+from ..core.standins import InvalidInput, timesteps_for
 from .base import Axes, ModuleRef, attention_width
 from .controlnet import (
     ControlNetStandIn,

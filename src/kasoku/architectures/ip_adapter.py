@@ -34,9 +34,9 @@ from typing import Any
 
 import torch
 
-from ..components import Axis, ComponentSpec, ShapeProfile, TensorSpec
-from ..errors import KasokuError
-from ..standins import EngineModule, InvalidInput
+from ..core.components import Axis, ComponentSpec, ShapeProfile, TensorSpec
+from ..core.errors import KasokuError
+from ..core.standins import EngineModule, InvalidInput
 from .base import Axes, ModuleRef
 
 IMAGE_ENCODER = "image_encoder"

@@ -18,8 +18,8 @@ from __future__ import annotations
 
 import torch
 
-from ..components import Axis, ComponentSpec, ShapeProfile, TensorSpec
-from ..standins import EngineModule, InvalidInput, call_state, timesteps_for
+from ..core.components import Axis, ComponentSpec, ShapeProfile, TensorSpec
+from ..core.standins import EngineModule, InvalidInput, call_state, timesteps_for
 from . import blockcache, ip_adapter
 from .base import Axes, ModuleRef, attention_width
 
@@ -100,7 +100,7 @@ def transformer_spec(ref: ModuleRef, profile: ShapeProfile, axes: Axes, *, text_
     )
 
 
-# ---- the first-block cache's graphs (kasoku.step_cache) ------------------------------------------------------
+# ---- the first-block cache's graphs (kasoku.core.step_cache) ------------------------------------------------------
 
 
 class SD3Layers:
@@ -186,7 +186,7 @@ class EngineSD3Transformer(EngineModule):
         return Transformer2DModelOutput(sample=out)
 
     def step_cache(self, run):
-        """Step caching for one pipeline call (None: none; see kasoku.step_cache); its state goes with the call."""
+        """Step caching for one pipeline call (None: none; see kasoku.core.step_cache); its state goes with the call."""
         return call_state(self, "_step_cache", run)
 
     def _control_feeds(self, samples, latents) -> dict[str, torch.Tensor]:

@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import torch
 
-from ..components import ComponentSpec, ShapeProfile, TensorSpec
-from ..standins import EngineModule
+from ..core.components import ComponentSpec, ShapeProfile, TensorSpec
+from ..core.standins import EngineModule
 from .base import Axes, ModuleRef
 
 

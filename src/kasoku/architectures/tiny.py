@@ -12,7 +12,7 @@ from typing import TypeVar
 
 import torch
 
-from ..choices import PREDICTION_TYPES  # noqa: F401 - read here by the tiny builders
+from ..core.choices import PREDICTION_TYPES  # noqa: F401 - read here by the tiny builders
 
 T = TypeVar("T")
 

@@ -21,8 +21,8 @@ from typing import Any
 
 import torch
 
-from ..components import ComponentSpec, ShapeProfile, TensorSpec
-from ..standins import EngineModule, InvalidInput, call_state, timesteps_for
+from ..core.components import ComponentSpec, ShapeProfile, TensorSpec
+from ..core.standins import EngineModule, InvalidInput, call_state, timesteps_for
 from . import ip_adapter
 from .base import Axes, ModuleRef
 
@@ -187,7 +187,7 @@ class EngineUNet(EngineModule):
     and, for the U-Net of a ControlNet pipeline (unet_controlnet), the ControlNet's residuals.
 
     Within :meth:`step_cache` (one pipeline call with step caching) each call is one denoising step, and
-    the call's `run` (a :class:`kasoku.step_cache.StepCacheRun`) says which engine runs it and
+    the call's `run` (a :class:`kasoku.core.step_cache.StepCacheRun`) says which engine runs it and
     keeps what it caches; outside it, every call runs the plain U-Net engine."""
 
     def __init__(self, original: torch.nn.Module, engines, times, component: str = "unet"):

@@ -15,8 +15,8 @@ from typing import Any
 
 import torch
 
-from ..components import ComponentSpec, Precision, ShapeProfile, TensorSpec
-from ..standins import EngineModule, InvalidInput
+from ..core.components import ComponentSpec, Precision, ShapeProfile, TensorSpec
+from ..core.standins import EngineModule, InvalidInput
 from .base import Axes, ModuleRef
 
 # Ops that overflow fp16 in a VAE (kept fp32 by the fp16 pass).

@@ -1,12 +1,18 @@
-"""Engines per backend behind one interface; `auto` picks per component."""
+"""The backends layer: engines per backend behind one interface; `auto` picks per component.
+
+A backend builds engine files from an ONNX file (or a torch module) into a cache entry and loads them:
+ONNX Runtime, OpenVINO, TensorRT, inductor (AOTInductor) and the torch reference, one module each.
+
+May import: the core only.
+"""
 
 from __future__ import annotations
 
 import os
 from pathlib import Path
 
-from ..choices import BACKEND_CHOICES, BACKEND_NAMES, PROVIDER_ALIASES
-from ..options import CompileOptions
+from ..core.choices import BACKEND_CHOICES, BACKEND_NAMES, PROVIDER_ALIASES
+from ..core.options import CompileOptions
 from .base import Availability, Backend, BackendUnavailable, Engine, UnsupportedPrecision
 from .inductor import InductorBackend, target_device
 from .onnxruntime import OnnxRuntimeBackend
@@ -18,12 +24,12 @@ BACKENDS: dict[str, type[Backend]] = {
     cls.name: cls for cls in (TensorRTBackend, OnnxRuntimeBackend, OpenVinoBackend, InductorBackend, TorchBackend)
 }
 if tuple(BACKENDS) != BACKEND_NAMES:
-    raise RuntimeError(f"kasoku.choices.BACKEND_NAMES {BACKEND_NAMES} must name the registry's backends "
+    raise RuntimeError(f"kasoku.core.choices.BACKEND_NAMES {BACKEND_NAMES} must name the registry's backends "
                        f"{tuple(BACKENDS)}: add the new backend there too (the commands offer it from there).")
 
 
 def get_backend(name: str, options: CompileOptions | None = None, shared_dir: Path | None = None) -> Backend:
-    """A backend by name (see BACKEND_CHOICES except "auto", which kasoku.build resolves)."""
+    """A backend by name (see BACKEND_CHOICES except "auto", which kasoku.build.compiler resolves)."""
     if name in PROVIDER_ALIASES:
         return OnnxRuntimeBackend(options, shared_dir, provider=PROVIDER_ALIASES[name])
     if name not in BACKENDS:
@@ -37,7 +43,7 @@ def backend_availability() -> list[Availability]:
 
 def gpu_candidates() -> list[str]:
     """GPU backends in order of preference that can run here."""
-    from ..extras import MissingOnnxRuntime, import_onnxruntime
+    from ..core.extras import MissingOnnxRuntime, import_onnxruntime
 
     names = []
     if TensorRTBackend.availability().available:

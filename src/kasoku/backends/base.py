@@ -7,7 +7,7 @@ inputs on the engine's device, then calls the backend's ``_run``. Engines take a
 tensors on their own device (numpy inputs are accepted too), so a pipeline on a GPU engine never
 copies a tensor back to the CPU between steps.
 
-Weights are bound when an engine is built (:mod:`kasoku.weights`): as constants, except the *run-time
+Weights are bound when an engine is built (:mod:`kasoku.core.weights`): as constants, except the *run-time
 weights* an engine compiled with LoRA targets keeps as inputs. Those are bound with
 :meth:`Engine.bind` once per adapter set (ONNX Runtime and OpenVINO read them as inputs, TensorRT
 refits them, torch runs its module with them); the entry stores their base values, so an engine
@@ -30,10 +30,10 @@ from typing import Any, ClassVar
 import numpy as np
 import torch
 
-from ..components import ComponentSpec, Precision, ShapeOutOfProfile
-from ..errors import KasokuError
-from ..options import CompileOptions, InvalidOptions, check_cuda_graph_profile
-from ..weights import WeightBindingError
+from ..core.components import ComponentSpec, Precision, ShapeOutOfProfile
+from ..core.errors import KasokuError
+from ..core.options import CompileOptions, InvalidOptions, check_cuda_graph_profile
+from ..core.weights import WeightBindingError
 
 BOUND_FILE = "bound.safetensors"  # in an engine entry: the base values of its run-time weights
 
@@ -293,7 +293,7 @@ class Backend(ABC):
     name: ClassVar[str]
     extra: ClassVar[str | None] = None  # the pip extra that installs it
     builds_from: ClassVar[Source] = Source.ONNX
-    # ONNX passes before this backend builds (see kasoku.optimize.PASSES); precision passes are added per
+    # ONNX passes before this backend builds (see kasoku.build.optimize.PASSES); precision passes are added per
     # precision. Empty: the backend's own graph optimizer does it all when it builds (ONNX Runtime, OpenVINO).
     passes: ClassVar[tuple[str, ...]] = ()
     precisions: ClassVar[tuple[Precision, ...]] = (Precision.FP32, Precision.FP16)
@@ -315,7 +315,7 @@ class Backend(ABC):
 
     def require(self) -> Availability:
         """Raise :class:`BackendUnavailable` unless the backend can run here, and
-        :class:`~kasoku.options.InvalidOptions` for options it cannot honour (both before any work)."""
+        :class:`~kasoku.core.options.InvalidOptions` for options it cannot honour (both before any work)."""
         self.check_options()
         info = self.availability()
         if not info.available:
@@ -323,12 +323,12 @@ class Backend(ABC):
         return info
 
     def check_options(self) -> None:
-        """Raise :class:`~kasoku.options.InvalidOptions` for a setting this backend cannot honour (a subclass
+        """Raise :class:`~kasoku.core.options.InvalidOptions` for a setting this backend cannot honour (a subclass
         checks the settings it reads)."""
         self.check_cuda_graph()
 
     def check_cuda_graph(self, asked: bool | None = None) -> None:
-        """Raise :class:`~kasoku.options.InvalidOptions` when CUDA graphs are asked (default: by the options)
+        """Raise :class:`~kasoku.core.options.InvalidOptions` when CUDA graphs are asked (default: by the options)
         of a backend whose engines do not replay them."""
         asked = self.options.cuda_graph if asked is None else asked
         if asked and not self.runs_cuda_graphs:
@@ -404,7 +404,7 @@ class Backend(ABC):
               run_time: frozenset[str] = frozenset()) -> dict[str, Any]:
         """Write the engine files for `spec` into `out_dir`; return metadata for the manifest.
 
-        `onnx_path` is an architecture graph and `weights` its weights by graph name (kasoku.weights), or,
+        `onnx_path` is an architecture graph and `weights` its weights by graph name (kasoku.core.weights), or,
         with `weights` None, an ONNX file that holds its own weights (a user's); it is None for a backend
         that builds from the torch module (`builds_from`). Weights named in `run_time` stay engine inputs
         (their base values go to the entry, see :func:`save_bound`); the others are constants.

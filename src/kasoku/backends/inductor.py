@@ -31,8 +31,8 @@ from typing import Any
 
 import torch
 
-from ..attention import exportable_attention
-from ..components import ComponentSpec, Precision, export_shape, torch_dynamic_shapes
+from ..core.attention import exportable_attention
+from ..core.components import ComponentSpec, Precision, export_shape, torch_dynamic_shapes
 from .base import Availability, Backend, Engine, Source, UnsupportedPrecision, cpu_flags, cpu_name, gpu_identity
 
 PACKAGE_FILE = "model.pt2"

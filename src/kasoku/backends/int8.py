@@ -7,9 +7,9 @@ Two recipes, chosen per component by its spec (`ComponentSpec.int8`):
   convolutions are decompressed when the model is compiled, so they save disk and memory, not time.
 - "full" (the denoisers: U-Net and transformers): int8 weights and activations for every layer NNCF quantizes
   (convolutions, linear layers, the attention's products), calibrated on the denoiser's inputs recorded during the
-  pipeline's own denoising runs (see :mod:`kasoku.calibration`): preset MIXED, transformer model type, no SmoothQuant
-  and no bias correction. On a CPU with VNNI the int8 kernels run about twice bf16's rate (OpenVINO, one linear
-  layer of SD3.5's width, Zen 4: 729 against 377 GOP/s). It replaced optimum-intel's hybrid recipe (linear layers
+  pipeline's own denoising runs (see :mod:`kasoku.policies.calibration`): preset MIXED, transformer model type, no
+  SmoothQuant and no bias correction. On a CPU with VNNI the int8 kernels run about twice bf16's rate (OpenVINO, one
+  linear layer of SD3.5's width, Zen 4: 729 against 377 GOP/s). It replaced optimum-intel's hybrid recipe (linear layers
   weight-only, computing in bf16), which left a third of the SD 1.5 U-Net's time in bf16 linear layers: 4 LCM steps
   with TAESD took 6.47 s with it and 5.92 s without, at 54.3 and 54.0 dB from diffusers fp32 (random weights; a real
   checkpoint's activation outliers could not be measured here). The overflow fix (7-bit weights) is on where the CPU
@@ -30,7 +30,7 @@ import logging
 from collections.abc import Sequence
 from typing import Any
 
-from ..errors import KasokuError
+from ..core.errors import KasokuError
 
 NNCF_EXTRA = "pip install 'kasoku[openvino]'"
 RECIPES = ("weights", "full")

@@ -31,9 +31,9 @@ import numpy as np
 import onnx
 import torch
 
-from ..components import ComponentSpec, Precision
-from ..extras import ORT_CHOICE, MissingOnnxRuntime, import_onnxruntime, installed_ort_distributions, ort_conflict
-from ..weights import PROTO_LIMIT, as_numpy, onnx_files, save_with_weights, with_initializers
+from ..core.components import ComponentSpec, Precision
+from ..core.extras import ORT_CHOICE, MissingOnnxRuntime, import_onnxruntime, installed_ort_distributions, ort_conflict
+from ..core.weights import PROTO_LIMIT, as_numpy, onnx_files, save_with_weights, with_initializers
 from .base import Availability, Backend, BackendUnavailable, Engine, cpu_name, gpu_identity, load_bound, save_bound
 from .tensorrt import installed_trt_version, trt_precision_plan
 

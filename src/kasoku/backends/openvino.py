@@ -30,9 +30,9 @@ from typing import Any
 import numpy as np
 import torch
 
-from ..components import ComponentSpec, Precision
-from ..memory import limited_to_free_memory
-from ..weights import as_numpy
+from ..core.components import ComponentSpec, Precision
+from ..core.memory import limited_to_free_memory
+from ..core.weights import as_numpy
 from .base import Availability, Backend, BackendUnavailable, Engine, UnsupportedPrecision, load_bound, save_bound
 
 BLOB_FILE = "model.blob"

@@ -26,10 +26,10 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any
 
-from ..choices import TRT_OPT_LEVELS
-from ..components import ComponentSpec, Precision
-from ..options import InvalidOptions
-from ..weights import materialize
+from ..core.choices import TRT_OPT_LEVELS
+from ..core.components import ComponentSpec, Precision
+from ..core.options import InvalidOptions
+from ..core.weights import materialize
 from .base import (
     Availability,
     Backend,
@@ -57,7 +57,7 @@ class TrtPrecisionPlan:
 
     `builder_flag` ("FP16", "BF16"): a weakly typed network from the fp32 graph, where TensorRT may pick
     kernels of that type per layer (TensorRT 10). `strongly_typed`: the network runs in the types of its
-    graph, which `graph_pass` (kasoku.optimize's "fp16" / "bf16", fp32 inputs and outputs kept) writes
+    graph, which `graph_pass` (kasoku.build.optimize's "fp16" / "bf16", fp32 inputs and outputs kept) writes
     before the build (TensorRT 11, where the flags are gone)."""
 
     builder_flag: str | None

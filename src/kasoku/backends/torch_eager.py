@@ -10,9 +10,9 @@ from typing import Any
 
 import torch
 
-from ..attention import exportable_attention
-from ..components import ComponentSpec, Precision
-from ..weights import base_layers
+from ..core.attention import exportable_attention
+from ..core.components import ComponentSpec, Precision
+from ..core.weights import base_layers
 from .base import Availability, Backend, Engine, Source
 
 

@@ -11,9 +11,11 @@ its line in results.jsonl is appended (flushed and fsynced) only afterwards, and
 driver (this process), so the results file has a single writer. A job counts as done when its
 image and a result line for the same job (same key) both exist, so re-running the same command
 after an interruption finishes the rest and leaves one image and one line per job.
+
+One of the apps (with cli and serve), the top layer. May import: every layer, and the other apps.
 """
 
-from ..choices import DEFAULT_BATCH_SIZE
+from ..core.choices import DEFAULT_BATCH_SIZE
 from .driver import BatchPlan, BatchResult, LocalRunner, drive, prepare, run_local
 from .jobs import (
     DEFAULT_GUIDANCE,

@@ -10,10 +10,10 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
-from ..choices import DEFAULT_BATCH_SIZE
-from ..errors import KasokuError
-from ..options import CompileOptions
-from ..step_cache import InvalidStepCache, StepCaching
+from ..core.choices import DEFAULT_BATCH_SIZE
+from ..core.errors import KasokuError
+from ..core.options import CompileOptions
+from ..core.step_cache import InvalidStepCache, StepCaching
 from .jobs import InvalidJobs, Job, check_jobs, plan_batches, with_native_size
 from .output import JobResult, OutputDir, check_output_dir
 from .worker import BatchWorker, PipelineRecipe, StageHook, WorkerInfo, batch_profile, describe_backends
@@ -46,9 +46,9 @@ def prepare(model, jobs: list[Job], out_dir: str | Path, *, batch_size: int = DE
     """Every check before any work: the jobs (and their control images, with `controlnet` folders) against
     the profile the engines will serve, then the output folder (created last, so a bad job writes nothing).
     Reads the model's configs, not its weights nor the engines."""
-    from ..cache import default_cache_dir
-    from ..checks import MAX_SIZE_FACTOR
-    from ..schedulers import most_steps
+    from ..core.cache import default_cache_dir
+    from ..core.schedulers import most_steps
+    from ..pipeline.checks import MAX_SIZE_FACTOR
 
     options = CompileOptions.of(options, **fields)
     model = _portable_model(model)

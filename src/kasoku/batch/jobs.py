@@ -11,10 +11,10 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Protocol, TypeVar
 
-from ..choices import DEFAULT_GUIDANCE, DEFAULT_STEPS
-from ..components import ImageShape, ShapeOutOfProfile, ShapeProfile
-from ..errors import KasokuError
-from ..step_cache import DEFAULT_SCHEDULE, METHODS, SCHEDULES
+from ..core.choices import DEFAULT_GUIDANCE, DEFAULT_STEPS
+from ..core.components import ImageShape, ShapeOutOfProfile, ShapeProfile
+from ..core.errors import KasokuError
+from ..core.step_cache import DEFAULT_SCHEDULE, METHODS, SCHEDULES
 
 JOB_FIELDS = ("id", "prompt", "negative_prompt", "seed", "steps", "guidance", "height", "width", "control_image",
               "control_scale", "loras", "cache_interval", "cache_schedule", "ip_adapter", "ip_image", "ip_scale",
@@ -54,7 +54,7 @@ class Job:
     control_image: tuple[str, ...] = ()  # one image file per ControlNet (absolute paths)
     control_scale: float | tuple[float, ...] | None = None  # one for all ControlNets, or one each; None: diffusers'
     loras: tuple[tuple[str, float], ...] = ()  # LoRA adapters (absolute path, weight); () runs the base weights
-    cache_interval: int = 1  # step caching (kasoku.step_cache): one step in N computed (1: off)
+    cache_interval: int = 1  # step caching (kasoku.core.step_cache): one step in N computed (1: off)
     cache_schedule: str = DEFAULT_SCHEDULE
     cache_method: str | None = None  # None: the denoiser's default for an interval, first-block for a threshold
     cache_threshold: float | None = None  # the first-block cache's
@@ -108,7 +108,7 @@ def call_key(height: int | None, width: int | None, steps: int, guidance: float,
 
 
 def caching_arguments(job: Any) -> dict[str, Any]:
-    """The step-caching arguments (kasoku.step_cache) a batch or server job sets: its interval and schedule, its
+    """The step-caching arguments (kasoku.core.step_cache) a batch or server job sets: its interval and schedule, its
     method and threshold where given."""
     given = {"cache_interval": getattr(job, "cache_interval", 1), "cache_schedule": getattr(job, "cache_schedule",
                                                                                                DEFAULT_SCHEDULE)}
@@ -250,7 +250,7 @@ def _image_prompt(record: dict, folder: Path) -> dict[str, tuple]:
         if given:
             raise _LineError(f"`{given[0]}` needs `ip_adapter` (the IP-Adapter weights file it is for).")
         return {}
-    from ..image_prompts import IPAdapterError, check_adapter_file
+    from ..runtime.image_prompts import IPAdapterError, check_adapter_file
 
     adapters = _files(record["ip_adapter"], "ip_adapter", folder, image=False)
     for path in adapters:

@@ -12,7 +12,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from ..errors import KasokuError
+from ..core.errors import KasokuError
 from .jobs import Job
 
 RESULTS_FILE = "results.jsonl"

@@ -18,7 +18,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from ..errors import KasokuError
+from ..core.errors import KasokuError
 from .driver import BatchPlan, BatchResult, OnResult, OnStart, drive, no_stage
 from .jobs import Job
 from .output import BatchFailed, JobResult

@@ -12,8 +12,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from ..components import ShapeProfile
-from ..options import CompileOptions
+from ..core.components import ShapeProfile
+from ..core.options import CompileOptions
 from .jobs import Job, call_arguments
 from .output import STATE_DIR, JobResult, write_atomically
 
@@ -33,13 +33,13 @@ class PipelineRecipe:
 
     def reference(self):
         """The model (with its ControlNets), its modules on the meta device until needed."""
-        from ..model import Model
+        from ..model.pipeline_model import Model
 
         return Model.load(self.model, lazy=True, controlnet=list(self.controlnets) or None, label=self.model)
 
     def load(self, reference=None, on_stage: StageHook | None = None):
         """A KasokuPipeline; from the cache when the engines are built (the usual case)."""
-        from ..pipeline import compile
+        from ..pipeline.kasoku_pipeline import compile
 
         reference = reference if reference is not None else self.reference()
         options = self.options
@@ -55,7 +55,7 @@ class PipelineRecipe:
 
 def txt2img_components(pipe) -> tuple[str, ...]:
     """The components text-to-image runs (never the VAE encoder)."""
-    from ..model import Model
+    from ..model.pipeline_model import Model
 
     return Model.of(pipe).task_components("txt2img")
 
@@ -68,8 +68,8 @@ def batch_profile(pipe, batch_size: int, height: tuple[int, ...] | None = None,
     guidance when every job uses it, none when no job does."""
     from dataclasses import replace
 
-    from ..components import profile_with_ranges
-    from ..model import Model
+    from ..core.components import profile_with_ranges
+    from ..model.pipeline_model import Model
 
     model = Model.of(pipe)
     base = model.default_profile()
@@ -127,7 +127,7 @@ class ImagePromptSwitch:
         adapters, images, scales = image_prompt or ((), (), ())
         if adapters != self._running:
             if adapters:
-                from ..image_prompts import file_arguments
+                from ..runtime.image_prompts import file_arguments
 
                 self.pipeline.load_ip_adapter(**file_arguments(adapters, family=self.pipeline.family))
             else:
@@ -179,7 +179,7 @@ class BatchWorker:
         start = time.perf_counter()
         import torch
 
-        from ..console import quiet_third_party_logs
+        from ..core.console import quiet_third_party_logs
 
         quiet_third_party_logs()
         imported = time.perf_counter()

@@ -3,6 +3,8 @@
 Every command is a small :class:`~kasoku.cli.base.Command` that declares its own arguments beside
 its code and is a thin layer over a library call that returns data. A user error ends in one line
 and a non-zero exit, never a traceback, and nothing is written.
+
+One of the apps (with batch and serve), the top layer. May import: every layer, and the other apps.
 """
 
 from __future__ import annotations
@@ -11,7 +13,7 @@ import argparse
 import sys
 
 from .. import __version__
-from ..errors import KasokuError
+from ..core.errors import KasokuError
 from .admin import CacheCommand, Info
 from .base import Command
 from .build import Compile, Export, Tiny
@@ -52,7 +54,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     from rich.markup import escape
 
-    from ..console import console, quiet_third_party_logs
+    from ..core.console import console, quiet_third_party_logs
 
     quiet_third_party_logs()
     try:

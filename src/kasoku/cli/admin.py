@@ -26,9 +26,9 @@ class CacheCommand(Command):
         add_json(p, "the list (ls), the damaged entries (check) or the evicted ones (prune)")
 
     def run(self, args: argparse.Namespace) -> int:
-        from ..cache import Cache, parse_size
-        from ..console import console
-        from ..errors import KasokuError
+        from ..core.cache import Cache, parse_size
+        from ..core.console import console
+        from ..core.errors import KasokuError
 
         if args.model and args.action != "clear":
             raise KasokuError(f"`kasoku cache {args.action}` takes no MODEL (only `clear` does).")
@@ -49,7 +49,7 @@ class CacheCommand(Command):
         return self.list(cache, args)
 
     def list(self, cache, args) -> int:
-        from ..console import console, table, write_json
+        from ..core.console import console, table, write_json
 
         entries = sorted(cache.list(), key=lambda e: e.last_used, reverse=True)
         rows = [[e.key[:12], e.kind, e.model, e.component, _size(e.size_bytes), _when(e.last_used)] for e in entries]
@@ -61,7 +61,7 @@ class CacheCommand(Command):
         return 0
 
     def prune(self, cache, budget: int, args) -> int:
-        from ..console import console, write_json
+        from ..core.console import console, write_json
 
         before = cache.total_bytes()
         removed = cache.prune(budget)
@@ -77,7 +77,7 @@ class CacheCommand(Command):
         return 0
 
     def check(self, cache, args) -> int:
-        from ..console import console, write_json
+        from ..core.console import console, write_json
 
         damaged = cache.check(repair=args.repair)
         for info, problem in damaged:
@@ -114,8 +114,8 @@ class Info(Command):
         add_json(p)
 
     def run(self, args: argparse.Namespace) -> int:
-        from ..console import console, table, write_json
-        from ..info import system_info
+        from ..core.console import console, table, write_json
+        from ..tools.info import system_info
 
         info = system_info()
         machine = info["machine"]

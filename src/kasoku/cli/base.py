@@ -11,7 +11,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any, ClassVar
 
-from ..errors import KasokuError
+from ..core.errors import KasokuError
 
 
 class Command:
@@ -88,7 +88,7 @@ def finite_float(text: str) -> float:
 
 def component_name(text: str) -> str:
     """A component some family's pipeline can have (controlnet_0, controlnet_1, ... for ControlNets)."""
-    from ..choices import COMPONENT_NAMES, is_component_name
+    from ..core.choices import COMPONENT_NAMES, is_component_name
 
     if not is_component_name(text):
         raise argparse.ArgumentTypeError(f"unknown component {text!r}; choose from {', '.join(COMPONENT_NAMES)}")
@@ -109,8 +109,8 @@ def lora_spec(text: str) -> tuple[Path, float]:
 
 def lora_targets(text: str) -> tuple[str, ...]:
     """A preset (attention) or comma-separated module names."""
-    from ..options import InvalidOptions
-    from ..options import lora_targets as parse
+    from ..core.options import InvalidOptions
+    from ..core.options import lora_targets as parse
 
     try:
         return parse(text)
@@ -119,7 +119,7 @@ def lora_targets(text: str) -> tuple[str, ...]:
 
 
 def add_lora_targets(parser: argparse.ArgumentParser) -> None:
-    from ..options import LORA_TARGET_PRESETS
+    from ..core.options import LORA_TARGET_PRESETS
 
     parser.add_argument("--lora-targets", type=lora_targets, default=None, metavar="NAMES",
                         help="modules whose weights stay engine inputs, so that switching LoRA adapters takes "
@@ -129,8 +129,8 @@ def add_lora_targets(parser: argparse.ArgumentParser) -> None:
 
 
 def image_size(text: str):
-    """WIDTHxHEIGHT, as the OpenAI API writes a size (kasoku.choices.Size)."""
-    from ..choices import Size
+    """WIDTHxHEIGHT, as the OpenAI API writes a size (kasoku.core.choices.Size)."""
+    from ..core.choices import Size
 
     try:
         return Size.parse(text)
@@ -174,7 +174,7 @@ def tiny_vae_from_args(args: argparse.Namespace) -> str | None:
     """The --tiny-vae folder, checked to be an AutoencoderTiny folder (None: the model's own VAE)."""
     if getattr(args, "tiny_vae", None) is None:
         return None
-    from ..loading import load_tiny_vae
+    from ..model.loading import load_tiny_vae
 
     load_tiny_vae(args.tiny_vae, lazy=True)  # reads its config only: a bad folder is said first
     return str(args.tiny_vae)
@@ -206,7 +206,7 @@ def ip_adapter_files(args: argparse.Namespace) -> list[Path] | None:
     """The --ip-adapter files of verify and bench, checked first (None: no IP-Adapter)."""
     if not args.ip_adapter:
         return None
-    from ..image_prompts import check_adapter_files
+    from ..runtime.image_prompts import check_adapter_files
 
     check_adapter_files(args.ip_adapter, getattr(args, "ip_image_encoder", None), "--ip-adapter")
     return list(args.ip_adapter)
@@ -237,7 +237,7 @@ def load_ip_adapters(pipe, args: argparse.Namespace, adapters: list[Path], scale
     """The --ip-adapter files on a compiled pipeline, at their scales (diffusers' load_ip_adapter)."""
     if not adapters:
         return
-    from ..image_prompts import file_arguments
+    from ..runtime.image_prompts import file_arguments
 
     pipe.load_ip_adapter(**file_arguments(adapters, args.ip_image_encoder, pipe.family))
     pipe.set_ip_adapter_scale(scales if len(scales) > 1 else scales[0])
@@ -247,7 +247,7 @@ def controlnets_from_args(args: argparse.Namespace) -> list[str] | None:
     """The --controlnet folders, checked to be ControlNet folders (None: no ControlNet)."""
     if not getattr(args, "controlnet", None):
         return None
-    from ..loading import load_controlnets
+    from ..model.loading import load_controlnets
 
     folders = [str(path) for path in args.controlnet]
     load_controlnets(folders, lazy=True)  # reads configs only: a bad folder is the first thing said
@@ -264,8 +264,8 @@ def add_json(parser: argparse.ArgumentParser, what: str = "the report") -> None:
 
 def add_backend_arguments(parser: argparse.ArgumentParser) -> None:
     """--backend and --precision, with the choices the code accepts."""
-    from ..choices import BACKEND_CHOICES
-    from ..options import DEFAULT_MIN_PSNR, PRECISION_CHOICES
+    from ..core.choices import BACKEND_CHOICES
+    from ..core.options import DEFAULT_MIN_PSNR, PRECISION_CHOICES
 
     parser.add_argument("--backend", choices=BACKEND_CHOICES, default="auto",
                         help="auto (default): TensorRT, then ONNX Runtime CUDA, then inductor on a GPU; on a CPU "
@@ -300,8 +300,8 @@ def check_recipe_arguments(args: argparse.Namespace) -> None:
 
 def add_engine_arguments(parser: argparse.ArgumentParser, *, profile_flags: bool = True) -> None:
     """The options that say which engines to build (compile, generate, verify, bench)."""
-    from ..choices import COMPONENT_NAMES, TRT_OPT_LEVELS
-    from ..options import DEFAULT_EXPORTER, DEFAULT_OPSET, EXPORTERS
+    from ..core.choices import COMPONENT_NAMES, TRT_OPT_LEVELS
+    from ..core.options import DEFAULT_EXPORTER, DEFAULT_OPSET, EXPORTERS
 
     add_backend_arguments(parser)
     if profile_flags:
@@ -330,9 +330,9 @@ def add_engine_arguments(parser: argparse.ArgumentParser, *, profile_flags: bool
 
 
 def add_step_cache_arguments(parser: argparse.ArgumentParser, *, per_call: bool) -> None:
-    """Step caching (DeepCache, kasoku.step_cache): a call's interval and schedule (`per_call`), or
+    """Step caching (DeepCache, kasoku.core.step_cache): a call's interval and schedule (`per_call`), or
     `--step-cache` to build its engines ahead; and the U-Net's skip branch."""
-    from ..step_cache import DEFAULT_ORDER, DEFAULT_SCHEDULE, DEFAULT_WARMUP, METHODS, SCHEDULES
+    from ..core.step_cache import DEFAULT_ORDER, DEFAULT_SCHEDULE, DEFAULT_WARMUP, METHODS, SCHEDULES
 
     if per_call:
         parser.add_argument("--cache-interval", type=positive_int, default=1, metavar="N",
@@ -374,7 +374,7 @@ def step_caching_from_args(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def add_cache_branch(parser: argparse.ArgumentParser) -> None:
-    from ..step_cache import DEFAULT_BRANCH
+    from ..core.step_cache import DEFAULT_BRANCH
 
     parser.add_argument("--cache-branch", type=non_negative_int, default=DEFAULT_BRANCH, metavar="B",
                         help=f"step caching: the U-Net skip branch whose deep feature is cached, counted from the "
@@ -384,7 +384,7 @@ def add_cache_branch(parser: argparse.ArgumentParser) -> None:
 def options_from_args(args: argparse.Namespace, profile=None, *, cuda_graph: bool | None = None):
     """The CompileOptions of the engine arguments, checked before anything is loaded or written.
     `cuda_graph` overrides --cuda-graph (a command that chooses its profile later sets it with the profile)."""
-    from ..options import CompileOptions
+    from ..core.options import CompileOptions
 
     options = CompileOptions(
         backend=args.backend, precision=args.precision, min_psnr=args.min_psnr, profile=profile,
@@ -408,7 +408,7 @@ def check_backend(options, *, cuda_graph: bool = False) -> None:
     """An explicit backend must be installed and build the asked precision (and, with `cuda_graph`,
     replay CUDA graphs): say so before any work."""
     from ..backends import get_backend
-    from ..options import FASTEST
+    from ..core.options import FASTEST
 
     names = set(options.backend.values()) if isinstance(options.backend, dict) else {options.backend}
     precisions = set(options.precision.values()) if isinstance(options.precision, dict) else {options.precision}
@@ -431,8 +431,8 @@ def profile_from_args(args: argparse.Namespace):
         return None
     from dataclasses import replace
 
-    from ..components import profile_with_ranges
-    from ..model import Model
+    from ..core.components import profile_with_ranges
+    from ..model.pipeline_model import Model
 
     base = replace(Model.load(args.model, lazy=True).default_profile(), text_tokens=text_tokens)
     return profile_with_ranges(base, getattr(args, "batch", None), getattr(args, "height", None),
@@ -467,7 +467,7 @@ def flags_named(flags: dict[str, str] = GENERATE_FLAGS) -> Iterator[None]:
 
 def show_stage(component: str, name: str):
     """A spinner while one compile stage of one component runs."""
-    from ..console import stage
+    from ..core.console import stage
 
     return stage(f"{component}: {name}")
 

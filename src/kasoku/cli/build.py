@@ -31,7 +31,7 @@ class Tiny(Command):
     name = "tiny"
 
     def add_arguments(self, p: argparse.ArgumentParser) -> None:
-        from ..choices import FAMILY_TITLES, PREDICTION_TYPES
+        from ..core.choices import FAMILY_TITLES, PREDICTION_TYPES
 
         p.add_argument("dir", type=Path, help="an empty or new folder to write the pipeline into")
         p.add_argument("--family", choices=list(FAMILY_TITLES), default="sd1",
@@ -58,9 +58,9 @@ class Tiny(Command):
         p.add_argument("--seed", type=non_negative_int, default=0, help="seed of the deterministic weights (default 0)")
 
     def run(self, args: argparse.Namespace) -> int:
-        from ..console import console
+        from ..core.console import console
         from ..families import FAMILIES, UNetFamily
-        from ..tiny import (
+        from ..tools.tiny import (
             CONTROLNET_FOLDER,
             IP_ADAPTER_FOLDER,
             TINY_VAE_FOLDER,
@@ -95,8 +95,8 @@ class Export(Command):
     name = "export"
 
     def add_arguments(self, p: argparse.ArgumentParser) -> None:
-        from ..choices import COMPONENT_NAMES
-        from ..options import DEFAULT_EXPORTER, DEFAULT_OPSET, EXPORTERS
+        from ..core.choices import COMPONENT_NAMES
+        from ..core.options import DEFAULT_EXPORTER, DEFAULT_OPSET, EXPORTERS
 
         add_model(p)
         add_controlnet(p)
@@ -110,9 +110,9 @@ class Export(Command):
         add_json(p, "the manifest")
 
     def run(self, args: argparse.Namespace) -> int:
-        from ..console import console, stage, table, write_json
-        from ..errors import KasokuError
-        from ..export import export_pipeline
+        from ..build.export import export_pipeline
+        from ..core.console import console, stage, table, write_json
+        from ..core.errors import KasokuError
 
         if args.outdir.exists() and not args.outdir.is_dir():
             raise KasokuError(f"{args.outdir} is a file; give a folder for the ONNX files.")
@@ -153,18 +153,18 @@ class Compile(Command):
         add_json(p)
 
     def run(self, args: argparse.Namespace) -> int:
-        from ..cache import default_cache_dir
-        from ..compiling import compile_components
-        from ..console import console, table, write_json
+        from ..core.cache import default_cache_dir
+        from ..core.console import console, table, write_json
         from ..families import FAMILIES
-        from ..model import Model
+        from ..model.pipeline_model import Model
+        from ..pipeline.compiling import compile_components
 
         options = options_from_args(args, profile_from_args(args))
         model = Model.load(args.model, lazy=True, controlnet=controlnets_from_args(args),
                            tiny_vae=tiny_vae_from_args(args), label=str(args.model))
         chosen = None
         if options.recipe:
-            from ..recipes import with_recipe
+            from ..policies.recipes import with_recipe
 
             model, options, chosen = with_recipe(model, options, options.cache_dir or default_cache_dir())
         _, report = compile_components(model, options, on_stage=show_stage, label=str(args.model))

@@ -53,8 +53,8 @@ class Verify(Command):
     def run(self, args: argparse.Namespace) -> int:
         from rich.markdown import Markdown
 
-        from ..console import console, stage, write_json
-        from ..verification import markdown, verify
+        from ..core.console import console, stage, write_json
+        from ..tools.verification import markdown, verify
 
         options = options_from_args(args, profile_from_args(args)).replace(onnx_dir=args.onnx)
         with stage("verifying"):
@@ -98,9 +98,9 @@ class Bench(Command):
     def run(self, args: argparse.Namespace) -> int:
         from rich.markdown import Markdown
 
-        from ..benchmark import bench, check_contenders, markdown, plot
-        from ..console import console, stage, write_json
-        from ..errors import KasokuError
+        from ..core.console import console, stage, write_json
+        from ..core.errors import KasokuError
+        from ..tools.benchmark import bench, check_contenders, markdown, plot
 
         if args.repeats < 3:
             raise KasokuError(f"--repeats must be at least 3 (a median of repeats) but is {args.repeats}.")
@@ -132,7 +132,7 @@ class Tune(Command):
     name = "tune"
 
     def add_arguments(self, p: argparse.ArgumentParser) -> None:
-        from ..choices import TUNE_PRECISIONS as PRECISIONS
+        from ..core.choices import TUNE_PRECISIONS as PRECISIONS
 
         add_model(p)
         p.add_argument("--min-psnr", type=finite_float, default=None, metavar="DB",
@@ -168,10 +168,10 @@ class Tune(Command):
     def run(self, args: argparse.Namespace) -> int:
         from rich.markdown import Markdown
 
-        from ..console import console, steps_bar, write_json
-        from ..errors import KasokuError
-        from ..options import DEFAULT_MIN_PSNR
-        from ..tune import markdown, plot, tune
+        from ..core.console import console, steps_bar, write_json
+        from ..core.errors import KasokuError
+        from ..core.options import DEFAULT_MIN_PSNR
+        from ..tools.tune import markdown, plot, tune
 
         if args.budget_s is not None and args.budget_s <= 0:
             raise KasokuError(f"--budget-s must be a positive number of seconds but is {args.budget_s:g}.")
@@ -213,7 +213,7 @@ def add_tiny_vae_candidate(parser: argparse.ArgumentParser) -> None:
 
 
 def add_backend_only(parser: argparse.ArgumentParser) -> None:
-    from ..choices import BACKEND_CHOICES
+    from ..core.choices import BACKEND_CHOICES
 
     parser.add_argument("--backend", choices=BACKEND_CHOICES, default="auto",
                         help="the backend every recipe runs on (default auto: the faster per component, measured "
@@ -233,8 +233,8 @@ class Demo(Command):
         add_json(p)
 
     def run(self, args: argparse.Namespace) -> int:
-        from ..console import console, write_json
-        from ..demo import print_demo_report, run_demo
+        from ..core.console import console, write_json
+        from ..tools.demo import print_demo_report, run_demo
 
         check_output_file(args.output)
         report = run_demo(workdir=args.workdir, output=args.output, cache_dir=args.cache_dir, on_stage=show_stage)

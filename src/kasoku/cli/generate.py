@@ -8,7 +8,7 @@ import time
 import warnings
 from pathlib import Path
 
-from ..errors import KasokuError
+from ..core.errors import KasokuError
 from .base import (
     IMAGE_SUFFIXES,
     Command,
@@ -53,7 +53,7 @@ class Generate(Command):
     name = "generate"
 
     def add_arguments(self, p: argparse.ArgumentParser) -> None:
-        from ..schedulers import SCHEDULERS
+        from ..core.schedulers import SCHEDULERS
 
         add_model(p)
         p.add_argument("prompt", type=text, help="what to draw")
@@ -108,13 +108,13 @@ class Generate(Command):
         add_step_cache_arguments(p, per_call=True)
 
     def run(self, args: argparse.Namespace) -> int:
-        from ..checks import CallChecks, PromptTruncated, check_size, task_of
-        from ..console import console, steps_bar, table
-        from ..lora import check_adapter_file
-        from ..model import Model
-        from ..pipeline import compile
-        from ..schedulers import scheduler_named
-        from ..step_cache import StepCaching
+        from ..core.console import console, steps_bar, table
+        from ..core.schedulers import scheduler_named
+        from ..core.step_cache import StepCaching
+        from ..model.pipeline_model import Model
+        from ..pipeline.checks import CallChecks, PromptTruncated, check_size, task_of
+        from ..pipeline.kasoku_pipeline import compile
+        from ..runtime.lora import check_adapter_file
 
         output = check_output_file(args.output, suffixes=IMAGE_SUFFIXES)
         image = open_image(args.image, "--image") if args.image else None
@@ -138,7 +138,7 @@ class Generate(Command):
         check_size(args.height or native, args.width or native)  # before a compile that could take minutes
         shape = _call_shape(args, image or (controls[0] if controls else None), reference)
         if controls:
-            from ..checks import check_control_images
+            from ..pipeline.checks import check_control_images
 
             check_control_images(controls, 1, shape.height, shape.width)
         for path, _scale in args.lora:
@@ -247,7 +247,7 @@ def _control_images(args: argparse.Namespace) -> list:
 def _call_shape(args: argparse.Namespace, image, pipe):
     """The images, height and width this call generates: --height/--width, else the size of the input image
     (or of the first control image), else the model's native size."""
-    from ..components import ImageShape
+    from ..core.components import ImageShape
 
     base = pipe.default_profile()
     height = args.height or (image.size[1] if image else base.opt.height)
@@ -262,8 +262,8 @@ def _profile_for(args: argparse.Namespace, shape, pipe, options):
     """What `generate` compiles for: engines already in the cache that serve this call (built for the
     exact shape, or for the model's default range), else exact-shape engines for this call's size,
     image count and guidance (static shapes: faster on CPU backends, see the README)."""
-    from ..build import cached_profile
-    from ..components import ShapeProfile
+    from ..build.compiler import cached_profile
+    from ..core.components import ShapeProfile
 
     base = dataclasses.replace(pipe.default_profile(), text_tokens=args.text_tokens)
     guided = pipe.doubles_batch({"guidance_scale": args.guidance})
@@ -330,8 +330,8 @@ class Batch(Command):
 
     def run(self, args: argparse.Namespace) -> int:
         from ..batch import import_ray, prepare, read_jobs, run_local, run_ray
-        from ..console import console, table, write_json
-        from ..options import CompileOptions
+        from ..core.console import console, table, write_json
+        from ..core.options import CompileOptions
 
         if args.ray is None and (args.workers not in (None, 1) or args.gpus_per_worker):
             raise KasokuError("--workers and --gpus-per-worker need --ray (without it, the jobs run in this "
@@ -403,7 +403,7 @@ def _batch_bar():
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, ProgressColumn, TextColumn, TimeRemainingColumn
     from rich.text import Text
 
-    from ..console import console
+    from ..core.console import console
 
     class ImagesPerSecond(ProgressColumn):
         def render(self, task) -> Text:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from ..errors import KasokuError
+from ..core.errors import KasokuError
 from .base import (
     Command,
     add_engine_arguments,
@@ -38,7 +38,7 @@ class Serve(Command):
     name = "serve"
 
     def add_arguments(self, p: argparse.ArgumentParser) -> None:
-        from ..choices import DEFAULT_BATCH_SIZE, DEFAULT_MAX_QUEUE, DEFAULT_TIMEOUT, DEFAULT_WINDOW_MS, LOG_LEVELS
+        from ..core.choices import DEFAULT_BATCH_SIZE, DEFAULT_MAX_QUEUE, DEFAULT_TIMEOUT, DEFAULT_WINDOW_MS, LOG_LEVELS
 
         add_model(p)
         p.add_argument("--host", default="127.0.0.1",
@@ -128,7 +128,7 @@ class Serve(Command):
 
 
 def _say(text: str) -> None:
-    from ..console import console
+    from ..core.console import console
 
     console.print(text, markup=False, highlight=False, soft_wrap=True)
     console.file.flush()

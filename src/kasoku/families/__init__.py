@@ -3,6 +3,8 @@
 Each family is one object (see :mod:`kasoku.families.base`); this module is the registry and
 the detection. The family is read from a folder's model_index.json and component configs before
 any weight is loaded, so an unsupported model fails fast with the list of what is supported.
+
+The families layer. May import: the core and architectures.
 """
 
 from __future__ import annotations
@@ -12,8 +14,8 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from ..choices import COMPONENT_NAMES, FAMILY_TITLES, is_component_name
-from ..errors import NotADiffusersPipeline
+from ..core.choices import COMPONENT_NAMES, FAMILY_TITLES, is_component_name
+from ..core.errors import NotADiffusersPipeline
 from .base import CONTROLNET_COMPONENT, TASKS, Family, TransformerFamily, UNetFamily
 from .flux import Flux
 from .sd import StableDiffusion1, StableDiffusion2
@@ -39,8 +41,8 @@ def component_names() -> tuple[str, ...]:
 
 
 if {name: f.title for name, f in FAMILIES.items()} != FAMILY_TITLES or component_names() != COMPONENT_NAMES:
-    raise RuntimeError("kasoku.choices.FAMILY_TITLES and COMPONENT_NAMES must name the registry's families and their "
-                       "components: add a new family there too (the commands offer them from there).")
+    raise RuntimeError("kasoku.core.choices.FAMILY_TITLES and COMPONENT_NAMES must name the registry's families and "
+                       "their components: add a new family there too (the commands offer them from there).")
 
 
 def family_only_arguments() -> dict[str, tuple[Family, ...]]:

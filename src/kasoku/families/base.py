@@ -3,10 +3,10 @@
 A :class:`Family` owns its diffusers pipeline classes per task, how it is recognised from a folder or a live
 pipeline, its slots and which architecture fills each (:mod:`kasoku.architectures`), its call defaults
 (steps, guidance) and checks, and its capabilities: what ControlNet, step caching and LoRA mean for it.
-Everything else in kasoku asks the family (through :class:`kasoku.model.Model`); nothing outside the
+Everything else in kasoku asks the family (through :class:`kasoku.model.pipeline_model.Model`); nothing outside the
 families names a slot by a U-Net word.
 
-Family methods take the *model* (a :class:`kasoku.model.Model`: the pipeline, lazy loading and weight
+Family methods take the *model* (a :class:`kasoku.model.pipeline_model.Model`: the pipeline, lazy loading and weight
 digests; see :class:`ModelView` for what they read), except where they act on a diffusers pipeline itself
 (:meth:`Family.task_pipeline`, :meth:`UNetFamily.with_controlnet`). :class:`UNetFamily` is the base of the
 U-Net families (SD 1.x/2.x/XL): the ``unet`` slot, its ControlNets and its step-cache graphs.
@@ -25,12 +25,12 @@ from typing import Any, ClassVar, Protocol
 
 from ..architectures import clip, controlnet, deepcache, ip_adapter, t5, unet, vae
 from ..architectures.base import Axes, ModuleRef, module_at
-from ..choices import CONTROLNET_COMPONENT
-from ..components import Axis, ComponentSpec, Precision, ShapeProfile, TensorSpec, default_profile
-from ..errors import KasokuError, NotADiffusersPipeline
-from ..standins import EngineTimes, StepCacheTargets
-from ..step_cache import BLOCK_COMPONENTS, DEEPCACHE, DEFAULT_BRANCH, FIRST_BLOCK, TAYLORSEER
-from ..step_cache import COMPONENTS as STEP_CACHE_COMPONENTS
+from ..core.choices import CONTROLNET_COMPONENT
+from ..core.components import Axis, ComponentSpec, Precision, ShapeProfile, TensorSpec, default_profile
+from ..core.errors import KasokuError, NotADiffusersPipeline
+from ..core.standins import EngineTimes, StepCacheTargets
+from ..core.step_cache import BLOCK_COMPONENTS, DEEPCACHE, DEFAULT_BRANCH, FIRST_BLOCK, TAYLORSEER
+from ..core.step_cache import COMPONENTS as STEP_CACHE_COMPONENTS
 
 TASKS = ("txt2img", "img2img", "inpaint")
 # A ControlNet pipeline runs one ControlNet engine per distinct ControlNet model and, in place of the
@@ -45,7 +45,7 @@ UnfitControlNet = controlnet.UnfitControlNet
 
 
 class ModelView(Protocol):
-    """What a family reads of a model (kasoku.model.Model implements it)."""
+    """What a family reads of a model (kasoku.model.pipeline_model.Model implements it)."""
 
     pipe: Any
 
@@ -99,7 +99,7 @@ class Family:
     # kasoku's defaults for the commands (generate, batch, serve); a Python call keeps diffusers' own
     default_steps: ClassVar[int] = 30
     default_guidance: ClassVar[float] = 7.5
-    # capabilities: the step-caching methods its denoiser runs (kasoku.step_cache; the first that reads an interval
+    # capabilities: the step-caching methods its denoiser runs (kasoku.core.step_cache; the first that reads an interval
     # is what `cache_interval` > 1 runs by default), and the step-cache graphs they build (empty: none)
     cache_methods: ClassVar[tuple[str, ...]] = ()
     step_cache_components: ClassVar[tuple[str, ...]] = ()
@@ -430,7 +430,7 @@ class Family:
         raise NotImplementedError
 
     def step_cache_target(self, stand_ins: Mapping[str, Any]):
-        """The stand-in that runs a call's step caching (see kasoku.step_cache; None without the capability): the
+        """The stand-in that runs a call's step caching (see kasoku.core.step_cache; None without the capability): the
         denoiser, and its ControlNets (they skip the steps the run does not compute in full)."""
         if not self.cache_methods:
             return None
@@ -463,7 +463,7 @@ class Family:
     # ---- the built-in tiny model -----------------------------------------------------------
 
     def tiny_pipeline(self, *, inpainting: bool = False, prediction: str = "epsilon", seed: int = 0):
-        """A live tiny pipeline of this family with deterministic weights (see kasoku.tiny)."""
+        """A live tiny pipeline of this family with deterministic weights (see kasoku.tools.tiny)."""
         raise NotImplementedError(f"{self.title} has no built-in tiny model")
 
     def __repr__(self) -> str:

@@ -25,7 +25,7 @@ from ..architectures.tiny import (
     tiny_text_encoder,
     tiny_tokenizer,
 )
-from ..components import ShapeProfile, TensorSpec
+from ..core.components import ShapeProfile, TensorSpec
 from .base import ModelView, TextEncoderSlot, TransformerFamily
 
 

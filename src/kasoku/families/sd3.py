@@ -26,7 +26,7 @@ from ..architectures.tiny import (
     tiny_text_encoder,
     tiny_tokenizer,
 )
-from ..components import ShapeProfile
+from ..core.components import ShapeProfile
 from .base import ModelView, TextEncoderSlot, TransformerFamily
 
 

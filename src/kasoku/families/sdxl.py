@@ -22,9 +22,9 @@ from ..architectures.tiny import (
     tiny_unet_common,
     tiny_vae,
 )
-from ..components import Precision, TensorSpec
-from ..errors import NotADiffusersPipeline
-from ..standins import InvalidInput
+from ..core.components import Precision, TensorSpec
+from ..core.errors import NotADiffusersPipeline
+from ..core.standins import InvalidInput
 from .base import ModelView, TextEncoderSlot, UNetFamily
 
 # SDXL's size/crop conditioning: (height, width) or (top, left) pairs in pixels.

@@ -12,6 +12,8 @@ The flow, each step one module:
 
 Needs `pip install 'kasoku[serve]'` (FastAPI, uvicorn, prometheus-client, python-multipart and
 Ray Serve); the modules import them where used.
+
+One of the apps (with cli and batch), the top layer. May import: every layer, and the other apps.
 """
 
 from .config import (

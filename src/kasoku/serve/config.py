@@ -9,7 +9,7 @@ import re
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
-from ..choices import (  # noqa: F401 - the serve defaults and Size, where callers of the config read them
+from ..core.choices import (  # noqa: F401 - the serve defaults and Size, where callers of the config read them
     DEFAULT_BATCH_SIZE,
     DEFAULT_GUIDANCE,
     DEFAULT_MAX_QUEUE,
@@ -18,10 +18,10 @@ from ..choices import (  # noqa: F401 - the serve defaults and Size, where calle
     DEFAULT_WINDOW_MS,
     Size,
 )
-from ..components import ImageShape, ShapeProfile
-from ..errors import KasokuError
-from ..options import CompileOptions
-from ..schedulers import most_steps
+from ..core.components import ImageShape, ShapeProfile
+from ..core.errors import KasokuError
+from ..core.options import CompileOptions
+from ..core.schedulers import most_steps
 
 SERVE_EXTRA = "pip install 'kasoku[serve]'"
 # what each is called on PyPI -> the names it may be imported by (python-multipart renamed its module)
@@ -61,7 +61,7 @@ class ServeConfig:
     default_guidance: float = DEFAULT_GUIDANCE
     loras: tuple[tuple[str, str], ...] = ()  # (name, absolute path): the LoRA adapters requests may name
     ip_adapter: str | None = None  # an IP-Adapter weights file (absolute): requests may send `ip_image`
-    cache_methods: tuple[str, ...] = ()  # the step-caching methods of the model's denoiser (kasoku.step_cache)
+    cache_methods: tuple[str, ...] = ()  # the step-caching methods of the model's denoiser (kasoku.core.step_cache)
 
     @property
     def lora_names(self) -> tuple[str, ...]:
@@ -128,9 +128,9 @@ def prepare_serving(model, options: CompileOptions | None = None, *, sizes: tupl
     adapters requests may name; with them the attention projections are run-time weights (rebound per
     call, as for `kasoku batch`) unless the options name other targets. `ip_adapter`: an IP-Adapter weights file
     (its image encoder beside it) requests may send image prompts for (`ip_image`)."""
-    from ..build import cached_profile
-    from ..cache import default_cache_dir
-    from ..model import Model
+    from ..build.compiler import cached_profile
+    from ..core.cache import default_cache_dir
+    from ..model.pipeline_model import Model
 
     for name, value, least in (("--max-batch", max_batch, 1), ("--max-queue", max_queue, 1)):
         if value < least:
@@ -152,7 +152,7 @@ def prepare_serving(model, options: CompileOptions | None = None, *, sizes: tupl
                           f"{'is' if len(bad) == 1 else 'are'} not.")
     loras = _checked_loras(loras, reference)
     if ip_adapter is not None:
-        from ..image_prompts import check_adapter_files
+        from ..runtime.image_prompts import check_adapter_files
 
         check_adapter_files([ip_adapter], flag="--ip-adapter")
         if not reference.family.runs_ip_adapters:
@@ -180,7 +180,7 @@ LORA_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*")
 def _checked_loras(loras, reference) -> tuple[tuple[str, str], ...]:
     """Each adapter's name (unique, of LORA_NAME's letters) and file (a LoRA of this model, as an absolute
     path: Ray Serve replicas do not share our working directory)."""
-    from ..lora import check_adapter_file
+    from ..runtime.lora import check_adapter_file
 
     checked: dict[str, str] = {}
     for name, path in loras:

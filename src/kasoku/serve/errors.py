@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Any, ClassVar
 
-from ..errors import KasokuError
+from ..core.errors import KasokuError
 
 
 class ServeError(KasokuError):

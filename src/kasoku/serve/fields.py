@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..batch.jobs import MAX_SEED, caching_arguments, call_key
-from ..step_cache import DEFAULT_SCHEDULE, METHODS, SCHEDULES, InvalidStepCache, StepCaching
+from ..core.step_cache import DEFAULT_SCHEDULE, METHODS, SCHEDULES, InvalidStepCache, StepCaching
 from .config import ServeConfig, Size
 from .errors import InvalidRequest
 
@@ -66,7 +66,7 @@ class ServeJob:
     strength: float | None = None
     image: Any = field(default=None, repr=False)  # PIL images at the output size (img2img, inpaint)
     mask: Any = field(default=None, repr=False)
-    cache_interval: int = 1  # step caching (kasoku.step_cache): 1, none
+    cache_interval: int = 1  # step caching (kasoku.core.step_cache): 1, none
     cache_schedule: str = DEFAULT_SCHEDULE
     loras: tuple[tuple[str, float], ...] = ()  # (file, scale) of the adapters the image runs
     image_prompt: ImagePrompt | None = None  # with the server's IP-Adapter: the image prompt and its scale

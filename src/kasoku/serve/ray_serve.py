@@ -17,7 +17,7 @@ from typing import Any
 
 from ..batch.ray import LOCAL_RAY, import_ray, ray_session
 from ..batch.worker import PipelineRecipe, StageHook
-from ..options import FASTEST
+from ..core.options import FASTEST
 from .config import ServeConfig, ServeNotInstalled
 from .service import ImageService
 
@@ -51,7 +51,7 @@ def replica_class():
     @serve.ingress()
     class KasokuReplica:
         def __init__(self, config: ServeConfig):
-            from ..console import quiet_third_party_logs
+            from ..core.console import quiet_third_party_logs
 
             quiet_third_party_logs()
             if config.options.threads:  # the scheduler's torch ops share the replica's CPUs

@@ -12,8 +12,8 @@ import threading
 from collections.abc import Callable
 
 from ..batch.worker import StageHook
-from ..choices import LOG_LEVELS
-from ..errors import KasokuError
+from ..core.choices import LOG_LEVELS
+from ..core.errors import KasokuError
 from .config import ServeConfig, require_serve
 from .service import ImageService
 

@@ -13,7 +13,7 @@ from typing import Any
 
 from ..batch.jobs import call_arguments
 from ..batch.worker import AdapterSwitch, PipelineRecipe, StageHook, describe_backends
-from ..errors import KasokuError
+from ..core.errors import KasokuError
 from .batching import Batcher, CallAbandoned
 from .config import ServeConfig
 from .errors import InvalidRequest, NotReady
@@ -54,14 +54,14 @@ class ImageService:
         for _name, path in self.config.loras:  # each adapter read once, before the first request
             self.adapters.load(path)
         if self.config.ip_adapter is not None:  # its engines built (or loaded) before the first request
-            from ..image_prompts import file_arguments
+            from ..runtime.image_prompts import file_arguments
 
             pipeline.load_ip_adapter(**file_arguments([self.config.ip_adapter], family=pipeline.family))
         self.pipeline = pipeline
         self.metrics.ready.set(1)
 
     def _check_cached(self) -> None:
-        from ..build import cached_profile
+        from ..build.compiler import cached_profile
 
         options = self.config.options
         if cached_profile(self.config.model, options, [options.profile]) is None:

@@ -1,0 +1,511 @@
+"""One description per component: what export, optimization, engines and verification read.
+
+A component (a text encoder, a denoiser, the VAE decoder or encoder, ...) is a torch module with
+named inputs and outputs. Each tensor dimension is either fixed or an :class:`Axis` derived from
+the pipeline-level :class:`ImageShape` (images per call, height, width in pixels): a scale of one
+image dimension (a latent's height) or of a product of them (a transformer's packed token count);
+the :class:`ShapeProfile` gives the min/opt/max image shape a compiled pipeline serves. Every tensor
+shape anywhere in kasoku is computed from here, torch.export's dynamic dims included. What a
+component's module and tensors are is its architecture's business (:mod:`kasoku.architectures`),
+which components a pipeline has its family's (:mod:`kasoku.families`).
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import json
+import math
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from fractions import Fraction
+from typing import Any
+
+import numpy as np
+import torch
+
+from .attention import exportable_attention
+from .errors import KasokuError
+from .precision import Precision  # noqa: F401 - the enum's home for callers of components
+
+
+class ShapeOutOfProfile(KasokuError, ValueError):
+    """A shape the compiled profile does not serve."""
+
+
+class InvalidProfile(KasokuError, ValueError):
+    """A shape profile that cannot be built."""
+
+
+IMAGE_DIMS = ("batch", "height", "width")
+
+
+@dataclass(frozen=True)
+class ImageShape:
+    """One pipeline call: `batch` images of `height` x `width` pixels."""
+
+    batch: int
+    height: int
+    width: int
+
+    def __str__(self) -> str:
+        return f"{self.batch}x{self.height}x{self.width}"
+
+
+@dataclass(frozen=True)
+class ShapeProfile:
+    """The range of image shapes an engine serves; height and width step by `multiple`."""
+
+    min: ImageShape
+    opt: ImageShape
+    max: ImageShape
+    multiple: int = 8
+    # True: every call uses classifier-free guidance (the U-Net and text encoder see 2x the images);
+    # False: no call does; None: either (their batch ranges from 1x to 2x).
+    guidance: bool | None = None
+    # The tokens a long-prompt text encoder (T5) reads: the pipelines' `max_sequence_length`. None: the
+    # family's default (and for families without such an encoder, nothing).
+    text_tokens: int | None = None
+
+    def __post_init__(self) -> None:
+        for dim in IMAGE_DIMS:
+            lo, mid, hi = (getattr(s, dim) for s in (self.min, self.opt, self.max))
+            if not 1 <= lo <= mid <= hi:
+                raise InvalidProfile(f"profile {dim} must satisfy 1 <= min <= opt <= max but is {lo}, {mid}, {hi}.")
+            if dim != "batch" and any(v % self.multiple for v in (lo, mid, hi)):
+                raise InvalidProfile(
+                    f"profile {dim} values must be multiples of {self.multiple} but are {lo}, {mid}, {hi}."
+                )
+        if self.text_tokens is not None and (not isinstance(self.text_tokens, int) or self.text_tokens < 1):
+            raise InvalidProfile(f"profile text_tokens must be a positive int but is {self.text_tokens!r}.")
+
+    @property
+    def is_static(self) -> bool:
+        """One shape (images, height, width and guidance): what exact-shape engines serve."""
+        return self.min == self.max and self.guidance is not None
+
+    def serves(self, shape: ImageShape, guidance: bool) -> bool:
+        try:
+            self.check(shape)
+        except ShapeOutOfProfile:
+            return False
+        return self.guidance in (None, guidance)
+
+    @classmethod
+    def exact(cls, shape: ImageShape, guidance: bool, multiple: int, text_tokens: int | None = None) -> ShapeProfile:
+        """The profile of one shape: engines built for it are exact-shape (static) engines."""
+        return cls(shape, shape, shape, multiple, guidance, text_tokens)
+
+    def range_text(self, dim: str) -> str:
+        return f"{getattr(self.min, dim)}..{getattr(self.max, dim)}"
+
+    def check(self, shape: ImageShape) -> None:
+        """Raise :class:`ShapeOutOfProfile` naming the allowed range when `shape` is not served."""
+        for dim in IMAGE_DIMS:
+            value = getattr(shape, dim)
+            lo, hi = getattr(self.min, dim), getattr(self.max, dim)
+            if not lo <= value <= hi:
+                flag = f"--{dim} {min(lo, value)}:{max(hi, value)}"
+                raise ShapeOutOfProfile(
+                    f"{dim}={value} is outside the compiled profile ({dim} {lo}..{hi}). "
+                    f"Compile a wider profile, e.g. `kasoku compile MODEL {flag}`."
+                )
+            if dim != "batch" and value % self.multiple:
+                raise ShapeOutOfProfile(
+                    f"{dim}={value} must be a multiple of {self.multiple} for this model."
+                )
+
+    def to_dict(self) -> dict:
+        data = {
+            "min": vars(self.min).copy(),
+            "opt": vars(self.opt).copy(),
+            "max": vars(self.max).copy(),
+            "multiple": self.multiple,
+        }
+        if self.guidance is not None:  # absent for a profile that serves both (keys stay as they were)
+            data["guidance"] = self.guidance
+        if self.text_tokens is not None:  # absent unless given (keys stay as they were)
+            data["text_tokens"] = self.text_tokens
+        return data
+
+    @classmethod
+    def from_dict(cls, data: Mapping) -> ShapeProfile:
+        return cls(*(ImageShape(**data[k]) for k in ("min", "opt", "max")), multiple=int(data["multiple"]),
+                   guidance=data.get("guidance"), text_tokens=data.get("text_tokens"))
+
+    @classmethod
+    def from_ranges(
+        cls,
+        batch: tuple[int, int, int],
+        height: tuple[int, int, int],
+        width: tuple[int, int, int],
+        multiple: int,
+        guidance: bool | None = None,
+        text_tokens: int | None = None,
+    ) -> ShapeProfile:
+        return cls(*(ImageShape(b, h, w) for b, h, w in zip(batch, height, width)), multiple=multiple,
+                   guidance=guidance, text_tokens=text_tokens)
+
+
+@dataclass(frozen=True, repr=False)
+class Axis:
+    """A dynamic dimension: `scale` x the image's `of` ("batch", "height" or "width"), or `scale` x the
+    product of several image dimensions (`of` a tuple: a transformer's packed tokens, height x width / 256).
+
+    `min_scale` replaces `scale` at the profile's minimum: the denoiser and text encoder see 2x
+    the images under classifier-free guidance, but 1x without it. `from_one`: the axis is 1 at the
+    profile's minimum whatever its batch, for the encoders, which see one row per prompt or input image
+    (diffusers repeats their outputs for `num_images_per_prompt`): exact-shape engines for N images
+    still encode one prompt.
+    """
+
+    name: str
+    of: str | tuple[str, ...]
+    scale: Fraction = Fraction(1)
+    min_scale: Fraction | None = None
+    from_one: bool = False
+
+    def __repr__(self) -> str:
+        # the architecture key reads this text: an axis without `from_one` keeps the text (and keys) it had
+        text = f"Axis(name={self.name!r}, of={self.of!r}, scale={self.scale!r}, min_scale={self.min_scale!r}"
+        return text + (", from_one=True)" if self.from_one else ")")
+
+    @property
+    def dims(self) -> tuple[str, ...]:
+        """The image dimensions this axis scales (one, or the several whose product it scales)."""
+        return (self.of,) if isinstance(self.of, str) else tuple(self.of)
+
+    @property
+    def is_product(self) -> bool:
+        return len(self.dims) > 1
+
+    def at(self, shape: ImageShape, *, minimum: bool = False) -> int:
+        if minimum and self.from_one:
+            return 1
+        scale = self.min_scale if (minimum and self.min_scale is not None) else self.scale
+        return int(math.prod(getattr(shape, dim) for dim in self.dims) * scale)
+
+    def in_profile(self, profile: ShapeProfile, which: str) -> int:
+        """The axis at the profile's "min", "opt" or "max": a guidance axis takes 1x the images where
+        the profile has no guidance, and 1x only at its minimum where the profile allows either."""
+        shape = getattr(profile, which)
+        if self.min_scale is not None and profile.guidance is not None:
+            return self.at(shape, minimum=not profile.guidance)
+        return self.at(shape, minimum=which == "min")
+
+
+Dim = int | Axis
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    name: str
+    dims: tuple[Dim, ...]
+    dtype: torch.dtype = torch.float32
+    high: int | None = None  # integer inputs (token ids) are drawn from [0, high)
+    # An input the component reads in fp32 at every precision (diffusers embeds the U-Net's timestep in
+    # fp32 itself, also in a bf16 or fp16 pipeline): engines that compute in a lower dtype leave it as is.
+    always_fp32: bool = False
+
+    def shape_at(self, shape: ImageShape, *, minimum: bool = False) -> tuple[int, ...]:
+        return tuple(d if isinstance(d, int) else d.at(shape, minimum=minimum) for d in self.dims)
+
+    def in_profile(self, profile: ShapeProfile, which: str) -> tuple[int, ...]:
+        return tuple(d if isinstance(d, int) else d.in_profile(profile, which) for d in self.dims)
+
+    @property
+    def dynamic_axes(self) -> dict[int, Axis]:
+        return {i: d for i, d in enumerate(self.dims) if isinstance(d, Axis)}
+
+
+@dataclass(frozen=True)
+class AxisRange:
+    min: int
+    opt: int
+    max: int
+    step: int
+
+
+def default_sample_input(tensor: TensorSpec, shape: tuple[int, ...], generator: torch.Generator) -> torch.Tensor:
+    """A random input of the spec's kind (the parity and timing inputs; an architecture may give its own)."""
+    if tensor.dtype in (torch.int64, torch.int32):
+        return torch.randint(0, tensor.high or 2, shape, generator=generator, dtype=tensor.dtype)
+    if tensor.name == "timestep":
+        return torch.rand(shape, generator=generator) * 999.0
+    if tensor.name == "time_ids":  # original size, crop top-left, target size in pixels
+        return torch.randint(0, 1025, shape, generator=generator).to(torch.float32)
+    if tensor.name == "sample" and len(shape) == 4 and shape[1] == 3:
+        return torch.rand(shape, generator=generator) * 2.0 - 1.0  # an image in [-1, 1]
+    if tensor.name in ("controlnet_cond", "conditioning_scale"):
+        return torch.rand(shape, generator=generator)  # control images are not normalised: [0, 1]
+    return torch.randn(shape, generator=generator)
+
+
+@dataclass(frozen=True)
+class ComponentSpec:
+    """Everything kasoku knows about one exportable component.
+
+    The torch module is built on first use (`load_module`), so that a warm start that finds every
+    engine in the cache never loads torch weights; `weights` returns the digest of the weights the
+    module has (remembered per weights file where it can be, see :mod:`kasoku.model.fingerprint`).
+    """
+
+    name: str
+    inputs: tuple[TensorSpec, ...]
+    outputs: tuple[TensorSpec, ...]
+    profile: ShapeProfile
+    load_module: Callable[[], torch.nn.Module] = field(repr=False, compare=False)
+    weights: Callable[[], str] = field(repr=False, compare=False)
+    config: Mapping = field(default_factory=dict, repr=False, compare=False)
+    sample_input: Callable[[TensorSpec, tuple[int, ...], torch.Generator], torch.Tensor] = field(
+        default=default_sample_input, repr=False, compare=False
+    )
+    # precision -> why this component is built in fp32 when that precision is asked for (SDXL's VAE in fp16)
+    fp32_for: Mapping[Precision, str] = field(default_factory=dict, compare=False)
+    graph_kind: str = ""  # what ONNX Runtime's transformer optimizer calls this graph: clip, unet, vae
+    fp16_keep_ops: tuple[str, ...] = ()  # ops that overflow in fp16 in this component, kept fp32
+    modules: tuple[str, ...] = ()  # the pipeline attributes whose weights it uses ("vae", "unet", ...)
+    int8: str = "weights"  # int8 recipe (kasoku.backends.int8): "weights", or "full" (calibrated activations)
+    takes_lora: bool = False  # LoRA adapters change its weights (diffusers loads them into this component)
+    # Weights whose graph names hold one of these stay engine inputs wherever the backend keeps run-time weights
+    # (IP-Adapters: a switch binds them); the engine is then keyed on `base_weights`, the digest of the others.
+    run_time_parts: tuple[str, ...] = ()
+    base_weights: Callable[[], str] | None = field(default=None, repr=False, compare=False)
+    # What its architecture graph is named by, when not `name`: components that differ by their slot only (a second
+    # ControlNet of one architecture) share one graph and export once.
+    graph_name: str = ""
+
+    @property
+    def graph_id(self) -> str:
+        """The name its architecture graph is keyed by (see `graph_name`)."""
+        return self.graph_name or self.name
+
+    def precision_for(self, requested: Precision | str) -> Precision:
+        """The precision this component is built in when `requested` is asked for."""
+        requested = Precision(requested)
+        return Precision.FP32 if requested in self.fp32_for else requested
+
+    @functools.cached_property
+    def module(self) -> torch.nn.Module:
+        return self.load_module().eval()
+
+    def forget_module(self) -> None:
+        """Drop the built module (its weights are freed once nothing else holds them)."""
+        self.__dict__.pop("module", None)
+
+    @property
+    def input_names(self) -> tuple[str, ...]:
+        return tuple(t.name for t in self.inputs)
+
+    @property
+    def output_names(self) -> tuple[str, ...]:
+        return tuple(t.name for t in self.outputs)
+
+    def axes(self) -> dict[str, tuple[Axis, AxisRange]]:
+        """Every dynamic input axis with its min/opt/max and step over the profile."""
+        out: dict[str, tuple[Axis, AxisRange]] = {}
+        for tensor in self.inputs:
+            for axis in tensor.dynamic_axes.values():
+                step = self.profile.multiple * axis.scale if axis.of != "batch" and not axis.is_product else 1
+                out[axis.name] = (
+                    axis,
+                    AxisRange(
+                        min=axis.in_profile(self.profile, "min"),
+                        opt=axis.in_profile(self.profile, "opt"),
+                        max=axis.in_profile(self.profile, "max"),
+                        step=max(1, int(step)),
+                    ),
+                )
+        return out
+
+    def input_shapes(self, shape: ImageShape) -> dict[str, tuple[int, ...]]:
+        return {t.name: t.shape_at(shape) for t in self.inputs}
+
+    def output_shapes(self, input_shapes: Mapping[str, tuple[int, ...]]) -> dict[str, tuple[int, ...]]:
+        """The shape of every output for inputs of these shapes. An output axis takes the value of
+        the input axis of the same name, else the image size it scales (e.g. the VAE decoder's
+        pixel height from its input's latent height). Inputs left out are not read (an output shaped as an input
+        that is not known yet)."""
+        values: dict[str, int] = {}
+        image: dict[str, Fraction] = {}
+        for tensor in self.inputs:
+            if tensor.name not in input_shapes:
+                continue
+            for index, axis in tensor.dynamic_axes.items():
+                value = int(input_shapes[tensor.name][index])
+                values[axis.name] = value
+                if axis.min_scale is None and not axis.is_product:
+                    image.setdefault(axis.of, Fraction(value) / axis.scale)
+        return {
+            t.name: tuple(d if isinstance(d, int) else values.get(d.name) or int(image[d.of] * d.scale)
+                          for d in t.dims)
+            for t in self.outputs
+        }
+
+    def profile_shapes(self) -> dict[str, tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...]]]:
+        """min/opt/max shape of every input (what a TensorRT optimization profile needs)."""
+        return {t.name: tuple(t.in_profile(self.profile, w) for w in ("min", "opt", "max")) for t in self.inputs}
+
+    def sample_inputs(self, shape: ImageShape, seed: int = 0) -> dict[str, torch.Tensor]:
+        """Deterministic random inputs for one image shape (the parity and timing inputs); with
+        guidance unless the profile has none."""
+        generator = torch.Generator().manual_seed(seed)
+        no_guidance = self.profile.guidance is False
+        return {
+            t.name: self.sample_input(t, t.shape_at(shape, minimum=no_guidance), generator) for t in self.inputs
+        }
+
+    @functools.cached_property
+    def architecture(self) -> str:
+        """Digest of what the graph is, whatever its weights: name, config and tensors."""
+        described = {
+            "name": self.graph_id,
+            "config": _jsonable(self.config),
+            "inputs": [(t.name, [str(d) for d in t.dims], str(t.dtype)) for t in self.inputs],
+            "outputs": [(t.name, [str(d) for d in t.dims]) for t in self.outputs],
+        }
+        return hashlib.sha256(json.dumps(described, sort_keys=True).encode()).hexdigest()
+
+    @functools.cached_property
+    def fingerprint(self) -> str:
+        """Digest of the architecture and the weights: what the exported graph is keyed on."""
+        return hashlib.sha256(f"{self.architecture}:{self.weights()}".encode()).hexdigest()
+
+    @torch.no_grad()
+    def run_torch(self, inputs: Mapping[str, np.ndarray | torch.Tensor]) -> dict[str, np.ndarray]:
+        """The reference: the eager torch module on named inputs."""
+        args = [torch.as_tensor(np.asarray(inputs[name])) for name in self.input_names]
+        with exportable_attention():
+            outputs = self.module(*args)
+        return {name: out.detach().cpu().numpy() for name, out in zip(self.output_names, outputs)}
+
+
+# Config entries that say how a module was saved, not what its graph is: a pipeline saved to a folder and loaded
+# back gains them (transformers writes `architectures` and `dtype`) and must keep its architecture key. A dtype
+# other than fp32 stays: it changes the graph's weight inputs.
+_NOT_ARCHITECTURE = frozenset({"architectures", "transformers_version"})
+_FP32_NAMES = (None, "float32", "torch.float32")
+
+
+def _architecture_entry(key: str, value) -> bool:
+    if key.startswith("_") or key in _NOT_ARCHITECTURE:
+        return False
+    return not (key in ("dtype", "torch_dtype") and (value in _FP32_NAMES or str(value) in _FP32_NAMES))
+
+
+def _jsonable(value):
+    if isinstance(value, Mapping):
+        return {str(k): _jsonable(v) for k, v in value.items() if _architecture_entry(str(k), v)}
+    if isinstance(value, (list, tuple)):
+        return [_jsonable(v) for v in value]
+    if isinstance(value, (str, int, float, bool)) or value is None:
+        return value
+    return str(value)
+
+
+
+
+# ---- profiles ------------------------------------------------------------------------------------
+
+
+def default_profile(native: int, multiple: int, max_batch: int = 4) -> ShapeProfile:
+    """A model's default range: min = half its `native` size, opt = native, max = double, in steps of
+    `multiple` pixels; 1..`max_batch` images."""
+    native = (native // multiple) * multiple or multiple
+    low = max(multiple, (native // 2 // multiple) * multiple)
+    high = native * 2
+    return ShapeProfile.from_ranges((1, 1, max_batch), (low, native, high), (low, native, high), multiple)
+
+
+def profile_with_ranges(base: ShapeProfile, batch: tuple[int, ...] | None = None,
+                        height: tuple[int, ...] | None = None, width: tuple[int, ...] | None = None) -> ShapeProfile:
+    """`base` with the given dims replaced by (MIN, MAX) or (MIN, OPT, MAX) ranges; where no OPT is
+    given, base's optimum clamped into the new range."""
+    ranges = {}
+    for dim, given in (("batch", batch), ("height", height), ("width", width)):
+        low, opt, high = (getattr(base.min, dim), getattr(base.opt, dim), getattr(base.max, dim))
+        if given:
+            low, high = given[0], given[-1]
+            opt = given[1] if len(given) == 3 else min(max(opt, low), high)
+        ranges[dim] = (low, opt, high)
+    return ShapeProfile.from_ranges(ranges["batch"], ranges["height"], ranges["width"], base.multiple, base.guidance,
+                                    base.text_tokens)
+
+
+def profile_serving(base: ShapeProfile, shape: ImageShape) -> ShapeProfile:
+    """`base` widened just enough to serve `shape`."""
+    low = ImageShape(*(min(getattr(base.min, d), getattr(shape, d)) for d in IMAGE_DIMS))
+    high = ImageShape(*(max(getattr(base.max, d), getattr(shape, d)) for d in IMAGE_DIMS))
+    return ShapeProfile(low, base.opt, high, base.multiple, base.guidance, base.text_tokens)
+
+
+# ---- torch.export's view of a spec (the ONNX exporter and AOTInductor both trace through it) ------------
+
+
+def export_shape(profile: ShapeProfile) -> ImageShape:
+    """The shape a component is traced at: the optimum, but with every dynamic size >= 2 (torch.export
+    specializes sizes 0 and 1, which would freeze the batch)."""
+    opt, high = profile.opt, profile.max
+    return ImageShape(batch=min(max(2, opt.batch), high.batch), height=opt.height, width=opt.width)
+
+
+def export_dims_plan(spec: ComponentSpec) -> dict[str, tuple[str, str, int, int, int]]:
+    """How torch.export sees each dynamic axis: (kind, base Dim's name, its min, its max, factor). Axes of one
+    image size at several scales (a ControlNet's latent sample and pixel conditioning image, a U-Net's residuals
+    at each level) are "scaled": multiples of one Dim of that size, so torch.export sees how they relate instead
+    of a constraint violation. A stepped axis is a multiple of a Dim of its own ("step"); an axis of a product of
+    image dims (packed tokens) is a Dim of its own: torch.export derives dims linearly only."""
+    axes = spec.axes()
+    multiple = spec.profile.multiple
+    plan: dict[str, tuple[str, str, int, int, int]] = {}
+    for name, (axis, rng) in axes.items():
+        if rng.min == rng.max:
+            continue
+        scaled = [a for a, _ in axes.values() if a.of == axis.of and a.of != "batch"]
+        if len(scaled) > 1 and not axis.is_product:
+            plan[name] = ("scaled", f"{axis.of}_div{multiple}", getattr(spec.profile.min, axis.of) // multiple,
+                          getattr(spec.profile.max, axis.of) // multiple, int(multiple * axis.scale))
+        elif rng.step > 1:
+            plan[name] = ("step", f"{name}_div{rng.step}", math.ceil(rng.min / rng.step), rng.max // rng.step,
+                          rng.step)
+        else:
+            plan[name] = ("free", name, rng.min, rng.max, 1)
+    return plan
+
+
+def torch_export_dims(spec: ComponentSpec) -> dict[str, object]:
+    """torch.export Dims per dynamic axis name, as :func:`export_dims_plan` lays them out."""
+    from torch.export import Dim
+
+    bases: dict[str, object] = {}  # one Dim per base name: the scaled axes of an image size share theirs
+    dims: dict[str, object] = {}
+    for name, (kind, base, low, high, factor) in export_dims_plan(spec).items():
+        if kind == "free":
+            dims[name] = Dim(base, min=low, max=high)
+            continue
+        if base not in bases:
+            bases[base] = Dim(base, min=low, max=high)
+        dims[name] = factor * bases[base]
+    return dims
+
+
+def traced_shapes(spec: ComponentSpec) -> dict[str, Any]:
+    """What a trace of `spec` depends on besides its module: the inputs' shapes at the traced shape and the
+    dynamic axes' Dims. Profiles that agree on these give the same graph (a text encoder's, whatever the image
+    sizes), so the graph's key holds this rather than the whole profile."""
+    shapes = spec.input_shapes(export_shape(spec.profile))
+    return {"inputs": {name: list(shape) for name, shape in shapes.items()},
+            "dims": {name: list(plan) for name, plan in export_dims_plan(spec).items()}}
+
+
+def torch_dynamic_shapes(spec: ComponentSpec, module: torch.nn.Module | None = None) -> dict[str, object]:
+    """The dynamic shapes of the inputs, keyed as torch.export binds them to the module's forward: by
+    parameter name, and a *args parameter (a variable number of inputs) as a tuple in input order."""
+    import inspect
+
+    dims = torch_export_dims(spec)
+    per_input = {t.name: {i: dims[a.name] for i, a in t.dynamic_axes.items() if a.name in dims} for t in spec.inputs}
+    forward = (module if module is not None else spec.module).forward
+    bound = inspect.signature(forward).bind(*spec.input_names).arguments
+    return {parameter: tuple(per_input[n] for n in names) if isinstance(names, tuple) else per_input[names]
+            for parameter, names in bound.items()}

@@ -1,0 +1,175 @@
+"""`compile_components`: resolve the policies, then build: every component's engine, through the cache.
+
+The order is the point. What the options leave open is decided first, by the policies, each handing the
+builder data: ``precision="fastest"`` measures and chooses a precision per component
+(:mod:`kasoku.policies.fastest`), and int8 components whose engines are not in the cache yet get their calibration
+inputs recorded (:mod:`kasoku.policies.calibration`). Then the builder (:class:`kasoku.build.compiler.Compiler`)
+builds or loads each engine, and torch weights kasoku loaded itself are released once no later component needs them.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Any
+
+from ..backends import Engine
+from ..build.compiler import Compiler, CompileReport, StageHook, _no_hook, requested_components
+from ..core.cache import Cache, default_cache_dir
+from ..core.components import ComponentSpec
+from ..core.memory import GIB, MEMORY_CHECK_ENV, NotEnoughMemory, available_memory, checks_memory
+from ..core.options import FASTEST, CompileOptions, InvalidOptions
+from ..core.weights import run_time_weights
+from ..model.pipeline_model import Model
+from ..policies import calibration
+from ..policies.fastest import choose_precisions
+
+__all__ = ["NotEnoughMemory", "available_memory", "compile_components", "precision_notes"]
+
+
+def compile_components(
+    model,
+    options: CompileOptions | None = None,
+    *,
+    cache: Cache | str | Path | None = None,
+    specs: dict[str, ComponentSpec] | None = None,
+    on_stage: StageHook = _no_hook,
+    label: str | None = None,
+    **fields: Any,
+) -> tuple[dict[str, Engine], CompileReport]:
+    """Fill the cache for the components of `model` and load their engines.
+
+    `model` is a folder, a hub id, a live diffusers pipeline or a :class:`~kasoku.model.pipeline_model.Model`. `options`
+    (or its fields as keywords: backend, precision, profile, components, ...) says what to build; `cache`
+    is a :class:`Cache` or its folder (default: the options' cache_dir). `specs` (from the model's
+    `specs`) lets a caller that compiles repeatedly reuse them. A model given as a folder is loaded
+    lazily: torch weights are read only for the components that must be built."""
+    start = time.perf_counter()
+    options = CompileOptions.of(options, **fields)
+    model = Model.load(model, lazy=True, label=label)
+    root = cache.root if isinstance(cache, Cache) else Path(cache or options.cache_dir or default_cache_dir())
+    model.remember_digests_under(root)
+    specs = specs or model.specs(options.profile, requested_components(model, options),
+                                 cache_branch=options.cache_branch)
+    if not isinstance(cache, Cache):  # created only once the model and its components are known to be fine
+        cache = Cache(root)
+    label = label or model.label
+    notes: list[str] = []
+    asked = options.precision_label
+    if options.precision == FASTEST:
+        options, notes = _fastest(model, specs, options, cache, on_stage)
+    check_lora_targets(model, specs, options)
+    compiler = Compiler(cache, options, on_stage=on_stage, label=label)
+    check_memory(model, {name: spec for name, spec in specs.items() if not _surely_cached(compiler, model, spec)},
+                 compiler)
+    calibration.provide(compiler, model, specs)
+    order = list(specs)
+    model.prefetch_digests(attr for name in order for attr in specs[name].modules)
+
+    def release_unneeded(done: str) -> None:
+        # Free torch weights kasoku loaded itself once no later component needs them.
+        later = {attr for name in order[order.index(done) + 1:] for attr in specs[name].modules}
+        for attr in set(specs[done].modules) - later:
+            for spec in specs.values():
+                if attr in spec.modules:
+                    spec.forget_module()
+            model.release(attr)
+
+    engines, chosen = compiler.compile(specs, on_done=release_unneeded)
+    compiler.finish()
+    report = CompileReport(
+        model=label,
+        precision=asked,
+        profile=next(iter(specs.values())).profile.to_dict(),
+        backends=chosen,
+        stages=compiler.records,
+        seconds=time.perf_counter() - start,
+        family=model.family.name,
+        precisions={name: compiler.precision(spec).value for name, spec in specs.items()},
+        notes=notes + precision_notes(specs, options) + model.notes,
+        load_seconds=compiler.load_seconds,
+    )
+    return engines, report
+
+
+# What building one component's engine holds at once, in units of its fp32 weights: the torch module and the
+# engine's own copy (measured at full size: the SDXL U-Net, 10.3 GB, peaked at 22.5 GiB on OpenVINO).
+BUILD_FOOTPRINT = 2.0
+# A build the guard stopped is tried again once this much more memory is free than when it stopped: what the
+# guard saw free was measured mid-build, after the export and the recording had taken their share.
+RETRY_MARGIN = 2 * GIB
+
+
+def check_lora_targets(model: Model, specs: dict[str, ComponentSpec], options: CompileOptions) -> None:
+    """LoRA targets must name modules the components LoRA changes have (their weights' names are read from the
+    modules as they are, on the meta device too: no weight is read)."""
+    if not options.lora_targets or options.onnx_dir is not None:
+        return
+    takers = [spec for spec in specs.values() if spec.takes_lora]
+    names = [name for spec in takers for path in spec.modules for name, _ in model.ref(path).module.named_parameters()]
+    if takers and not run_time_weights(names, options.lora_targets):
+        raise InvalidOptions(f"`lora_targets` ({', '.join(options.lora_targets)}) match no module of "
+                             f"{', '.join(s.name for s in takers)}; give module names such as to_q or to_out.0 "
+                             "(matched as the end of a module's path), or the preset attention.")
+
+
+def _surely_cached(compiler: Compiler, model: Model, spec: ComponentSpec) -> bool:
+    """Whether `spec`'s engine is in the cache, asked only where that reads no weights (a module whose digest is
+    not known yet is taken to be built)."""
+    return _digests_known(model, spec) and compiler.cached(spec)
+
+
+def _digests_known(model: Model, spec: ComponentSpec) -> bool:
+    """Whether the cache keys of `spec`'s entries can be computed without reading a weight."""
+    return all(model.digest_known(path) for path in spec.modules)
+
+
+def check_memory(model: Model, specs: dict[str, ComponentSpec], compiler: Compiler | None = None) -> None:
+    """Refuse, before any weight is read, a component whose engine build would not fit in the memory this machine
+    has free: an out-of-memory kill mid-build loses the work and says nothing. The build holds about
+    BUILD_FOOTPRINT x the component's fp32 weights (the module loaded for it is counted only where it is not
+    in memory already). With the `compiler`, a build that ran out of memory here before (the cache remembers the
+    builds the memory guard stopped) is refused too while not RETRY_MARGIN more memory is free than then, asked
+    only where that reads no weights."""
+    free = available_memory()
+    if free is None or not checks_memory():
+        return
+    for name, spec in specs.items():
+        weights = sum(model.weight_bytes(path) for path in spec.modules)
+        loaded = all(model.is_loaded(path) for path in spec.modules)
+        needed = weights * (BUILD_FOOTPRINT - (1.0 if loaded else 0.0))
+        if needed > free:
+            t5 = "; SD3 runs without its T5, text_encoder_3=None" if name == "text_encoder_3" else ""
+            raise NotEnoughMemory(
+                f"{name} has {weights / GIB:.1f} GiB of fp32 weights; building its engine needs about "
+                f"{needed / GIB:.1f} GiB and this machine has {free / GIB:.1f} GiB free. Leave it out (`components=` / "
+                f"`--components`, without {name}{t5}), build it on a machine with more memory, or set "
+                f"{MEMORY_CHECK_ENV}=0 to try anyway.", free)
+        stop = compiler.memory_stop(spec) if compiler is not None and _digests_known(model, spec) else None
+        if stop is not None and free < stop["free_bytes"] + RETRY_MARGIN:
+            raise NotEnoughMemory(f"{name}: this build ran out of memory here before, with "
+                                  f"{stop['free_bytes'] / GIB:.1f} GiB free ({free / GIB:.1f} GiB are free now), so it "
+                                  f"is refused before its export and calibration. What it said then: {stop['message']}",
+                                  free)
+
+
+def _fastest(model: Model, specs: dict[str, ComponentSpec], options: CompileOptions, cache: Cache,
+             on_stage: StageHook) -> tuple[CompileOptions, list[str]]:
+    """The options with `fastest` resolved to a precision per component, and the notes that say why."""
+    step_cache = model.family.step_cache_components
+    measured = {name: spec for name, spec in specs.items() if name not in step_cache}
+    chosen, notes = choose_precisions(model, measured, options, cache, on_stage=on_stage)
+    # the step-cache graphs are the denoiser's: they take its precision (their drift is measured as caching's)
+    denoiser = model.family.denoiser
+    chosen.update({name: chosen[denoiser] for name in specs if name in step_cache and denoiser in chosen})
+    return options.replace(precision=chosen), notes
+
+
+def precision_notes(specs: dict[str, ComponentSpec], options: CompileOptions) -> list[str]:
+    """One line per component built in another precision than asked, saying why."""
+    notes = []
+    for name, spec in specs.items():
+        asked = options.precision_of(name)
+        if spec.precision_for(asked) != asked:
+            notes.append(f"{name}: {spec.fp32_for[asked]}.")
+    return notes

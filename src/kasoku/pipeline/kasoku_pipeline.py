@@ -1,0 +1,505 @@
+"""KasokuPipeline: diffusers' own recipes, with engines in place of torch, every input checked first.
+
+The engines run under diffusers' own txt2img / img2img / inpaint pipelines of the model's family
+(:mod:`kasoku.runtime.engine_pipelines`): call signature, schedulers, image processing, callbacks and outputs are
+diffusers' own, and the same seed gives the same image. kasoku adds what an engine needs first: every
+input is checked against the compiled profile before anything runs. :func:`compile` makes one: the
+policies, then the build (:func:`kasoku.pipeline.compiling.compile_components`), then this object.
+
+LoRA adapters keep diffusers' names (`load_lora_weights`, `set_adapters`, `disable_lora`,
+`unload_lora_weights`, `fuse_lora`, ...) and rebind the engines' weights without re-export
+(:mod:`kasoku.runtime.lora`).
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+from ..architectures.ip_adapter import ADAPTER_PARTS, IMAGE_ENCODER, is_ip_input
+from ..backends import Engine
+from ..build.compiler import Compiler, CompileReport
+from ..core.cache import Cache, default_cache_dir
+from ..core.components import Precision, ShapeProfile
+from ..core.errors import KasokuError
+from ..core.options import CompileOptions, InvalidOptions
+from ..core.schedulers import scheduler_named
+from ..core.standins import EngineTimes, InvalidInput
+from ..core.step_cache import StepCaching
+from ..core.weights import bind_named_parts, named_parts
+from ..model.pipeline_model import Model
+from ..policies.recipes import with_recipe
+from ..runtime.engine_pipelines import EnginePipelines
+from ..runtime.image_prompts import IPAdapterError, load_into, set_scale, unload_from
+from ..runtime.lora import AdapterWeight, LoraError, LoraState, read_adapter, weight_binding
+from .checks import CallChecks, PromptTruncated, as_list, task_of
+from .compiling import compile_components
+from .signature import applicable
+
+__all__ = ["KasokuPipeline", "compile", "InvalidInput", "EngineTimes"]
+
+
+class KasokuPipeline:
+    """Stable Diffusion 1.x / 2.x / XL txt2img, img2img and inpaint on compiled engines.
+
+    ``pipe(prompt)`` runs text-to-image; ``pipe(prompt, image=..., strength=...)`` image-to-image;
+    ``pipe(prompt, image=..., mask_image=...)`` inpainting (9-channel inpainting U-Nets, and
+    4-channel ones through diffusers' latent mask blending). Every other argument is diffusers'
+    (for SDXL: prompt_2, negative_prompt_2, original_size, target_size, crops_coords_top_left, ...).
+
+    Compiled with ControlNets (`controlnet=`), every task runs the family's ControlNet pipeline and takes
+    ``control_image=`` (one image, or one per ControlNet) whatever the task, with diffusers'
+    controlnet_conditioning_scale (a number, or one per ControlNet), guess_mode and
+    control_guidance_start / control_guidance_end.
+
+    Step caching (see kasoku.core.step_cache) is kasoku's own arguments, per call, off by default:
+    - ``cache_interval=N`` on a U-Net runs DeepCache: the whole U-Net on one step in N (``cache_schedule=
+      "uniform"``, or the paper's ``"nonuniform"`` spacing) and only its outer layers on the others;
+    - ``cache_interval=N`` on a transformer (or ``cache_method="taylorseer"`` on any denoiser) runs TaylorSeer:
+      after ``cache_warmup`` computed steps (3), one step in N is computed and the others forecast from them by
+      a Taylor series up to ``cache_order`` (1), as diffusers' TaylorSeerCacheConfig;
+    - ``cache_threshold=T`` on a transformer runs the first-block cache: the other blocks are skipped on a step
+      whose first-block residual changed by at most T (relative) since the last step that ran them, as
+      diffusers' FirstBlockCacheConfig (0: every step runs them).
+    ``cache_interval=1`` without a threshold runs the plain denoiser engine, exactly as without it; on a pipeline
+    compiled with ``recipe="fastest"`` such a call runs the recipe's step caching instead. The first
+    call that needs step-cache graphs builds them (or loads them from the cache), unless the pipeline was
+    compiled with ``step_cache=True``; ``last_step_cache`` is the last call's run (its skipped and forecast
+    steps).
+    """
+
+    def __init__(self, model, engines: dict[str, Engine], profile: ShapeProfile,
+                 report: CompileReport | None = None, *, options: CompileOptions | None = None,
+                 cache_root: Path | None = None, label: str | None = None, cache=None, recipe=None):
+        self.model = Model.of(model, label=label)  # a live diffusers pipeline, or a Model
+        self.family = self.model.family
+        self.controlnets = self.model.controlnets  # how many ControlNets steer it
+        self.profile = profile
+        self.last_step_cache = None  # the last call's step-cache run (kasoku.core.step_cache), None without one
+        self.recipe = recipe  # the tuned recipe it runs (kasoku.policies.recipes.ChosenRecipe), None without one
+        self.engines = engines  # the stand-ins read this dict on every call: rebinding weights swaps entries
+        self.compile_report = report
+        self.times = EngineTimes()
+        self._options = options  # what compiled the engines (LoRA rebinds weights to the same graphs)
+        self._cache_root = cache_root
+        self._loras = LoraState()
+        self._base_engines: dict[str, Engine] = {}  # the denoiser's engines without IP-Adapters
+        self._bindings: dict | None = None
+        self._label, self._cache = label, cache  # to build the step-cache engines later
+        self._start_runtime()
+        # `image` is the control image in diffusers' ControlNet text-to-image pipelines (as the class compiled says)
+        self._image_is_control = bool(self.controlnets) and type(self.model.pipe) is \
+            self.family.pipeline_class("txt2img", controlnet=True)
+        self.__signature__ = self.checks.signature  # diffusers' own (inspect.signature(pipe) shows it)
+
+    # ---- construction --------------------------------------------------------------------------
+
+    @classmethod
+    def from_pretrained(cls, path_or_id, backend: str | None = None, *, controlnet=None, tiny_vae=None,
+                        options: CompileOptions | None = None, on_stage=None, **fields) -> KasokuPipeline:
+        """Load a diffusers folder (or hub id when online) and compile it (from the cache when built).
+
+        `controlnet`: ControlNet folders or models (one, or a list for several), run with the family's
+        ControlNet pipelines. `tiny_vae`: an AutoencoderTiny (TAESD) or its folder in place of the VAE. The
+        torch weights are read only for components whose engines are not in the cache yet."""
+        model = Model.load(path_or_id, lazy=True, controlnet=controlnet, tiny_vae=tiny_vae, label=str(path_or_id))
+        return compile(model, backend, options=options, on_stage=on_stage, label=str(path_or_id), **fields)
+
+    # ---- the diffusers surface -----------------------------------------------------------------
+
+    @property
+    def scheduler(self):
+        return self._pipes["txt2img"].scheduler
+
+    @scheduler.setter
+    def scheduler(self, scheduler) -> None:
+        for pipe in self._pipes.values():
+            pipe.scheduler = scheduler
+
+    def set_scheduler(self, name: str) -> None:
+        """Swap the scheduler by short name (see SCHEDULERS), keeping the model's config."""
+        self.scheduler = scheduler_named(name, self.scheduler)
+
+    @property
+    def tokenizer(self):
+        return self.model.pipe.tokenizer
+
+    @property
+    def vae_scale_factor(self) -> int:
+        return self._pipes["txt2img"].vae_scale_factor
+
+    @property
+    def device(self):
+        return self._pipes["txt2img"].device
+
+    def set_progress_bar_config(self, **kwargs) -> None:
+        for pipe in self._pipes.values():
+            pipe.set_progress_bar_config(**kwargs)
+
+    def task(self, image=None, mask_image=None) -> str:
+        return task_of(image, mask_image)
+
+    def __call__(self, *args, **kwargs):
+        """diffusers' call, in the signature of the class it was compiled from (`inspect.signature(pipe)`,
+        positional arguments in its order): txt2img, or img2img with `image`, or inpaint with `image` and
+        `mask_image`; with ControlNets, `control_image` in every task (`image` in diffusers' ControlNet
+        text-to-image classes); with step caching where `cache_interval` > 1 (see the class docstring)."""
+        kwargs = self._by_name(args, kwargs)
+        prompt = kwargs.pop("prompt", None)
+        image, mask_image, control_image = (kwargs.pop(name, None) for name in ("image", "mask_image",
+                                                                                 "control_image"))
+        caching_arguments = {name: kwargs.pop(name) for name in StepCaching.ARGUMENTS if name in kwargs}
+        if self._image_is_control and control_image is None and mask_image is None:
+            image, control_image = None, image  # diffusers' meaning in this class
+        task = self.task(image, mask_image)
+        self.check_inputs(task, prompt, image, mask_image, control_image=control_image, **caching_arguments, **kwargs)
+        for note in self.checks.truncation_notes(prompt, kwargs):
+            warnings.warn(note, PromptTruncated, stacklevel=2)
+        if task != "txt2img":
+            kwargs["image"] = image
+        if task == "inpaint":
+            kwargs["mask_image"] = mask_image
+        if self.controlnets:
+            kwargs.update(self.family.control_arguments(task, control_image))
+            kwargs.update(self._control_scales(kwargs))
+        kwargs.update(self.checks.defaults(kwargs))
+        kwargs = applicable(self.model.pipeline_class(task), kwargs)
+        caching = self.checks.step_caching(caching_arguments)
+        if self.recipe is not None and not caching.active:  # the recipe's, unless the call turns on its own
+            caching = self.checks.step_caching(self.recipe.call_arguments)
+        run = None
+        if caching.active:
+            self.enable_step_cache(caching.graphs)
+            run = self._runtime.step_cache_run(task, caching)
+        self.last_step_cache = run
+        return self._runtime(task, step_cache=run, prompt=prompt, **kwargs)
+
+    def _by_name(self, args: tuple, kwargs: dict[str, Any]) -> dict[str, Any]:
+        """Positional arguments named as the signature orders them (diffusers' class's own order)."""
+        positional = [p.name for p in self.__signature__.parameters.values()
+                      if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+        if len(args) > len(positional):
+            raise InvalidInput(f"this pipeline takes at most {len(positional)} positional arguments "
+                               f"({', '.join(positional)}) but {len(args)} were given; name the others.")
+        for name, value in zip(positional, args):
+            if name in kwargs:
+                raise InvalidInput(f"`{name}` is given twice: by position and by name.")
+            kwargs[name] = value
+        return kwargs
+
+    def _control_scales(self, kwargs) -> dict[str, Any]:
+        """controlnet_conditioning_scale as diffusers takes it: a float for one ControlNet (not an int, nor a
+        list of one), a float or a list of floats for several. Not given, it stays the pipeline's default
+        (1.0 for text-to-image, 0.8 for diffusers' ControlNet image-to-image)."""
+        scale = kwargs.get("controlnet_conditioning_scale")
+        if scale is None:
+            return {}
+        if self.controlnets == 1:
+            return {"controlnet_conditioning_scale": float(as_list(scale)[0])}
+        return {"controlnet_conditioning_scale": [float(s) for s in scale] if isinstance(scale, (list, tuple))
+                else float(scale)}
+
+    def enable_step_cache(self, names: tuple[str, ...] | None = None, on_stage=None) -> None:
+        """Load step-cache engines of this pipeline's denoiser (`names`; default: every graph of its family's
+        methods, as U-Nets' unet_full and unet_shallow, transformers' transformer_first and transformer_rest), on
+        its backend and in its precision; built first when the cache does not hold them."""
+        names = self.family.step_cache_components if names is None else names
+        missing = [name for name in names if name not in self.engines]
+        if not missing:
+            return
+        if self._options is None:
+            raise InvalidInput(f"step caching needs the {' and '.join(names)} engines; compile with "
+                               "step_cache=True (kasoku.compile(..., step_cache=True)).")
+        denoiser = self.engines[self.family.denoiser]
+        options = self._options.replace(components=tuple(missing), step_cache=False, backend=denoiser.backend,
+                                        precision=denoiser.precision)
+        engines, report = compile_components(self.model, options, cache=self._cache, label=self._label,
+                                             **({"on_stage": on_stage} if on_stage else {}))
+        self.engines.update(engines)
+        if self.compile_report is not None:
+            self.compile_report.merge(report)
+
+    # ---- checks first --------------------------------------------------------------------------
+
+    def check_inputs(self, task: str, prompt, image, mask_image, control_image=None, **kwargs) -> None:
+        """Everything an engine cannot serve, as one clear error before anything runs (kasoku.pipeline.checks); step
+        caching's arguments are among `kwargs`."""
+        self.checks.check(task, prompt, image, mask_image, control_image=control_image, **kwargs)
+
+    @property
+    def fixed_arguments(self) -> dict[str, Any]:
+        """The call arguments the engines fix, with their values: the T5 tokens they were compiled for
+        (`max_sequence_length`; diffusers' default may be another). A diffusers pipeline compared with this one
+        takes them too."""
+        return self.checks.fixed_arguments
+
+    # ---- LoRA adapters: diffusers' names, weights rebound without re-export ------------------------
+
+    def load_lora_weights(self, pretrained_model_name_or_path_or_dict, adapter_name: str | None = None,
+                          **kwargs) -> None:
+        """Load a LoRA adapter (a diffusers, kohya or PEFT file, its folder, or a state dict) and make it the
+        active one, as diffusers does; `kwargs` go to diffusers' `lora_state_dict` (weight_name, ...)."""
+        bindings = self._weight_bindings()
+        name = adapter_name or self._loras.next_name()
+        self._loras.check_new(name)  # before reading the file
+        adapter = read_adapter(pretrained_model_name_or_path_or_dict, name, self.model,
+                               {c: b.graph_weights for c, b in bindings.items()}, **kwargs)
+        self._loras.add(adapter)
+        self._apply_loras()
+
+    def set_adapters(self, adapter_names: str | Sequence[str],
+                     adapter_weights: AdapterWeight | Sequence[AdapterWeight | None] | None = None) -> None:
+        """Activate these adapters, each at its weight (a number, or one per component such as
+        {"unet": 0.5, "text_encoder": 1.0}; default 1.0)."""
+        names = [adapter_names] if isinstance(adapter_names, str) else list(adapter_names)
+        if adapter_weights is None or isinstance(adapter_weights, (int, float, Mapping)):
+            weights = [adapter_weights] * len(names)
+        else:
+            weights = list(adapter_weights)
+            if len(weights) != len(names):
+                raise LoraError(f"`adapter_weights` must give one weight per adapter: {len(names)} adapter(s) but "
+                                f"{len(weights)} weight(s).")
+        self._loras.set_active(names, weights)
+        self._apply_loras()
+
+    def disable_lora(self) -> None:
+        """Run without the active adapters (fused ones stay part of the weights); `enable_lora` turns them on."""
+        self._loras.enabled = False
+        self._apply_loras()
+
+    def enable_lora(self) -> None:
+        self._loras.enabled = True
+        self._apply_loras()
+
+    def unload_lora_weights(self) -> None:
+        """Forget every adapter: the engines run exactly their base weights again (fused adapters stay part of
+        the weights, as in diffusers; `unfuse_lora` removes them)."""
+        self._loras.delete(list(self._loras.adapters))
+        self._apply_loras()
+
+    def delete_adapters(self, adapter_names: str | Sequence[str]) -> None:
+        self._loras.delete([adapter_names] if isinstance(adapter_names, str) else list(adapter_names))
+        self._apply_loras()
+
+    def fuse_lora(self, components: Sequence[str] | None = None, lora_scale: float = 1.0,
+                  adapter_names: Sequence[str] | None = None, **kwargs) -> None:
+        """Make the active adapters (or `adapter_names`) part of the weights of `components` (default: every
+        component adapters change) at `lora_scale`; they stay so after `unload_lora_weights`."""
+        components = list(components or self.lora_components)
+        self._check_lora_components(components)
+        self._loras.fuse(components, float(lora_scale), adapter_names)
+        self._apply_loras()
+
+    def unfuse_lora(self, components: Sequence[str] | None = None, **kwargs) -> None:
+        """Remove fused adapters from `components`: their base weights exactly, as kept (no subtraction)."""
+        components = list(components or self.lora_components)
+        self._check_lora_components(components)
+        self._loras.unfuse(components)
+        self._apply_loras()
+
+    def get_active_adapters(self) -> list[str]:
+        return list(self._loras.active) if self._loras.enabled else []
+
+    def get_list_adapters(self) -> dict[str, list[str]]:
+        """Per component, the adapters that change it."""
+        return {c: [n for n, a in self._loras.adapters.items() if c in a.layers] for c in self.lora_components}
+
+    @property
+    def lora_components(self) -> tuple[str, ...]:
+        """The compiled components LoRA adapters change (the U-Net and the text encoders)."""
+        return tuple(name for name, engine in self.engines.items() if engine.spec.takes_lora)
+
+    def _check_lora_components(self, components: Sequence[str]) -> None:
+        unknown = [c for c in components if c not in self.lora_components]
+        if unknown:
+            raise LoraError(f"`components` must be among {', '.join(self.lora_components)} but include "
+                            f"{', '.join(unknown)}.")
+
+    def _apply_loras(self) -> None:
+        for component, binding in self._weight_bindings().items():
+            self.engines[component] = binding.apply(self._loras.contributions(component))
+
+    def _weight_bindings(self) -> dict:
+        """Per LoRA component, its weight binding (created on first use: graphs from the cache)."""
+        if self._bindings is None:
+            self._needs_options("LoRA adapters")
+            report = self.compile_report
+            options = self._options.replace(backend=dict(report.backends),
+                                            precision={c: Precision(p) for c, p in report.precisions.items()})
+            compiler = Compiler(Cache(self._cache_root), options, label=report.model)
+            self._bindings = {name: weight_binding(compiler, self.engines[name].spec, report.backends[name],
+                                                   self.engines[name]) for name in self.lora_components}
+        return self._bindings
+
+    # ---- IP-Adapters: diffusers' names, image prompts as engine inputs ------------------------------
+
+    def load_ip_adapter(self, *args, **kwargs) -> None:
+        """diffusers' `load_ip_adapter` with the arguments the model's diffusers pipeline takes (the U-Net
+        pipelines': source, subfolder, weight_name, image_encoder_folder; Flux's: source, weight_name, subfolder,
+        image_encoder_pretrained_model_name_or_path; one adapter, or lists for several): the plain and Plus kinds,
+        with their image encoder; then the image encoder's engine and the denoiser's with image-prompt inputs
+        (from the cache when built: a second adapter of the same kind and size builds no new graph). Calls then
+        take `ip_adapter_image` (one image per adapter) or `ip_adapter_image_embeds`."""
+        self._needs_options("IP-Adapters")
+        load_into(self.model, *args, **kwargs)
+        try:
+            self._rebuild_for_image_prompts()
+        except Exception:
+            unload_from(self.model)
+            self._rebuild_for_image_prompts()
+            raise
+
+    def set_ip_adapter_scale(self, scale) -> None:
+        """diffusers' `set_ip_adapter_scale`: a number, one per adapter, or per block ({"down": {"block_2":
+        [0.0, 1.0]}, "up": ...}); an input of the engines, so nothing is rebuilt."""
+        set_scale(self.model, scale)
+
+    def unload_ip_adapter(self) -> None:
+        """diffusers' `unload_ip_adapter`: the base U-Net engine again (exactly its images) and no image encoder."""
+        unload_from(self.model)
+        self._rebuild_for_image_prompts()
+
+    def prepare_ip_adapter_image_embeds(self, *args, **kwargs):
+        """diffusers' own (with its family's arguments: the U-Net pipelines' take do_classifier_free_guidance,
+        Flux's not), on the image encoder's engine: the `ip_adapter_image_embeds` a later call can take. The embeds,
+        device and images per prompt default to none, the pipeline's device and one."""
+        import inspect
+
+        if not self.family.ip_adapters(self.model):
+            raise IPAdapterError("no IP-Adapter is loaded; call load_ip_adapter(...) first.")
+        method = self._pipes["txt2img"].prepare_ip_adapter_image_embeds
+        try:
+            bound = inspect.signature(method).bind_partial(*args, **kwargs)
+        except TypeError as error:
+            raise IPAdapterError(f"prepare_ip_adapter_image_embeds: {error}") from None
+        arguments = {"ip_adapter_image_embeds": None, "num_images_per_prompt": 1, **bound.arguments}
+        arguments["device"] = arguments.get("device") or self.device
+        return method(**arguments)
+
+    def _rebuild_for_image_prompts(self) -> None:
+        """The engines the model's IP-Adapters (or their absence) need, then diffusers' pipelines over them. The
+        base U-Net's engine is kept: unloading puts it back."""
+        names = self.family.ip_adapter_components(self.model)
+        denoiser = names[-1]
+        if self._rebind_adapters(denoiser):
+            return
+        if self._bindings is not None and denoiser in self._bindings:
+            # the engine set aside (or replaced) goes back to its base weights: a later binding takes the weights it
+            # finds as the base
+            self.engines[denoiser] = self._bindings[denoiser].apply([])
+        current = self.engines[denoiser]
+        adapters = self.family.ip_adapters(self.model)
+        if not self._has_image_prompts(current):
+            self._base_engines.setdefault(denoiser, current)
+        self.engines.pop(IMAGE_ENCODER, None)
+        if not adapters and denoiser in self._base_engines:
+            self.engines[denoiser] = self._base_engines[denoiser]
+        else:
+            options = self._options.replace(components=names, step_cache=False,
+                                            backend={name: current.backend for name in names},
+                                            precision={name: current.precision for name in names})
+            engines, report = compile_components(self.model, options, cache=self._cache, label=self._label)
+            self.engines.update(engines)
+            if self.compile_report is not None:
+                self.compile_report.merge(report)
+        self._bindings = None  # LoRA binds the new engines' weights
+        if self._loras.adapters:
+            self._apply_loras()
+        scheduler = self.scheduler
+        self._start_runtime()
+        self.scheduler = scheduler
+
+    def _start_runtime(self) -> None:
+        """diffusers' pipelines on stand-ins over the engines, and the checks of their calls (again when IP-Adapters
+        change which engines and diffusers components a call runs)."""
+        self._runtime = EnginePipelines(self.model, self.engines, self.times)
+        self._pipes = self._runtime.pipes
+        self.checks = CallChecks(self.model, self.profile, self.engines, scheduler=lambda: self.scheduler,
+                                 can_build_step_cache=self._options is not None)
+        # the image encoder module the image_encoder engine was built from (a rebind keeps that engine)
+        self._encoder_of_engines = getattr(self.model.pipe, IMAGE_ENCODER, None) if IMAGE_ENCODER in self.engines \
+            else None
+
+    def _rebind_adapters(self, denoiser: str) -> bool:
+        """Adapters of the kinds and sizes the engines take, with the same image encoder: their weights bound into
+        the current engine (it keeps them as inputs), nothing loaded or built. Not under LoRA, whose binding keeps
+        the engine's weights as it found them."""
+        current = self.engines.get(denoiser)
+        encoder = getattr(self.model.pipe, IMAGE_ENCODER, None)
+        if current is None or self._loras.adapters or encoder is None or encoder is not self._encoder_of_engines \
+                or IMAGE_ENCODER not in self.engines:
+            return False
+        if not named_parts(current.bound, ADAPTER_PARTS) or not self.family.ip_adapters(self.model):
+            return False
+        spec = self.model.specs(self.profile, [denoiser])[denoiser]
+        if spec.architecture != current.spec.architecture:
+            return False
+        bind_named_parts(current, spec.module, ADAPTER_PARTS)
+        return True
+
+    @staticmethod
+    def _has_image_prompts(engine: Engine) -> bool:
+        return any(is_ip_input(name) for name in engine.spec.input_names)
+
+    def _needs_options(self, what: str) -> None:
+        if self._options is None or self.compile_report is None:
+            raise KasokuError(f"this KasokuPipeline was made from engines directly; {what} need one made by "
+                              "kasoku.compile or KasokuPipeline.from_pretrained.")
+
+    def __repr__(self) -> str:
+        backends = {name: engine.backend for name, engine in self.engines.items()}
+        return f"KasokuPipeline({self.family.title}, backends={backends}, profile={self.profile})"
+
+
+def compile(
+    pipe,
+    backend: str | dict | None = None,
+    *,
+    controlnet=None,
+    tiny_vae=None,
+    options: CompileOptions | None = None,
+    on_stage=None,
+    label: str | None = None,
+    cache=None,
+    **fields: Any,
+) -> KasokuPipeline:
+    """A live diffusers Stable Diffusion 1.x / 2.x / XL pipeline in (txt2img, img2img or inpaint, with or
+    without ControlNets, also one with xFormers attention processors), an accelerated KasokuPipeline out.
+
+    `controlnet` (ControlNet folders or models, one or a list) adds ControlNets to a pipeline without them;
+    `tiny_vae` (an AutoencoderTiny, TAESD, or its folder) runs in place of its VAE (`pipe` is left as it is).
+    `options` is a :class:`CompileOptions`; its fields may also be given as keywords (backend,
+    precision, profile, components, cache_dir, threads, step_cache, cache_branch, ...). ``recipe="fastest"``
+    runs what `kasoku tune` recorded as fastest for this model and machine with images at least ``min_psnr`` dB
+    from the fp32 engines' (its precision, step caching, VAE and shape). `pipe` may also be a
+    :class:`kasoku.model.pipeline_model.Model` (what `KasokuPipeline.from_pretrained` hands it)."""
+    model = _compiled_model(pipe, controlnet, tiny_vae, label)
+    options = CompileOptions.of(options, backend=backend, **fields)
+    root = cache.root if isinstance(cache, Cache) else Path(cache or options.cache_dir or default_cache_dir())
+    recipe = None
+    if options.recipe is not None:
+        if fields.get("precision") is not None:
+            raise InvalidOptions(f"`recipe` ({options.recipe}) sets the precision; leave `precision` out, or compile "
+                                 "without a recipe.")
+        model, options, recipe = with_recipe(model, options, root)
+    if options.profile is None:
+        options = options.replace(profile=model.default_profile())
+    kwargs: dict[str, Any] = {"on_stage": on_stage} if on_stage else {}
+    engines, report = compile_components(model, options, cache=cache, label=label, **kwargs)
+    if recipe is not None:
+        report.notes.insert(0, recipe.note)
+    return KasokuPipeline(model, engines, options.profile, report, options=options, cache_root=root, label=label,
+                          cache=cache, recipe=recipe)
+
+
+def _compiled_model(pipe, controlnet, tiny_vae, label: str | None) -> Model:
+    """The model `compile` takes: a live diffusers pipeline or a Model (a path is refused with what to call)."""
+    if isinstance(pipe, (str, Path)):
+        raise InvalidInput(f"kasoku.compile takes a live diffusers pipeline; for the folder or hub id {str(pipe)!r} "
+                           "use kasoku.KasokuPipeline.from_pretrained(PATH), which loads and compiles it.")
+    model = Model.of(pipe, label=label)  # an unsupported pipeline fails here, naming the supported ones
+    if controlnet is None and tiny_vae is None:
+        return model
+    return Model.load(model, controlnet=controlnet, tiny_vae=tiny_vae, label=model.label)

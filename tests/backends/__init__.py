@@ -1,0 +1,1 @@
+"""Tests of kasoku.backends (src/kasoku/backends/)."""

@@ -1,0 +1,1 @@
+"""Tests of kasoku.batch (src/kasoku/batch/)."""

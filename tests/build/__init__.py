@@ -1,0 +1,1 @@
+"""Tests of kasoku.build (src/kasoku/build/)."""

@@ -1,0 +1,1 @@
+"""Tests of kasoku.cli (src/kasoku/cli/)."""

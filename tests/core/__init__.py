@@ -1,0 +1,1 @@
+"""Tests of kasoku.core (src/kasoku/core/)."""

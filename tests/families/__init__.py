@@ -1,0 +1,1 @@
+"""Tests of kasoku.families (src/kasoku/families/)."""

@@ -1,0 +1,1 @@
+"""Tests of kasoku.model (src/kasoku/model/)."""

@@ -1,0 +1,58 @@
+"""The Model object (a pipeline, its family, lazy loading, weight digests) and what is refused before any weight
+is read: a build that would not fit in memory, a folder missing a component."""
+
+from __future__ import annotations
+
+import shutil
+
+import pytest
+
+from kasoku.core.components import ShapeProfile
+from kasoku.families import FAMILIES
+from kasoku.model.loading import ModelNotFound
+from kasoku.model.pipeline_model import Model
+
+
+def test_a_model_answers_through_its_family(tiny_pipe):
+    model = Model.of(tiny_pipe)
+    assert Model.of(model) is model and model.family is FAMILIES["sd1"]
+    assert model.components == ("text_encoder", "unet", "vae_decoder", "vae_encoder")
+    assert model.tasks == ("txt2img", "img2img", "inpaint") and model.task == "txt2img"
+    assert model.task_components("txt2img") == ("text_encoder", "unet", "vae_decoder")
+    assert (model.native_size, model.pixel_multiple, model.controlnets) == (64, 16, 0)
+    assert model.default_profile() == ShapeProfile.from_ranges((1, 1, 4), (32, 64, 128), (32, 64, 128), 16)
+    ref = model.ref("unet")
+    assert ref.path == "unet" and ref.config is tiny_pipe.unet.config and ref.load() is tiny_pipe.unet
+
+
+def test_a_lazily_loaded_model_reads_no_weights_until_asked(tiny_dir, tmp_path):
+    model = Model.load(tiny_dir, lazy=True).remember_digests_under(tmp_path)
+    assert not model.is_loaded("unet") and not model.digest_known("unet")
+    assert model.weight_bytes("unet") == 4 * sum(p.numel() for p in model.pipe.unet.parameters())
+    digest = model.ref("unet").digest()  # loads the weights once, and remembers the digest under the cache
+    again = Model.load(tiny_dir, lazy=True).remember_digests_under(tmp_path)
+    assert again.digest_known("unet") and again.ref("unet").digest() == digest and not again.is_loaded("unet")
+
+
+def test_a_build_that_would_not_fit_is_refused_before_a_weight_is_read(tiny_dir, tmp_path, monkeypatch):
+    import kasoku
+    from kasoku.pipeline import compiling
+
+    unet_bytes = Model.load(tiny_dir, lazy=True).weight_bytes("unet")
+    monkeypatch.setattr(compiling, "available_memory", lambda: int(1.5 * unet_bytes))  # less than 2x the U-Net
+    with pytest.raises(compiling.NotEnoughMemory, match=r"unet has .* GiB of fp32 weights; building its engine "
+                                                         r"needs about .* Leave it out .*KASOKU_MEMORY_CHECK=0"):
+        kasoku.KasokuPipeline.from_pretrained(str(tiny_dir), "onnxruntime", cache_dir=tmp_path / "cache")
+    assert not (tmp_path / "cache" / "entries").exists() or not any((tmp_path / "cache" / "entries").iterdir())
+    monkeypatch.setenv(compiling.MEMORY_CHECK_ENV, "0")
+    compiling.check_memory(Model.load(tiny_dir, lazy=True),
+                           Model.load(tiny_dir, lazy=True).specs(names=["unet"]))  # the check is off: no error
+
+
+def test_a_folder_missing_a_component_says_so_and_not_that_the_network_failed(tiny_dir, tmp_path):
+    folder = tmp_path / "partial"
+    shutil.copytree(tiny_dir, folder)
+    shutil.rmtree(folder / "vae")
+    with pytest.raises(ModelNotFound, match=r"incomplete: model_index.json lists vae \(AutoencoderKL\).*not a "
+                                            r"network problem"):
+        Model.load(folder, lazy=True)

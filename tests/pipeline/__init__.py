@@ -1,0 +1,1 @@
+"""Tests of kasoku.pipeline (src/kasoku/pipeline/)."""

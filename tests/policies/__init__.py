@@ -1,0 +1,1 @@
+"""Tests of kasoku.policies (src/kasoku/policies/)."""

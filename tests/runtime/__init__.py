@@ -1,0 +1,1 @@
+"""Tests of kasoku.runtime (src/kasoku/runtime/)."""

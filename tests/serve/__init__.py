@@ -1,0 +1,1 @@
+"""Tests of kasoku.serve (src/kasoku/serve/)."""

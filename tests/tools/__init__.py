@@ -1,0 +1,1 @@
+"""Tests of kasoku.tools (src/kasoku/tools/)."""
