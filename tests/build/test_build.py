@@ -10,12 +10,12 @@ import sys
 import pytest
 
 from kasoku.build.compiler import Compiler
-from kasoku.core.cache import Cache, CorruptEntryWarning, digest_key
 from kasoku.cli import main
-from kasoku.pipeline.compiling import compile_components
+from kasoku.core.cache import Cache, CorruptEntryWarning, digest_key
 from kasoku.core.components import ShapeProfile
-from kasoku.model.pipeline_model import Model
 from kasoku.core.options import CompileOptions
+from kasoku.model.pipeline_model import Model
+from kasoku.pipeline.compiling import compile_components
 from tests.conftest import SD_COMPONENTS
 
 pytestmark = pytest.mark.integration  # exports or builds engines

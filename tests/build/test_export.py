@@ -9,11 +9,11 @@ import onnx
 import pytest
 import torch
 
+from kasoku.build.export import check_onnx_parity, export_component, export_pipeline, ort_session
 from kasoku.cli import main
 from kasoku.core.components import ImageShape, ShapeOutOfProfile
-from kasoku.build.export import check_onnx_parity, export_component, export_pipeline, ort_session
-from kasoku.model.loading import ModelNotFound, NotADiffusersPipeline
 from kasoku.core.parity import ParityError
+from kasoku.model.loading import ModelNotFound, NotADiffusersPipeline
 from tests.conftest import SD_COMPONENTS, TINY_CHECK_SHAPES
 
 pytestmark = pytest.mark.integration  # exports or builds engines

@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from kasoku.core.cache import Cache, parse_size
 from kasoku.cli import main
+from kasoku.core.cache import Cache, parse_size
 from tests.conftest import cache_with_graphs
 
 pytestmark = pytest.mark.integration  # builds engines

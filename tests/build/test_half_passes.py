@@ -10,8 +10,8 @@ import pytest
 import torch
 from onnx import TensorProto, helper, numpy_helper
 
-from kasoku.core.components import Precision
 from kasoku.build.optimize import PassContext, bf16_bits, save_model, to_bf16, to_fp16
+from kasoku.core.components import Precision
 
 RNG = np.random.default_rng(0)
 WEIGHT = (RNG.standard_normal((64, 32)) * 0.1).astype(np.float32)

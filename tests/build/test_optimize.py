@@ -5,9 +5,9 @@ from __future__ import annotations
 import onnx
 import pytest
 
-from kasoku.core.components import Precision
 from kasoku.build.export import check_onnx_parity, default_check_shapes
 from kasoku.build.optimize import PASSES, optimize
+from kasoku.core.components import Precision
 from tests.conftest import SD_COMPONENTS
 
 pytestmark = pytest.mark.integration  # exports or builds engines

@@ -14,8 +14,8 @@ from diffusers.models.attention_processor import (
 )
 
 import kasoku
-from kasoku.core.components import ImageShape
 from kasoku.build.export import export_component, ort_session
+from kasoku.core.components import ImageShape
 from kasoku.model.pipeline_model import component_specs
 from kasoku.tools.tiny import tiny_pipeline
 

@@ -42,11 +42,8 @@ from ..backends.base import Backend, Source, cpu_name
 from ..core.cache import Cache, CacheEntry, default_cache_dir, digest_key, file_sha256
 from ..core.components import ComponentSpec, Precision, ShapeProfile, traced_shapes
 from ..core.errors import KasokuError
-from .export import EXPORT_CODE_VERSION, check_onnx_parity, default_check_shapes, export_graph, module_weights
 from ..core.extras import import_onnxruntime
 from ..core.memory import NotEnoughMemory
-from ..model.pipeline_model import Model
-from .optimize import optimize
 from ..core.options import FASTEST, CalibrationPlan, CompileOptions
 from ..core.parity import ParityError, parity_against_torch, raise_on_failure
 from ..core.weights import (
@@ -58,6 +55,9 @@ from ..core.weights import (
     read_graph_weights,
     run_time_weights,
 )
+from ..model.pipeline_model import Model
+from .export import EXPORT_CODE_VERSION, check_onnx_parity, default_check_shapes, export_graph, module_weights
+from .optimize import optimize
 
 ONNX_FILE = "model.onnx"
 AUTO_REPEATS = 3

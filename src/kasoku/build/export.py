@@ -28,7 +28,6 @@ from ..core.components import ComponentSpec, ImageShape, Precision, ShapeProfile
 from ..core.console import to_json
 from ..core.errors import KasokuError
 from ..core.extras import import_onnxruntime
-from ..model.pipeline_model import Model
 from ..core.options import DEFAULT_EXPORTER, DEFAULT_OPSET, EXPORTERS
 from ..core.parity import OutputParity, parity_against_torch, raise_on_failure
 from ..core.weights import (
@@ -42,6 +41,7 @@ from ..core.weights import (
     with_initializers,
 )
 from ..core.weights import module_weights as _module_weights
+from ..model.pipeline_model import Model
 
 logger = logging.getLogger(__name__)
 
