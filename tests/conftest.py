@@ -29,8 +29,9 @@ RUN_SLOW = os.environ.get("KASOKU_RUN_SLOW") == "1"
 # The files that take longest (seconds of one worker, measured 2026-12-03 on 2 cores), run first: `make test` hands
 # whole files to two workers in collection order (--no-loadscope-reorder), so the long ones must not come last
 # and leave one worker idle at the end.
-SLOWEST_FILES = ("test_transformers.py", "test_controlnet.py", "test_families.py", "test_transformer_cache.py",
-                 "test_realtime.py", "test_ip_adapter.py", "test_pipeline.py", "test_footprint.py")
+SLOWEST_FILES = ("test_transformers.py", "test_generic.py", "test_controlnet.py", "test_families.py",
+                 "test_transformer_cache.py", "test_realtime.py", "test_ip_adapter.py", "test_pipeline.py",
+                 "test_footprint.py")
 
 
 def _file_rank(item) -> int:

@@ -114,7 +114,7 @@ def test_bad_model_folders(tmp_path, make, error, message, capsys):
 
 
 def test_unsupported_pipeline_class(tmp_path):
-    (tmp_path / "model_index.json").write_text(json.dumps({"_class_name": "KandinskyV22Pipeline"}))
+    (tmp_path / "model_index.json").write_text(json.dumps({"_class_name": "MadeUpPipeline"}))
     with pytest.raises(NotADiffusersPipeline, match="StableDiffusionPipeline"):
         export_pipeline(tmp_path, tmp_path / "out")
 

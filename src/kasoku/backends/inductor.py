@@ -32,7 +32,7 @@ from typing import Any
 import torch
 
 from ..core.attention import exportable_attention
-from ..core.components import ComponentSpec, Precision, export_shape, torch_dynamic_shapes
+from ..core.components import ComponentSpec, Precision, torch_dynamic_shapes
 from .base import Availability, Backend, Engine, Source, UnsupportedPrecision, cpu_flags, cpu_name, gpu_identity
 
 PACKAGE_FILE = "model.pt2"
@@ -89,7 +89,7 @@ def export_program(spec: ComponentSpec, device: torch.device, dtype: torch.dtype
     module = spec.module
     if device.type != "cpu" or dtype != torch.float32:  # the spec's module stays the fp32 CPU reference
         module = copy.deepcopy(module).to(device=device, dtype=dtype)
-    example = spec.sample_inputs(export_shape(spec.profile))
+    example = spec.sample_inputs(spec.trace_shape())
     args = tuple(compute_input(t, example[t.name], dtype).to(device) for t in spec.inputs)
     with exportable_attention(), torch.no_grad():
         return torch.export.export(module, args, dynamic_shapes=torch_dynamic_shapes(spec))

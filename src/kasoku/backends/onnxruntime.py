@@ -43,7 +43,8 @@ PROVIDERS = {
     "tensorrt": "TensorrtExecutionProvider",
 }
 MODEL_FILE = "model.onnx"
-NUMPY_TYPES = {torch.float32: np.float32, torch.float16: np.float16, torch.int64: np.int64, torch.int32: np.int32}
+NUMPY_TYPES = {torch.float32: np.float32, torch.float16: np.float16, torch.int64: np.int64, torch.int32: np.int32,
+               torch.bool: np.bool_}
 # The TensorRT major ONNX Runtime's TensorRT provider is assumed to load when no tensorrt package says
 # which (onnxruntime-gpu's wheels are built against TensorRT 10).
 DEFAULT_ORT_TRT_VERSION = "10"

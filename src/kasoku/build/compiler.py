@@ -39,12 +39,12 @@ import torch
 
 from ..backends import Engine, UnsupportedPrecision, cpu_candidates, get_backend, gpu_candidates
 from ..backends.base import Backend, Source, cpu_name
-from ..core.cache import Cache, CacheEntry, default_cache_dir, digest_key, file_sha256
+from ..core.cache import Cache, CacheEntry, CacheError, default_cache_dir, digest_key, file_sha256
 from ..core.components import ComponentSpec, Precision, ShapeProfile, traced_shapes
 from ..core.errors import KasokuError
 from ..core.extras import import_onnxruntime
 from ..core.memory import NotEnoughMemory
-from ..core.options import FASTEST, CalibrationPlan, CompileOptions
+from ..core.options import FASTEST, CalibrationPlan, CompileOptions, InvalidOptions
 from ..core.parity import ParityError, parity_against_torch, raise_on_failure
 from ..core.weights import (
     GraphWeight,
@@ -101,6 +101,7 @@ class CompileReport:
     precisions: dict[str, str] = field(default_factory=dict)  # component -> precision it was built in
     notes: list[str] = field(default_factory=list)  # what the user should know (a component kept fp32, ...)
     load_seconds: dict[str, float] = field(default_factory=dict)  # component -> the runtime's load of its engine
+    in_torch: dict[str, str] = field(default_factory=dict)  # component -> why it runs in torch, not on an engine
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -117,6 +118,7 @@ class CompileReport:
         self.backends.update(other.backends)
         self.precisions.update(other.precisions)
         self.load_seconds.update(other.load_seconds)
+        self.in_torch.update(other.in_torch)
         self.stages += other.stages
         self.notes += [note for note in other.notes if note not in self.notes]
         self.seconds += other.seconds
@@ -149,6 +151,7 @@ class Compiler:
         self.calibration: dict[str, list] = dict(calibration or {})
         self.records: list[StageRecord] = []
         self.load_seconds: dict[str, float] = {}
+        self.in_torch: dict[str, str] = {}  # component -> why it stays in torch (a recorded graph that failed)
         self.references: dict = {}  # torch's outputs for the parity checks, computed once per component and shape
         self.built: dict[tuple[str, str], str] = {}  # (component, backend) -> the engine entry this compile built
         self.intermediates: set[str] = set()  # export and optimization entries the engines were built from
@@ -572,13 +575,34 @@ class Compiler:
 
     def compile(self, specs: dict[str, ComponentSpec], on_done: Callable[[str], None] | None = None
                 ) -> tuple[dict[str, Engine], dict[str, str]]:
+        """The engine of each spec and the backend it runs on. A component compiled from recorded calls whose
+        graph does not export, build or match torch stays in torch (`in_torch` says why); a hand-written one
+        raises."""
         engines, chosen = {}, {}
         for name, spec in specs.items():
-            chosen[name], engine = self.choose(spec)
-            engines[name] = engine or self.engine(spec, chosen[name])
+            try:
+                chosen[name], engine = self.choose(spec)
+                engines[name] = engine or self.engine(spec, chosen[name])
+            except _stays_in_torch(spec) as error:
+                if isinstance(error, (NotEnoughMemory, InvalidOptions, CacheError)):
+                    raise  # a refusal that names its remedy
+                chosen[name] = "torch"
+                self.in_torch[name] = _first_line(error)
             if on_done:
                 on_done(name)
         return engines, chosen
+
+
+def _stays_in_torch(spec: ComponentSpec) -> tuple[type[BaseException], ...]:
+    """What keeps a component in torch instead of failing the compile: for a graph made from recorded calls,
+    whatever its export, build or parity check raised (an op no exporter has, data-dependent control flow), but
+    not a refusal that names a remedy (memory, options, the cache)."""
+    return (Exception,) if spec.graph_kind == "recorded" else ()
+
+
+def _first_line(error: BaseException) -> str:
+    text = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+    return text if len(text) <= 200 else text[:197] + "..."
 
 
 def _builds(backend: str, precision: Precision) -> bool:

@@ -24,7 +24,7 @@ import torch
 
 from .. import __version__
 from ..core.attention import exportable_attention
-from ..core.components import ComponentSpec, ImageShape, Precision, ShapeProfile, export_shape, torch_dynamic_shapes
+from ..core.components import ComponentSpec, ImageShape, Precision, ShapeProfile, torch_dynamic_shapes
 from ..core.console import to_json
 from ..core.errors import KasokuError
 from ..core.extras import import_onnxruntime
@@ -106,18 +106,79 @@ def _weights_to_inputs(graph, names: set[str]) -> None:
         graph.inputs.append(value)
 
 
+def _keep_small_addends(graph) -> None:
+    """Give each tiny nonzero scalar that is added or subtracted (Sana's ``x / (y + 1e-15)``) the shape [1]: the
+    ONNX optimizer's no-op rules take a scalar within 1e-8 of 0 for 0 and drop the addition, which turns 0 / 1e-15
+    into 0 / 0. Broadcasting makes [1] the same as a scalar against any tensor of rank 1 or more."""
+    import onnx_ir as ir
+
+    for node in graph:
+        if node.op_type != "Constant" or "value" not in node.attributes:
+            continue
+        tensor = node.attributes["value"].value
+        array = tensor.numpy()
+        if array.ndim != 0 or array.dtype.kind != "f" or not 0 < abs(float(array)) < 1e-7:
+            continue
+        uses = [(user, index) for user, index in node.outputs[0].uses()]
+        if all(user.op_type in ("Add", "Sub") and _rank_at_least_one(user.inputs[1 - index]) for user, index in uses):
+            node.attributes["value"] = ir.AttrTensor("value", ir.tensor(array.reshape(1)))
+            node.outputs[0].shape = ir.Shape([1])
+
+
+def _rank_at_least_one(value) -> bool:
+    return value is not None and value.shape is not None and len(value.shape) >= 1
+
+
+def _without_noop_squeezes(program: torch.export.ExportedProgram) -> torch.export.ExportedProgram:
+    """`program` without the squeezes of dimensions that can never be 1 (PixArt's ``squeeze(1)`` of its token
+    count): torch leaves such a tensor as it is, but ONNX's Squeeze refuses any dimension that is not 1."""
+    from torch.fx.experimental.symbolic_shapes import statically_known_true
+
+    graph = program.graph
+    for node in list(graph.nodes):
+        if node.op != "call_function" or node.target not in (torch.ops.aten.squeeze.dim, torch.ops.aten.squeeze.dims):
+            continue
+        source, dims = node.args[0], node.args[1]
+        shape = source.meta["val"].shape
+        if all(statically_known_true(shape[d] != 1) for d in ([dims] if isinstance(dims, int) else dims)):
+            node.replace_all_uses_with(source)
+            graph.erase_node(node)
+    program.graph_module.recompile()
+    return program
+
+
 def _export_graph_to_file(spec: ComponentSpec, path: Path, exporter: str, opset: int, weights: set[str]) -> None:
     """The graph with `weights` as named inputs. The dynamo exporter runs without its optimizer, which
     would fold weights into new, unnamed constants (transposed projections, reshaped norms); its optimizer
     runs afterwards on the graph whose weights are inputs, so it folds only what no weight feeds."""
-    example = spec.sample_inputs(export_shape(spec.profile))
+    example = spec.sample_inputs(spec.trace_shape())
     args = tuple(example[name] for name in spec.input_names)
     common = dict(input_names=list(spec.input_names), output_names=list(spec.output_names), opset_version=opset)
     with exportable_attention(), torch.no_grad(), _quiet_exporter():
         if exporter == "dynamo":
-            program = torch.onnx.export(spec.module, args, dynamo=True, dynamic_shapes=torch_dynamic_shapes(spec),
-                                        verbose=False, optimize=False, **common)
+            dynamic = torch_dynamic_shapes(spec)
+
+            def converted(module):
+                return torch.onnx.export(module, args, dynamo=True, dynamic_shapes=dynamic, verbose=False,
+                                         optimize=False, **common)
+
+            def captured():
+                # torch.export's non-strict capture reasons through symbolic sizes where the ONNX exporter's own
+                # capture can fail (PixArt's positional embedding); its program converts as it is, less the
+                # squeezes ONNX cannot take
+                return _without_noop_squeezes(torch.export.export(spec.module, args, dynamic_shapes=dynamic,
+                                                                  strict=False))
+
+            # a recorded graph is always captured so; a hand-written one only where the exporter's capture fails
+            recorded = spec.graph_kind == "recorded"
+            try:
+                program = converted(captured() if recorded else spec.module)
+            except torch.onnx.errors.OnnxExporterError:
+                if recorded:
+                    raise
+                program = converted(captured())
             _weights_to_inputs(program.model.graph, weights)
+            _keep_small_addends(program.model.graph)
             program.optimize()
             program.save(str(path), external_data=False)
             return

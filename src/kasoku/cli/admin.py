@@ -106,17 +106,28 @@ def _when(timestamp: float) -> str:
 
 
 class Info(Command):
-    """Installed backends, versions and devices, and why a backend is unavailable."""
+    """Installed backends, versions and devices, and why a backend is unavailable; a MODEL's components."""
 
     name = "info"
 
     def add_arguments(self, p: argparse.ArgumentParser) -> None:
+        p.add_argument("model", nargs="?", default=None,
+                       help="a diffusers folder or hub id: list its components and how each will run (engine, or "
+                            "torch and why). For a family kasoku compiles from its recorded calls, this runs the "
+                            "pipeline at a few small sizes first (its weights are read)")
         add_json(p)
 
     def run(self, args: argparse.Namespace) -> int:
         from ..core.console import console, table, write_json
-        from ..tools.info import system_info
+        from ..tools.info import model_components, system_info
 
+        if args.model is not None:
+            components = model_components(args.model)
+            console.print(table(f"{components['family']} components", ["component", "module", "runs on"],
+                                [[c["component"], c["module"], c["runs"]] for c in components["components"]]))
+            if args.json:
+                write_json(args.json, components)
+            return 0
         info = system_info()
         machine = info["machine"]
         console.print(f"python {info['python']} | CPU: {machine['cpu']} ({machine['cores']} threads) | "

@@ -26,17 +26,19 @@ from .base import (
 
 
 class Tiny(Command):
-    """Write a built-in tiny pipeline (SD 1.x, 2.x, XL, SD3 or Flux.1) as a diffusers folder."""
+    """Write a built-in tiny pipeline (SD 1.x to 3.5, Flux.1, PixArt-Σ, Sana, Flux.2 klein, ...) as a folder."""
 
     name = "tiny"
 
     def add_arguments(self, p: argparse.ArgumentParser) -> None:
         from ..core.choices import FAMILY_TITLES, PREDICTION_TYPES
+        from ..tools.tiny_families import TINY_FAMILIES
 
         p.add_argument("dir", type=Path, help="an empty or new folder to write the pipeline into")
-        p.add_argument("--family", choices=list(FAMILY_TITLES), default="sd1",
+        p.add_argument("--family", choices=[*FAMILY_TITLES, *TINY_FAMILIES], default="sd1", metavar="FAMILY",
                        help="; ".join(f"{name}: {title}" for name, title in FAMILY_TITLES.items())
-                       + " (default sd1)")
+                       + f" (default sd1); or a family kasoku compiles from its recorded calls: "
+                       f"{', '.join(TINY_FAMILIES)}")
         p.add_argument("--prediction", choices=PREDICTION_TYPES, default="epsilon",
                        help="the scheduler's prediction type: epsilon (default; SD 2 base at 512) or v_prediction "
                             "(SD 2 at 768)")
@@ -76,9 +78,10 @@ class Tiny(Command):
                                    prediction=args.prediction, seed=args.seed, controlnet=args.controlnet,
                                    tiny_vae=args.tiny_vae, lcm=args.lcm, ip_adapter=args.ip_adapter)
         kind = "inpainting " if args.inpainting else "LCM " if args.lcm else ""
-        prediction = f"{args.prediction}, " if isinstance(FAMILIES[args.family], UNetFamily) else ""
-        console.print(f"wrote the tiny {FAMILIES[args.family].title} {kind}pipeline ({prediction}seed {args.seed}) "
-                      f"to {path}")
+        family = FAMILIES.get(args.family)
+        prediction = f"{args.prediction}, " if isinstance(family, UNetFamily) else ""
+        console.print(f"wrote the tiny {family.title if family else args.family} {kind}pipeline "
+                      f"({prediction}seed {args.seed}) to {path}")
         if args.controlnet:
             console.print(f"wrote its tiny ControlNet to {path / CONTROLNET_FOLDER}")
         if args.tiny_vae:

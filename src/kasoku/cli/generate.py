@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import inspect
 import time
 import warnings
 from pathlib import Path
@@ -149,6 +150,8 @@ class Generate(Command):
         args.guidance = guidance if args.guidance is None else args.guidance
         options = options.replace(profile=_profile_for(args, shape, reference, options), cuda_graph=args.cuda_graph)
         kwargs = _call_arguments(args, image, mask, controls)
+        if "use_resolution_binning" in inspect.signature(type(reference.pipe).__call__).parameters:
+            kwargs["use_resolution_binning"] = False  # engines are built for the size asked; binning renders another
         planned = {*reference.components, *reference.family.step_cache_components}
         with flags_named():  # every argument checked before a compile that can take minutes
             checks = CallChecks(reference, options.profile, planned, scheduler=lambda: scheduler)
@@ -177,10 +180,16 @@ class Generate(Command):
                 bar.update(task, completed=step + 1, total=_pipe.num_timesteps)
                 return callback_kwargs
 
+            def on_step_legacy(step, _timestep, _latents):  # pipelines older than callback_on_step_end (PixArt's)
+                bar.update(task, completed=step + 1, total=kwargs.get("num_inference_steps"))
+
+            takes = inspect.signature(pipe.__call__).parameters
+            progress = {"callback_on_step_end": on_step} if "callback_on_step_end" in takes else \
+                {"callback": on_step_legacy, "callback_steps": 1} if "callback" in takes else {}
             start = time.perf_counter()
             with flags_named(), warnings.catch_warnings():
                 warnings.simplefilter("ignore", PromptTruncated)  # said above, before the compile
-                images = pipe(args.prompt, callback_on_step_end=on_step, **kwargs).images
+                images = pipe(args.prompt, **progress, **kwargs).images
             call_seconds = time.perf_counter() - start
         paths = [output] if len(images) == 1 else [output.with_name(f"{output.stem}-{i}{output.suffix}")
                                                    for i in range(len(images))]
@@ -203,11 +212,13 @@ def _call_arguments(args: argparse.Namespace, image, mask, controls: list) -> di
     """The pipeline call of `kasoku generate`, in diffusers' names (steps and guidance filled in by `run`)."""
     import torch
 
-    kwargs = dict(negative_prompt=args.negative, num_inference_steps=args.steps,
+    kwargs = dict(num_inference_steps=args.steps,
                   guidance_scale=args.guidance, num_images_per_prompt=args.num_images, height=args.height,
                   width=args.width, generator=torch.Generator().manual_seed(args.seed),
                   **step_caching_from_args(args))
-    kwargs.update({k: v for k, v in (("prompt_2", args.prompt_2), ("negative_prompt_2", args.negative_2),
+    # left out when not given: the class's own default (PixArt's negative prompt is "", and None breaks it)
+    kwargs.update({k: v for k, v in (("negative_prompt", args.negative), ("prompt_2", args.prompt_2),
+                                     ("negative_prompt_2", args.negative_2),
                                      ("prompt_3", args.prompt_3), ("true_cfg_scale", args.true_cfg)) if v})
     if image is not None:
         kwargs.update(image=image, strength=0.8 if args.strength is None else args.strength)

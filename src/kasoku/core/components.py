@@ -164,20 +164,29 @@ class Axis:
     scale: Fraction = Fraction(1)
     min_scale: Fraction | None = None
     from_one: bool = False
+    # A free axis (a prompt's tokens): no image dimension gives it (`of` is empty); it is `scale` at the profile's
+    # optimum and ranges over `bounds` (min, max) whatever the image shape.
+    bounds: tuple[int, int] | None = None
 
     def __repr__(self) -> str:
         # the architecture key reads this text: an axis without `from_one` keeps the text (and keys) it had
         text = f"Axis(name={self.name!r}, of={self.of!r}, scale={self.scale!r}, min_scale={self.min_scale!r}"
-        return text + (", from_one=True)" if self.from_one else ")")
+        text += ", from_one=True" if self.from_one else ""
+        return text + (f", bounds={self.bounds!r})" if self.bounds else ")")
+
+    @classmethod
+    def free(cls, name: str, opt: int, low: int, high: int) -> Axis:
+        """An axis no image dimension gives: `opt` at the profile's optimum, `low`..`high` in every profile."""
+        return cls(name, (), Fraction(opt), bounds=(low, high))
+
+    @property
+    def is_free(self) -> bool:
+        return self.bounds is not None
 
     @property
     def dims(self) -> tuple[str, ...]:
         """The image dimensions this axis scales (one, or the several whose product it scales)."""
         return (self.of,) if isinstance(self.of, str) else tuple(self.of)
-
-    @property
-    def is_product(self) -> bool:
-        return len(self.dims) > 1
 
     def at(self, shape: ImageShape, *, minimum: bool = False) -> int:
         if minimum and self.from_one:
@@ -188,6 +197,8 @@ class Axis:
     def in_profile(self, profile: ShapeProfile, which: str) -> int:
         """The axis at the profile's "min", "opt" or "max": a guidance axis takes 1x the images where
         the profile has no guidance, and 1x only at its minimum where the profile allows either."""
+        if self.bounds is not None:
+            return {"min": self.bounds[0], "max": self.bounds[1]}.get(which, int(self.scale))
         shape = getattr(profile, which)
         if self.min_scale is not None and profile.guidance is not None:
             return self.at(shape, minimum=not profile.guidance)
@@ -306,7 +317,7 @@ class ComponentSpec:
         out: dict[str, tuple[Axis, AxisRange]] = {}
         for tensor in self.inputs:
             for axis in tensor.dynamic_axes.values():
-                step = self.profile.multiple * axis.scale if axis.of != "batch" and not axis.is_product else 1
+                step = self.profile.multiple * axis.scale if axis.of != "batch" and len(axis.dims) == 1 else 1
                 out[axis.name] = (
                     axis,
                     AxisRange(
@@ -334,7 +345,7 @@ class ComponentSpec:
             for index, axis in tensor.dynamic_axes.items():
                 value = int(input_shapes[tensor.name][index])
                 values[axis.name] = value
-                if axis.min_scale is None and not axis.is_product:
+                if axis.min_scale is None and len(axis.dims) == 1:
                     image.setdefault(axis.of, Fraction(value) / axis.scale)
         return {
             t.name: tuple(d if isinstance(d, int) else values.get(d.name) or int(image[d.of] * d.scale)
@@ -346,14 +357,29 @@ class ComponentSpec:
         """min/opt/max shape of every input (what a TensorRT optimization profile needs)."""
         return {t.name: tuple(t.in_profile(self.profile, w) for w in ("min", "opt", "max")) for t in self.inputs}
 
+    def trace_shape(self) -> ImageShape:
+        """The shape its graph is traced at: :func:`export_shape`; a recorded graph's has its height and width
+        apart and off the optimum, so that a module's branch on "the size I was built for" (PixArt's positional
+        embedding, kept for its sample size and recomputed for any other) is traced in its general form."""
+        shape = export_shape(self.profile)
+        if self.graph_kind != "recorded":
+            return shape
+        low, high, step = self.profile.min, self.profile.max, self.profile.multiple
+        height = _moved(shape.height, step, low.height, high.height)
+        width = _moved(shape.width, -step, low.width, high.width, avoid=height)
+        return ImageShape(shape.batch, height, width)
+
     def sample_inputs(self, shape: ImageShape, seed: int = 0) -> dict[str, torch.Tensor]:
         """Deterministic random inputs for one image shape (the parity and timing inputs); with
         guidance unless the profile has none."""
         generator = torch.Generator().manual_seed(seed)
+        return {name: self.sample_input(t, size, generator)
+                for (name, size), t in zip(self.sample_shapes(shape).items(), self.inputs)}
+
+    def sample_shapes(self, shape: ImageShape) -> dict[str, tuple[int, ...]]:
+        """The shape of each input :meth:`sample_inputs` gives: with guidance unless the profile has none."""
         no_guidance = self.profile.guidance is False
-        return {
-            t.name: self.sample_input(t, t.shape_at(shape, minimum=no_guidance), generator) for t in self.inputs
-        }
+        return {t.name: t.shape_at(shape, minimum=no_guidance) for t in self.inputs}
 
     @functools.cached_property
     def architecture(self) -> str:
@@ -449,6 +475,15 @@ def export_shape(profile: ShapeProfile) -> ImageShape:
     return ImageShape(batch=min(max(2, opt.batch), high.batch), height=opt.height, width=opt.width)
 
 
+def _moved(value: int, step: int, low: int, high: int, avoid: int | None = None) -> int:
+    """`value` a step or two away (`step`'s way first) within low..high and not `avoid`, nor the minimum where that
+    is one step (torch.export would trace its Dim at 1 and specialize it); itself where none is."""
+    for candidate in (value + step, value - step, value + 2 * step, value - 2 * step):
+        if low <= candidate <= high and candidate != avoid and candidate > abs(step):
+            return candidate
+    return value
+
+
 def export_dims_plan(spec: ComponentSpec) -> dict[str, tuple[str, str, int, int, int]]:
     """How torch.export sees each dynamic axis: (kind, base Dim's name, its min, its max, factor). Axes of one
     image size at several scales (a ControlNet's latent sample and pixel conditioning image, a U-Net's residuals
@@ -462,7 +497,7 @@ def export_dims_plan(spec: ComponentSpec) -> dict[str, tuple[str, str, int, int,
         if rng.min == rng.max:
             continue
         scaled = [a for a, _ in axes.values() if a.of == axis.of and a.of != "batch"]
-        if len(scaled) > 1 and not axis.is_product:
+        if len(scaled) > 1 and len(axis.dims) == 1:
             plan[name] = ("scaled", f"{axis.of}_div{multiple}", getattr(spec.profile.min, axis.of) // multiple,
                           getattr(spec.profile.max, axis.of) // multiple, int(multiple * axis.scale))
         elif rng.step > 1:
@@ -493,7 +528,7 @@ def traced_shapes(spec: ComponentSpec) -> dict[str, Any]:
     """What a trace of `spec` depends on besides its module: the inputs' shapes at the traced shape and the
     dynamic axes' Dims. Profiles that agree on these give the same graph (a text encoder's, whatever the image
     sizes), so the graph's key holds this rather than the whole profile."""
-    shapes = spec.input_shapes(export_shape(spec.profile))
+    shapes = spec.sample_shapes(spec.trace_shape())  # as traced: once the images where the profile has no guidance
     return {"inputs": {name: list(shape) for name, shape in shapes.items()},
             "dims": {name: list(plan) for name, plan in export_dims_plan(spec).items()}}
 

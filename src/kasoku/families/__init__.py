@@ -18,6 +18,7 @@ from ..core.choices import COMPONENT_NAMES, FAMILY_TITLES, is_component_name
 from ..core.errors import NotADiffusersPipeline
 from .base import CONTROLNET_COMPONENT, TASKS, Family, TransformerFamily, UNetFamily
 from .flux import Flux
+from .generic import GenericFamily, generic_family, is_diffusers_pipeline
 from .sd import StableDiffusion1, StableDiffusion2
 from .sd3 import StableDiffusion3
 from .sdxl import StableDiffusionXL
@@ -27,9 +28,9 @@ FAMILIES: dict[str, Family] = {f.name: f for f in (StableDiffusion1(), StableDif
                                                      StableDiffusion3(), Flux())}
 SUPPORTED_PIPELINES = tuple(dict.fromkeys(c for f in FAMILIES.values() for c in f.class_names()))
 
-__all__ = ["FAMILIES", "SUPPORTED_PIPELINES", "TASKS", "Family", "NotADiffusersPipeline", "TransformerFamily",
-           "UNetFamily", "classify", "component_names", "detect_family", "family_of", "family_only_arguments",
-           "is_component_name", "read_model_index"]
+__all__ = ["FAMILIES", "SUPPORTED_PIPELINES", "TASKS", "Family", "GenericFamily", "NotADiffusersPipeline",
+           "TransformerFamily", "UNetFamily", "classify", "component_names", "detect_family", "family_of",
+           "family_only_arguments", "generic_family", "is_component_name", "read_model_index"]
 
 
 def component_names() -> tuple[str, ...]:
@@ -55,8 +56,12 @@ def family_only_arguments() -> dict[str, tuple[Family, ...]]:
 
 
 def _unsupported(where: str, pipeline_class: Any) -> NotADiffusersPipeline:
+    import diffusers
+
     return NotADiffusersPipeline(
-        f"{where} is a {pipeline_class!r}; kasoku supports {', '.join(SUPPORTED_PIPELINES)}."
+        f"{where} is a {pipeline_class!r}, which is not a pipeline class of the installed diffusers "
+        f"({diffusers.__version__}). kasoku compiles {', '.join(SUPPORTED_PIPELINES)} by hand, and any other "
+        "diffusers pipeline from the calls it makes to its components."
     )
 
 
@@ -72,6 +77,10 @@ def classify(
         if family.matches(pipeline_class, components, configs):
             family.check_layout(components, where)
             return family
+    if isinstance(pipeline_class, str) and is_diffusers_pipeline(pipeline_class):
+        family = generic_family(pipeline_class)  # any other diffusers pipeline: compiled from its recorded calls
+        family.check_layout(components, where)
+        return family
     raise _unsupported(where, pipeline_class)
 
 

@@ -48,6 +48,7 @@ class ModelView(Protocol):
     """What a family reads of a model (kasoku.model.pipeline_model.Model implements it)."""
 
     pipe: Any
+    memo: dict[str, Any]  # what the family learnt of this model once (a generic family's recordings)
 
     def ref(self, path: str) -> ModuleRef: ...
 
@@ -71,6 +72,7 @@ class Family:
 
     name: ClassVar[str]
     title: ClassVar[str]
+    generic: ClassVar[bool] = False  # compiled from recorded calls (kasoku.families.generic), not written by hand
     pipelines: ClassVar[Mapping[str, str]]  # task -> diffusers pipeline class name
     controlnet_pipelines: ClassVar[Mapping[str, str]] = {}  # task -> diffusers ControlNet pipeline class name
     # the architecture module of its ControlNets (kasoku.architectures.controlnet, .sd3_controlnet; None: it takes
@@ -410,6 +412,13 @@ class Family:
             pipe, **overrides)
         new.set_progress_bar_config(disable=True)
         return new
+
+    def in_torch(self, model: ModelView) -> dict[str, str]:
+        """Component -> why it runs in torch, known before any build (a hand-written family compiles them all)."""
+        return {}
+
+    def keep_in_torch(self, model: ModelView, reasons: Mapping[str, str]) -> None:
+        """Remember components whose engine could not be built (only recorded graphs fall back to torch)."""
 
     def stand_ins(self, model: ModelView, engines: Mapping[str, Any], times: EngineTimes) -> dict[str, Any]:
         """The pipeline attributes that engines replace: its torch modules, and what ran on their output."""

@@ -41,6 +41,7 @@ class Model:
         self.label = label or model_label(pipe)
         self.weights = weights or WeightsFingerprints()
         self.notes: list[str] = []  # what a compile of it says (a VAE swapped for the tiny one)
+        self.memo: dict[str, Any] = {}  # what its family learnt of it once (a generic family's recordings)
 
     @classmethod
     def of(cls, model: Any, *, label: str | None = None, weights: WeightsFingerprints | None = None) -> Model:

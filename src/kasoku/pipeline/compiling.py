@@ -77,6 +77,8 @@ def compile_components(
 
     engines, chosen = compiler.compile(specs, on_done=release_unneeded)
     compiler.finish()
+    model.family.keep_in_torch(model, compiler.in_torch)
+    in_torch = model.family.in_torch(model)
     report = CompileReport(
         model=label,
         precision=asked,
@@ -86,8 +88,9 @@ def compile_components(
         seconds=time.perf_counter() - start,
         family=model.family.name,
         precisions={name: compiler.precision(spec).value for name, spec in specs.items()},
-        notes=notes + precision_notes(specs, options) + model.notes,
+        notes=notes + precision_notes(specs, options) + model.notes + in_torch_notes(in_torch),
         load_seconds=compiler.load_seconds,
+        in_torch=in_torch,
     )
     return engines, report
 
@@ -163,6 +166,11 @@ def _fastest(model: Model, specs: dict[str, ComponentSpec], options: CompileOpti
     denoiser = model.family.denoiser
     chosen.update({name: chosen[denoiser] for name in specs if name in step_cache and denoiser in chosen})
     return options.replace(precision=chosen), notes
+
+
+def in_torch_notes(in_torch: dict[str, str]) -> list[str]:
+    """One line per component that runs in torch instead of on an engine, with the reason."""
+    return [f"{name} stays in torch: {reason}" for name, reason in in_torch.items()]
 
 
 def precision_notes(specs: dict[str, ComponentSpec], options: CompileOptions) -> list[str]:

@@ -16,7 +16,8 @@ from collections.abc import Iterable, Mapping
 from typing import Any
 
 from ..backends import Engine
-from ..core.standins import EngineTimes
+from ..core.errors import KasokuError
+from ..core.standins import EngineTimes, InvalidInput
 from ..core.step_cache import StepCaching, run_for
 from ..model.pipeline_model import Model
 
@@ -42,10 +43,16 @@ class EnginePipelines:
     def __call__(self, task: str, *, step_cache=None, **kwargs: Any):
         """diffusers' call of the `task` pipeline (its own arguments), with `step_cache` for this call only."""
         pipe = self.pipes[task]
-        if step_cache is None:
-            return pipe(**kwargs)
-        with self._step_cache_target.step_cache(step_cache):
-            return pipe(**kwargs)
+        try:
+            if step_cache is None:
+                return pipe(**kwargs)
+            with self._step_cache_target.step_cache(step_cache):
+                return pipe(**kwargs)
+        except ValueError as error:
+            if isinstance(error, KasokuError):
+                raise
+            # diffusers' own input checks (a size its resolution binning has no bucket for): one line, not a trace
+            raise InvalidInput(f"diffusers' {type(pipe).__name__} refused the call: {error}") from error
 
     def step_cache_run(self, task: str, caching: StepCaching):
         """One call's step-caching state (None when `caching` is off); a DeepCache loop's length is read from the

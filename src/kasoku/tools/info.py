@@ -37,3 +37,19 @@ def system_info() -> dict:
         "backends": [vars(a) for a in backend_availability()],
         "problems": [conflict] if conflict else [],
     }
+
+
+def model_components(source) -> dict:
+    """`kasoku info MODEL`: the model's family and each component (engine or torch, and why torch), as kasoku
+    will compile it (a family compiled from its recorded calls records them first)."""
+    from ..model.pipeline_model import Model
+
+    model = Model.load(source, lazy=True, label=str(source))
+    family = model.family
+    in_torch = family.in_torch(model)
+    specs = model.specs(model.default_profile())
+    how = "engine, from its recorded calls" if family.generic else "engine, hand-written"
+    rows = [{"component": name, "module": type(model.ref(spec.modules[0]).module).__name__, "runs": how}
+            for name, spec in specs.items()]
+    rows += [{"component": name, "module": "", "runs": f"torch: {reason}"} for name, reason in in_torch.items()]
+    return {"model": str(source), "family": family.title, "generic": family.generic, "components": rows}

@@ -18,16 +18,27 @@ import torch
 from ..architectures.tiny import PREDICTION_TYPES
 from ..core.errors import KasokuError
 from ..families import FAMILIES, UNetFamily
+from .tiny_families import TINY_FAMILIES, tiny_family_pipeline
 
 
 def family_names() -> tuple[str, ...]:
-    return tuple(FAMILIES)
+    """The hand-written families, then those compiled from their recorded calls."""
+    return (*FAMILIES, *TINY_FAMILIES)
 
 
 def check_variant(family: str, *, inpainting: bool = False, prediction: str = "epsilon",
                   controlnet: bool = False, lcm: bool = False, ip_adapter: bool = False) -> None:
     """The tiny variants are the U-Net families': an inpainting U-Net, v-prediction, an LCM U-Net (not with the
     others); a ControlNet is every family's that runs them, IP-Adapters too."""
+    if family in TINY_FAMILIES:  # compiled from its recorded calls: no variants
+        asked = [flag for flag, given in (("--inpainting", inpainting), ("--prediction v_prediction",
+                                                                         prediction != "epsilon"),
+                                          ("--controlnet", controlnet), ("--lcm", lcm), ("--ip-adapter", ip_adapter))
+                 if given]
+        if asked:
+            raise KasokuError(f"{asked[0]}: the tiny {family} pipeline has no such variant; it runs the tasks its "
+                              "diffusers family has classes for as it is.")
+        return
     chosen = FAMILIES[family]
     if isinstance(chosen, UNetFamily):
         others = [flag for flag, given in (("--inpainting", inpainting), ("--prediction v_prediction",
@@ -58,6 +69,8 @@ def tiny_pipeline(*, family: str = "sd1", inpainting: bool = False, prediction: 
     _check_choice("family", family, family_names())
     _check_choice("prediction type", prediction, PREDICTION_TYPES)
     check_variant(family, inpainting=inpainting, prediction=prediction, lcm=lcm)
+    if family in TINY_FAMILIES:
+        return tiny_family_pipeline(family, seed)
     pipe = FAMILIES[family].tiny_lcm_pipeline(seed=seed) if lcm else \
         FAMILIES[family].tiny_pipeline(inpainting=inpainting, prediction=prediction, seed=seed)
     for module in pipe.components.values():

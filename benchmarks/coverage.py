@@ -1,0 +1,219 @@
+"""Which diffusers text-to-image families kasoku compiles, written from the installed diffusers.
+
+    python benchmarks/coverage.py [--backends onnxruntime,openvino] [--families pixart-sigma,sana] [--readme]
+
+Every text-to-image pipeline class of the installed diffusers (video, audio and 3D left out; ControlNet, PAG and
+edit variants are listed with their family) gets a row. A family kasoku can build a tiny pipeline of (the five
+hand-written ones, and kasoku.tools.tiny_families) is compiled on each backend and compared with diffusers' own
+pipeline on the same generator (64-128 px, 2 steps, seed 1): the row gives the PSNR in dB per backend and where each
+component runs (an engine, or torch with the reason). Any other class says why it has no row of numbers. Writes
+benchmarks/results/<date>-<host>-coverage.{json,md}; with --readme, the table between the README's coverage
+markers.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import inspect
+import json
+import platform
+import socket
+import sys
+import time
+import warnings
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+RESULTS = ROOT / "benchmarks" / "results"
+README_START, README_END = "<!-- coverage:start -->", "<!-- coverage:end -->"
+MIN_PSNR = 40.0
+# the call-parameter names of video, audio and 3D pipelines
+NOT_IMAGES = ("num_frames", "audio_length_in_s", "frame_rate", "fps", "video", "num_videos_per_prompt")
+# the variants a family's row names instead of a row of their own
+VARIANT_WORDS = ("ControlNet", "PAG", "Control", "Adapter", "Combined", "Prior", "Decoder", "Upscale", "Refiner",
+                 "Edit", "Layered", "Kontext", "Redux", "Fill", "Depth", "Instruct", "Img2Img", "Inpaint", "I2I", "KV",
+                 "SuperResolution", "Onnx", "Paradigms", "SAG", "LDM3D", "Pixel", "Omni")
+HAND_WRITTEN = {"StableDiffusionPipeline": "sd1", "StableDiffusionXLPipeline": "sdxl",
+                "StableDiffusion3Pipeline": "sd3", "FluxPipeline": "flux"}
+# classes this machine cannot run, and why (found when their tiny pipelines were built)
+BLOCKED = {
+    "OmniGenPipeline": "its processor needs torchvision, whose ops do not load with the CPU torch here "
+                       "(`operator torchvision::nms does not exist`)",
+    "QwenImage21Pipeline": "its Qwen3-VL processor needs torchvision, whose ops do not load with the CPU torch here",
+}
+
+
+def text_to_image_classes() -> dict[str, type]:
+    from kasoku.families.generic import pipeline_classes
+
+    found = {}
+    for name, cls in sorted(pipeline_classes().items()):
+        if name == "DiffusionPipeline":
+            continue
+        try:
+            parameters = inspect.signature(cls.__call__).parameters
+        except (TypeError, ValueError):
+            continue
+        if "prompt" not in parameters or "height" not in parameters or any(p in parameters for p in NOT_IMAGES):
+            continue
+        if any(word in name.removesuffix("Pipeline") for word in VARIANT_WORDS):
+            continue
+        found[name] = cls
+    return found
+
+
+def tiny_builders() -> dict[str, str]:
+    """Pipeline class -> the `kasoku tiny --family` name that builds one."""
+    from kasoku.tools.tiny_families import TINY_FAMILIES, tiny_family_pipeline
+
+    return {**HAND_WRITTEN, **{type(tiny_family_pipeline(name)).__name__: name for name in TINY_FAMILIES}}
+
+
+def measured(family: str, backend: str, cache: Path) -> dict:
+    """Compile the tiny `family` on `backend` and compare one image with diffusers' (guidance as the class's
+    default)."""
+    import numpy as np
+    import torch
+
+    import kasoku
+    from kasoku.core.components import ShapeProfile
+    from kasoku.core.parity import psnr
+    from kasoku.model.pipeline_model import Model
+    from kasoku.tools.tiny import tiny_pipeline
+
+    pipe = tiny_pipeline(family=family)
+    model = Model.of(pipe)
+    step = max(16, model.family.pixel_multiple(model)) if model.family.generic else 16
+    profile = ShapeProfile.from_ranges((1, 1, 1), (2 * step, 4 * step, 8 * step), (2 * step, 4 * step, 8 * step),
+                                       step)
+    start = time.perf_counter()
+    fast = kasoku.compile(pipe, backend, profile=profile, cache_dir=cache)
+    seconds = time.perf_counter() - start
+    parameters = inspect.signature(type(pipe).__call__).parameters
+    call = {"prompt": "a red fox", "height": 4 * step, "width": 4 * step, "num_inference_steps": 2,
+            "output_type": "np", "use_resolution_binning": False, "max_sequence_length": 48,
+            "enable_prompt_rewrite": False}
+    if not model.family.generic:  # the hand-written families compile their text tokens for diffusers' default
+        del call["max_sequence_length"]
+    call = {name: value for name, value in call.items() if name in parameters}
+
+    def images(p):
+        output = p(generator=torch.Generator().manual_seed(1), **call)
+        return np.asarray(output.images if hasattr(output, "images") else output.image)
+
+    report = fast.compile_report
+    return {"psnr": round(float(psnr(images(pipe), images(fast))), 1), "compile_seconds": round(seconds, 1),
+            "components": dict(report.backends), "in_torch": dict(report.in_torch)}
+
+
+def status(row: dict) -> str:
+    runs = row.get("backends", {})
+    if not runs:
+        return "not built"
+    components = next(iter(runs.values())).get("components", {})
+    denoiser = next((name for name in ("transformer", "unet") if name in components), None)
+    on_engines = denoiser and components.get(denoiser) != "torch" and components.get("vae_decoder") not in (
+        None, "torch")
+    matched = all(run.get("psnr", 0) >= MIN_PSNR for run in runs.values())
+    return "compiled" if on_engines and matched else "partly compiled" if matched else "differs"
+
+
+def run(backends: list[str], only: list[str] | None, cache: Path) -> dict:
+    from kasoku.backends.base import cpu_name
+
+    classes = text_to_image_classes()
+    builders = tiny_builders()
+    rows = []
+    for name in classes:
+        row: dict = {"class": name}
+        family = builders.get(name)
+        if name in BLOCKED:
+            row["reason"] = BLOCKED[name]
+        elif family is None:
+            row["reason"] = "kasoku has no tiny builder for it yet: not tried here"
+        elif only and family not in only:
+            row["reason"] = "not measured in this run"
+        else:
+            row["family"] = family
+            row["backends"] = {}
+            for backend in backends:
+                print(f"{name} on {backend} ...", flush=True)
+                try:
+                    row["backends"][backend] = measured(family, backend, cache)
+                except Exception as error:  # the table says what failed; the run goes on
+                    row["backends"][backend] = {"error": f"{type(error).__name__}: {str(error)[:300]}"}
+        row["status"] = status(row) if "backends" in row else "not built"
+        rows.append(row)
+    return {"date": datetime.date.today().isoformat(), "host": socket.gethostname(), "cpu": cpu_name(),
+            "python": platform.python_version(), "versions": versions(), "backends": backends, "rows": rows}
+
+
+def versions() -> dict[str, str]:
+    import diffusers
+    import torch
+    import transformers
+
+    return {"diffusers": diffusers.__version__, "transformers": transformers.__version__, "torch": torch.__version__}
+
+
+def markdown(result: dict) -> str:
+    backends = result["backends"]
+    compiled = sum(row["status"] == "compiled" for row in result["rows"])
+    lines = [f"{compiled} of {len(result['rows'])} text-to-image pipeline classes of diffusers "
+             f"{result['versions']['diffusers']} compile with their denoiser and VAE on engines and match diffusers "
+             f"(tiny random pipelines, 2 steps; `python benchmarks/coverage.py`, {result['date']}, {result['cpu']}).",
+             "", "| class | status | " + " | ".join(f"{b} dB" for b in backends) + " | where each component runs |",
+             "|---|---|" + "---|" * len(backends) + "---|"]
+    for row in result["rows"]:
+        runs = row.get("backends", {})
+        cells = []
+        for backend in backends:
+            run = runs.get(backend, {})
+            cells.append(f"{run['psnr']:.1f}" if "psnr" in run else ("error" if "error" in run else ""))
+        first = next(iter(runs.values()), {})
+        if "components" in first:
+            where = ", ".join(f"{c}: {'torch' if b == 'torch' else 'engine'}" for c, b in first["components"].items())
+            kept = "; ".join(f"{c} in torch: {r}" for c, r in first.get("in_torch", {}).items())
+            where += f" ({kept})" if kept else ""
+        else:
+            where = first.get("error", row.get("reason", ""))
+        lines.append(f"| {row['class']} | {row['status']} | " + " | ".join(cells) + f" | {where.replace('|', '/')} |")
+    return "\n".join(lines) + "\n"
+
+
+def write_readme(table: str) -> None:
+    readme = ROOT / "README.md"
+    text = readme.read_text()
+    start, end = text.index(README_START) + len(README_START), text.index(README_END)
+    readme.write_text(text[:start] + "\n" + table + text[end:])
+
+
+def main() -> int:
+    warnings.filterwarnings("ignore")
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--backends", default="onnxruntime,openvino")
+    parser.add_argument("--families", default="",
+                        help="only these tiny families (default: every one); the other rows are kept from today's "
+                             "earlier run, if there is one")
+    parser.add_argument("--cache", type=Path, default=Path("/tmp/kasoku-coverage-cache"))
+    parser.add_argument("--readme", action="store_true", help="write the table into README.md too")
+    args = parser.parse_args()
+    only = [f for f in args.families.split(",") if f]
+    result = run(args.backends.split(","), only, args.cache)
+    stem = RESULTS / f"{result['date']}-{result['host']}-coverage"
+    if only and stem.with_suffix(".json").exists():  # the other rows as today's earlier run measured them
+        earlier = {row["class"]: row for row in json.loads(stem.with_suffix(".json").read_text())["rows"]}
+        result["rows"] = [row if row.get("family") in only else earlier.get(row["class"], row)
+                          for row in result["rows"]]
+    stem.with_suffix(".json").write_text(json.dumps(result, indent=1) + "\n")
+    table = markdown(result)
+    stem.with_suffix(".md").write_text("# Coverage of diffusers' text-to-image families\n\n" + table)
+    if args.readme:
+        write_readme(table)
+    print(table)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,504 @@
+"""Any component, from the calls its pipeline made to it: the spec, the graph's torch wrapper and the stand-in.
+
+A component kasoku has no hand-written architecture for is described by its recorded calls
+(:mod:`kasoku.core.recording`), made at a few probe shapes (:class:`Probe`: images, height, width, text tokens
+and guidance, chosen so that each image dimension and their products change by a ratio of their own).
+:func:`signatures` merges the calls of one component and method into :class:`Signature`\\ s, one per call
+pattern (the tree of its arguments and its constants):
+
+- each tensor argument is an engine input, named by its path (``encoder_hidden_states``,
+  ``joint_attention_kwargs_scale``); each of its dimensions is fixed, or an :class:`~kasoku.core.components.Axis`
+  fitted to the probes: a multiple of the images, the height, the width or a product of them (a packed token
+  count), twice the images under classifier-free guidance and once without, the text tokens asked for (plus
+  a template's fixed count), or a free axis where nothing explains it (a prompt's own length);
+- a constant (None, ``return_dict=False``, a flag) is part of the graph and of its key; one that follows the
+  image size (a list of patch grids) keys the graph to that size: the engine is built for one height and width;
+  one that changes from call to call cannot be compiled, and says so;
+- each output leaf the pipeline read is an engine output; one it never read is not computed (asking for it later
+  is an error, never a silent zero); a distribution (a VAE's latents) crosses as its parameters.
+
+:func:`recorded_spec` makes a :class:`~kasoku.core.components.ComponentSpec` of a signature: the same
+description every hand-written architecture gives, so export, engines, parity, the cache and the checks are the
+ones every component has. :class:`EngineRecorded` stands in for the module: diffusers calls it exactly as it
+called the module (arguments, output structure, `config`, `dtype`, `device`, any attribute of the module).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import itertools
+import json
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from fractions import Fraction
+from typing import Any
+
+import torch
+from torch.utils import _pytree as pytree
+
+from ..core.components import Axis, ComponentSpec, ShapeProfile, TensorSpec
+from ..core.errors import KasokuError
+from ..core.recording import Call, Distribution, Opaque, canonical_call
+from ..core.standins import EngineModule, InvalidInput
+from .base import ModuleRef, config_dict
+
+__all__ = ["EngineRecorded", "Probe", "Recording", "Signature", "UncompilableCall", "recorded_spec", "signatures"]
+
+# part of every recorded graph's key: bumped when how a recorded call becomes a graph changes
+RECORDED_GRAPH_VERSION = 2
+IMAGE_DIMS = ("batch", "height", "width")
+# every product of the image dimensions an axis may scale, simplest first
+PRODUCTS = tuple(combo for size in (1, 2, 3) for combo in itertools.combinations(IMAGE_DIMS, size))
+
+
+class UncompilableCall(KasokuError, ValueError):
+    """A component whose recorded calls cannot become one graph (a constant that changes from call to call)."""
+
+
+@dataclass(frozen=True)
+class Probe:
+    """One recorded pipeline call: `batch` images (one per prompt) of `height` x `width`, `tokens` the text tokens
+    asked for (`max_sequence_length`; None where the pipeline takes none) and whether it ran with guidance."""
+
+    batch: int
+    height: int
+    width: int
+    tokens: int | None
+    guidance: bool
+
+    def product(self, dims: Sequence[str]) -> int:
+        value = 1
+        for dim in dims:
+            value *= getattr(self, dim)
+        return value
+
+
+@dataclass
+class Recording:
+    """The calls of one pipeline call at `probe` (for `task`)."""
+
+    probe: Probe
+    task: str
+    calls: list[Call]
+
+
+@dataclass(frozen=True)
+class RecordedInput:
+    index: int  # the argument leaf it fills
+    tensor: TensorSpec
+    low: float  # the recorded values' range and how many distinct values they took: what sample inputs draw
+    high: float
+    distinct: int
+    common: float  # the most common recorded value (a mask's)
+
+
+@dataclass(frozen=True)
+class RecordedOutput:
+    index: int  # the output leaf it gives
+    tensor: TensorSpec
+    distribution: Distribution | None = None
+
+
+@dataclass(frozen=True)
+class Signature:
+    """One call pattern of a component's method, as every recorded call of it at every probe agrees."""
+
+    component: str  # the engine's component name ("transformer", "vae_decoder")
+    attribute: str  # the pipeline attribute that holds the module ("vae")
+    method: str
+    arguments: pytree.TreeSpec = field(compare=False)
+    paths: tuple[str, ...]
+    constants: tuple[tuple[int, Any], ...]  # leaf index -> value, the same in every call
+    keyed: tuple[tuple[int, Any], ...]  # leaf index -> value at the optimum probe: they follow the image size
+    inputs: tuple[RecordedInput, ...]
+    outputs: tuple[RecordedOutput, ...]
+    output_tree: pytree.TreeSpec = field(compare=False)
+    output_template: tuple[Any, ...] = field(compare=False)  # per output leaf: its recorded description
+    output_paths: tuple[str, ...] = ()
+
+    @property
+    def input_names(self) -> tuple[str, ...]:
+        return tuple(i.tensor.name for i in self.inputs)
+
+    @property
+    def exact(self) -> bool:
+        """Whether the graph serves one image size only (a constant follows the image size)."""
+        return bool(self.keyed)
+
+    def described(self) -> dict[str, Any]:
+        """What the graph is besides its module's config: part of its architecture key."""
+        return {"version": RECORDED_GRAPH_VERSION, "method": self.method, "arguments": str(self.arguments),
+                "paths": list(self.paths),
+                "constants": [(i, repr(v)) for i, v in self.constants], "keyed": [(i, repr(v)) for i, v in self.keyed],
+                "outputs": [o.tensor.name for o in self.outputs], "output_tree": str(self.output_tree)}
+
+    def digest(self) -> str:
+        return hashlib.sha256(json.dumps(self.described(), sort_keys=True).encode()).hexdigest()[:16]
+
+    def leaves(self, tensors: Sequence[torch.Tensor]) -> list[Any]:
+        """The call's argument leaves: the constants where recorded, the tensors in the inputs' places."""
+        leaves: list[Any] = [None] * len(self.paths)
+        for index, value in (*self.constants, *self.keyed):
+            leaves[index] = value
+        for slot, tensor in zip(self.inputs, tensors):
+            leaves[slot.index] = tensor
+        return leaves
+
+    def difference(self, leaves: Sequence[Any]) -> str | None:
+        """What differs between a call's argument leaves and this pattern (None: the call fits)."""
+        if len(leaves) != len(self.paths):
+            return f"{len(leaves)} argument values where {len(self.paths)} were recorded"
+        for index, value in (*self.constants, *self.keyed):
+            if isinstance(leaves[index], torch.Tensor) or not _same(leaves[index], value):
+                return f"`{self.paths[index]}` is {_shown(leaves[index])} but was {_shown(value)} when recorded"
+        for slot in self.inputs:
+            if not isinstance(leaves[slot.index], torch.Tensor):
+                return f"`{self.paths[slot.index]}` is {_shown(leaves[slot.index])} but was a tensor when recorded"
+        return None
+
+
+def _same(a: Any, b: Any) -> bool:
+    try:
+        return type(a) is type(b) and bool(a == b)
+    except Exception:  # an object whose == is not a bool
+        return a is b
+
+
+def _shown(value: Any) -> str:
+    text = f"a tensor of shape {tuple(value.shape)}" if isinstance(value, torch.Tensor) else repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+# ---- merging recorded calls into signatures ----------------------------------------------------------------
+
+
+def _pattern(call: Call) -> tuple:
+    """What calls of one signature share: the method, the tree of the arguments, which leaves are tensors."""
+    return (call.method, str(call.arguments), tuple(isinstance(leaf, torch.Tensor) for leaf in call.leaves))
+
+
+def component_name(attribute: str, method: str) -> str:
+    """The engine component of a module's method: the module's attribute for `forward`; a VAE's decoder and
+    encoder as kasoku's hand-written families name them."""
+    if method == "forward":
+        return attribute
+    if attribute.startswith("vae") and method in ("decode", "encode"):
+        return attribute.replace("vae", f"vae_{method}r", 1)
+    return f"{attribute}_{method}"
+
+
+def signatures(recordings: Sequence[Recording], attribute: str, *, max_tokens: int) -> list[Signature]:
+    """The signatures of every method the pipeline called on the module at `attribute`, across `recordings`
+    (the first is the optimum: its values seed the graph's samples). A second pattern of the same method is a
+    second engine, ``<name>_2``. `max_tokens` bounds the text-token axes."""
+    grouped: dict[tuple, list[tuple[Probe, Call]]] = {}
+    for recording in recordings:
+        for call in recording.calls:
+            if call.component == attribute:
+                grouped.setdefault(_pattern(call), []).append((recording.probe, call))
+    found: list[Signature] = []
+    per_method: dict[str, int] = {}
+    for observed in grouped.values():
+        method = observed[0][1].method
+        per_method[method] = per_method.get(method, 0) + 1
+        name = component_name(attribute, method)
+        if per_method[method] > 1:
+            name = f"{name}_{per_method[method]}"
+        found.append(_signature(name, attribute, observed, recordings[0].probe, max_tokens))
+    return found
+
+
+def _signature(name: str, attribute: str, observed: list[tuple[Probe, Call]], optimum: Probe,
+               max_tokens: int) -> Signature:
+    first = observed[0][1]
+    constants, keyed = _constants(name, first, observed, optimum)
+    axes = _AxisNamer(max_tokens)
+    inputs = tuple(_input(first.paths[i], i, observed, axes) for i in first.tensor_indices)
+    read = [any(call.outputs_read()[i] for _, call in observed) for i in range(len(first.output_leaves))]
+    outputs = tuple(_output(first.output_paths[i], i, observed, axes) for i, kind in enumerate(first.output_leaves)
+                    if read[i] and not isinstance(kind, Opaque) and (isinstance(kind, (tuple, Distribution))))
+    if not outputs:
+        raise UncompilableCall(f"the pipeline read no tensor of {name}'s output when it was recorded.")
+    return Signature(name, attribute, first.method, first.arguments, first.paths, constants, keyed, inputs, outputs,
+                     first.output, first.output_leaves, first.output_paths)
+
+
+def _constants(name: str, first: Call, observed: list[tuple[Probe, Call]], optimum: Probe):
+    constants, keyed = [], []
+    for index, value in enumerate(first.leaves):
+        # a generator is passed along, not computed with (a VAE's decode takes one it does not use): the graph
+        # runs without it
+        if isinstance(value, (torch.Tensor, torch.Generator)):
+            continue
+        values = [(probe, call.leaves[index]) for probe, call in observed]
+        if all(_same(v, value) for _, v in values):
+            constants.append((index, value))
+            continue
+        per_probe: dict[Probe, Any] = {}
+        for probe, v in values:
+            if probe in per_probe and not _same(per_probe[probe], v):
+                raise UncompilableCall(
+                    f"{name} is called with `{first.paths[index]}` changing from call to call "
+                    f"({_shown(per_probe[probe])}, then {_shown(v)}): a graph cannot take it as a constant.")
+            per_probe[probe] = v
+        keyed.append((index, per_probe.get(optimum, value)))
+    return tuple(constants), tuple(keyed)
+
+
+class _AxisNamer:
+    """Fits dimensions to the probes and names each fitted axis once per component (the same fit: the same axis,
+    which torch.export then sees as one Dim)."""
+
+    def __init__(self, max_tokens: int):
+        self.max_tokens = max_tokens
+        self.free: dict[tuple, Axis] = {}
+
+    def fit(self, observations: list[tuple[Probe, int]]) -> int | Axis:
+        values = {v for _, v in observations}
+        if len(values) == 1:
+            return values.pop()
+        fitted = _image_axis(observations)
+        if fitted is not None:
+            return fitted
+        offset = _token_offset(observations)
+        if offset is not None:
+            opt = observations[0][1]
+            return Axis.free("text_tokens" if offset == 0 else f"text_tokens_plus{offset}", opt, 1,
+                             self.max_tokens + offset)
+        key = tuple(sorted(set(observations), key=repr))
+        if key not in self.free:
+            opt = observations[0][1]
+            self.free[key] = Axis.free(f"tokens_{len(self.free)}", opt, 1, max(self.max_tokens, 4 * max(values)))
+        return self.free[key]
+
+
+def _image_axis(observations: list[tuple[Probe, int]]) -> Axis | None:
+    """The simplest multiple of a product of image dimensions that gives every observed size; a batch multiple
+    that doubles under guidance is a guided axis (twice the images with guidance, once without)."""
+    for dims in PRODUCTS:
+        scales = {(probe.guidance if "batch" in dims else None): Fraction(value, probe.product(dims))
+                  for probe, value in observations}
+        consistent = all(Fraction(value, probe.product(dims)) == scales[probe.guidance if "batch" in dims else None]
+                         for probe, value in observations)
+        if not consistent:
+            continue
+        with_guidance, without = scales.get(True), scales.get(False)
+        if "batch" in dims and with_guidance is not None and without is not None and with_guidance != without:
+            if with_guidance != 2 * without:
+                continue
+            return Axis(_axis_name(dims, with_guidance) + "_guided", dims[0] if len(dims) == 1 else dims,
+                        with_guidance, min_scale=without)
+        scale = next(iter(scales.values()))
+        of = dims[0] if len(dims) == 1 else dims
+        return Axis(_axis_name(dims, scale), of, scale, from_one=dims == ("batch",))
+    return None
+
+
+def _token_offset(observations: list[tuple[Probe, int]]) -> int | None:
+    """The fixed count a text-token dimension adds to the tokens asked for (a prompt template's), if it is one."""
+    if any(probe.tokens is None for probe, _ in observations):
+        return None
+    offsets = {value - probe.tokens for probe, value in observations}
+    return offsets.pop() if len(offsets) == 1 and min(offsets | {0}) >= 0 else None
+
+
+def _axis_name(dims: Sequence[str], scale: Fraction) -> str:
+    text = "_x_".join(dims)
+    if scale.numerator != 1:
+        text += f"_x{scale.numerator}"
+    if scale.denominator != 1:
+        text += f"_div{scale.denominator}"
+    return text
+
+
+def _input(path: str, index: int, observed: list[tuple[Probe, Call]], axes: _AxisNamer) -> RecordedInput:
+    tensors = [(probe, call.leaves[index]) for probe, call in observed]
+    first = tensors[0][1]
+    dtypes = {t.dtype for _, t in tensors}
+    if len(dtypes) > 1 or any(t.ndim != first.ndim for _, t in tensors):
+        raise UncompilableCall(f"`{path}` changes its dtype or rank from call to call "
+                               f"({', '.join(sorted(str(d) for d in dtypes))}).")
+    dims = tuple(axes.fit([(probe, int(t.shape[d])) for probe, t in tensors]) for d in range(first.ndim))
+    values = first.detach().reshape(-1)
+    if values.numel() and not values.is_floating_point():
+        values = values.to(torch.float64)
+    if values.numel():
+        common_values, counts = torch.unique(values.to(torch.float64), return_counts=True)
+        low, high = float(values.min()), float(values.max())
+        distinct, common = int(common_values.numel()), float(common_values[counts.argmax()])
+    else:
+        low = high = common = 0.0
+        distinct = 0
+    return RecordedInput(index, TensorSpec(path, dims, first.dtype), low, high, distinct, common)
+
+
+def _output(path: str, index: int, observed: list[tuple[Probe, Call]], axes: _AxisNamer) -> RecordedOutput:
+    kinds = [(probe, call.output_leaves[index]) for probe, call in observed]
+    first = kinds[0][1]
+    if isinstance(first, Distribution):
+        shapes = [(probe, kind.shape) for probe, kind in kinds]
+        dims = tuple(axes.fit([(probe, shape[d]) for probe, shape in shapes]) for d in range(len(first.shape)))
+        return RecordedOutput(index, TensorSpec(path, dims), first)
+    shape, dtype = first
+    dims = tuple(axes.fit([(probe, kind[0][d]) for probe, kind in kinds]) for d in range(len(shape)))
+    return RecordedOutput(index, TensorSpec(path, dims, dtype))
+
+
+# ---- the spec, the graph's module and the stand-in ----------------------------------------------------------
+
+
+class RecordedCallModule(torch.nn.Module):
+    """What export traces: the recorded call of `method` on `module`, the signature's tensors in (in input order),
+    the outputs the pipeline read out (a distribution as its parameters)."""
+
+    def __init__(self, module: torch.nn.Module, signature: Signature):
+        super().__init__()
+        self.module = module
+        self.signature = signature
+
+    def forward(self, *tensors):
+        args, kwargs = pytree.tree_unflatten(self.signature.leaves(tensors), self.signature.arguments)
+        call = self.module if self.signature.method == "forward" else getattr(self.module, self.signature.method)
+        leaves = pytree.tree_flatten(call(*args, **kwargs), is_leaf=Distribution.holds)[0]
+        return tuple(leaves[o.index].parameters if o.distribution else leaves[o.index]
+                     for o in self.signature.outputs)
+
+
+def _sample_input(signature: Signature):
+    by_name = {slot.tensor.name: slot for slot in signature.inputs}
+
+    def sample(tensor: TensorSpec, shape: tuple[int, ...], generator: torch.Generator) -> torch.Tensor:
+        slot = by_name[tensor.name]
+        if slot.distinct <= 2 or slot.low == slot.high:
+            # a mask open at every position (a recorded one is mostly padding: a row masked everywhere is where
+            # runtimes legitimately differ), a flag or a fixed position as recorded
+            value = slot.high if not tensor.dtype.is_floating_point else slot.common
+            return torch.full(shape, value, dtype=tensor.dtype)
+        if not tensor.dtype.is_floating_point:
+            return torch.randint(int(slot.low), int(slot.high) + 1, shape, generator=generator, dtype=tensor.dtype)
+        return (torch.rand(shape, generator=generator) * (slot.high - slot.low) + slot.low).to(tensor.dtype)
+
+    return sample
+
+
+def recorded_spec(signature: Signature, ref: ModuleRef, profile: ShapeProfile) -> ComponentSpec:
+    """The component spec of a recorded signature of the module at `ref` (its profile exact in height and width
+    where a constant follows the image size)."""
+    return ComponentSpec(
+        name=signature.component,
+        inputs=tuple(slot.tensor for slot in signature.inputs),
+        outputs=tuple(out.tensor for out in signature.outputs),
+        profile=profile,
+        load_module=lambda: RecordedCallModule(ref.load(), signature),
+        weights=ref.digest,
+        config={**config_dict(ref.config), "_class": type(ref.module).__name__, "recorded": signature.described()},
+        sample_input=_sample_input(signature),
+        modules=(ref.path,),
+        graph_kind="recorded",
+    )
+
+
+class Uncompiled(torch.Tensor):
+    """An output the compiled component does not compute (the pipeline did not read it when recorded): any use
+    is an error that says so, never a silent zero."""
+
+    _what: str
+
+    @staticmethod
+    def __new__(cls, what: str):
+        empty = torch.empty(0).as_subclass(cls)
+        empty._what = what
+        return empty
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        what = next(a._what for a in pytree.tree_leaves((args, kwargs or {})) if isinstance(a, Uncompiled))
+        raise InvalidInput(what)
+
+
+def _layout_difference(kwargs: Mapping[str, Any], signature: Signature) -> str:
+    """How a call's arguments differ in their layout from the recorded ones (names given, or their nesting)."""
+    recorded_args, recorded_kwargs = pytree.tree_unflatten(list(signature.paths), signature.arguments)
+    given, recorded_names = set(kwargs), set(recorded_kwargs)
+    if given != recorded_names:
+        parts = []
+        if given - recorded_names:
+            parts.append(f"it is given {', '.join(f'`{n}`' for n in sorted(given - recorded_names))}")
+        if recorded_names - given:
+            parts.append(f"not {', '.join(f'`{n}`' for n in sorted(recorded_names - given))}")
+        return " and ".join(parts) + ", unlike the recorded calls"
+    changed = [name for name in kwargs if str(pytree.tree_flatten(kwargs[name])[1]) !=
+               str(pytree.tree_flatten(recorded_kwargs[name])[1])]
+    return f"{', '.join(f'`{n}`' for n in changed) or 'its arguments'} nest otherwise than in the recorded calls"
+
+
+class EngineRecorded(EngineModule):
+    """A module diffusers calls as it called the torch one when recorded: each recorded method (forward, decode,
+    encode) runs the engine of the signature its arguments fit and hands back the recorded output structure;
+    every other attribute is the module's own (its config, its VAE's scaling factors)."""
+
+    def __init__(self, original: torch.nn.Module, engines: Mapping[str, Any], times, signatures: Iterable[Signature],
+                 *, torch_module: torch.nn.Module | None = None):
+        found = tuple(signatures)
+        super().__init__(original, engines, times, found[0].component)
+        object.__setattr__(self, "_original", original)
+        # the module with its weights, for the calls that have no engine (a graph kept in torch); None: every
+        # call the pipeline made has one
+        object.__setattr__(self, "_torch_module", torch_module)
+        self._signatures = found
+
+    def __getattr__(self, name: str):
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            if name.startswith("_"):
+                raise
+            return getattr(self._original, name)
+
+    def forward(self, *args, **kwargs):
+        return self._recorded("forward", args, kwargs)
+
+    def decode(self, *args, **kwargs):
+        return self._recorded("decode", args, kwargs)
+
+    def encode(self, *args, **kwargs):
+        return self._recorded("encode", args, kwargs)
+
+    def _recorded(self, method: str, args: tuple, kwargs: dict):
+        args, kwargs = canonical_call(getattr(self._original, method), args, kwargs)
+        leaves, tree = pytree.tree_flatten((args, kwargs))
+        candidates = [s for s in self._signatures if s.method == method]
+        if self._torch_module is not None and not any(
+                str(tree) == str(s.arguments) and s.difference(leaves) is None for s in candidates):
+            return getattr(self._torch_module, method)(*args, **kwargs)  # a call kept in torch
+        if not candidates:
+            raise InvalidInput(f"the compiled {self._component} was never called with `{method}` when kasoku recorded "
+                               "the pipeline; call it as the pipeline did.")
+        reasons = []
+        for signature in candidates:
+            reason = _layout_difference(kwargs, signature) if str(tree) != str(signature.arguments) else \
+                signature.difference(leaves)
+            if reason is None:
+                return self._run_signature(signature, leaves)
+            reasons.append(reason)
+        raise InvalidInput(f"{candidates[0].component} cannot serve this call: {reasons[0]}. Its engine was compiled "
+                           "from the calls diffusers made when kasoku recorded the pipeline; call it as those did.")
+
+    def _run_signature(self, signature: Signature, leaves: list[Any]):
+        feeds = {slot.tensor.name: leaves[slot.index] for slot in signature.inputs}
+        outputs = self._run(signature.component, **feeds)
+        out_leaves: list[Any] = []
+        computed = {o.index: o for o in signature.outputs}
+        for index, kind in enumerate(signature.output_template):
+            if index in computed:
+                value = outputs[computed[index].tensor.name]
+                out_leaves.append(computed[index].distribution.rebuild(value) if computed[index].distribution
+                                  else value)
+            elif isinstance(kind, tuple):
+                out_leaves.append(Uncompiled(f"{signature.component}'s output `{signature.output_paths[index]}` is "
+                                             "not compiled: the pipeline did not read it when kasoku recorded it."))
+            elif isinstance(kind, (Opaque, Distribution)):
+                out_leaves.append(None)
+            else:
+                out_leaves.append(kind)
+        return pytree.tree_unflatten(out_leaves, signature.output_tree)

@@ -1,0 +1,438 @@
+"""Any diffusers image pipeline kasoku has no hand-written family for: its components compiled from its calls.
+
+A :class:`GenericFamily` is made for a pipeline class (``QwenImagePipeline``, ``SanaPipeline``, ...) the day
+diffusers ships it. It knows no model: it runs the pipeline's own ``__call__`` a few times at small probe shapes
+(:func:`probes`: one and two images, two sizes whose height, width and area change by ratios of their own, two
+text lengths, with and without guidance; for each task diffusers has a class for), with every torch component
+recorded (:mod:`kasoku.core.recording`). What the pipeline called becomes the components: each module's
+`forward` (its attribute's name: ``transformer``, ``text_encoder``), a VAE's ``decode`` and ``encode``
+(``vae_decoder``, ``vae_encoder``), one component per call pattern (:mod:`kasoku.architectures.recorded`).
+
+Recording needs the modules' weights (a folder loaded lazily loads them once); it is kept per model. A module
+whose calls cannot become a graph (a constant that changes from call to call), or whose graph does not export
+or build, stays in torch: one line says which and why, and the rest of the pipeline runs on engines.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+from collections.abc import Callable, Iterable, Mapping
+from typing import Any, ClassVar
+
+import torch
+
+from ..architectures import recorded
+from ..architectures.recorded import EngineRecorded, Probe, Recording, Signature, UncompilableCall
+from ..core.components import ComponentSpec, ShapeProfile, default_profile
+from ..core.errors import KasokuError, NotADiffusersPipeline
+from ..core.recording import recording
+from ..core.standins import EngineTimes
+from ..core.step_cache import DEFAULT_BRANCH
+from .base import TASKS, Family, ModelView, TextEncoderSlot
+
+__all__ = ["GenericFamily", "NotCompilable", "generic_family", "is_diffusers_pipeline", "pipeline_classes", "probes"]
+
+# what a recording's pipeline calls are given (the class takes only what its __call__ names)
+PROMPTS = ("a red fox in the snow", "an old lighthouse on a rocky coast at dusk, oil painting")
+PROBE_STEPS = 2
+PROBE_TOKENS = (48, 84)  # max_sequence_length of the two probes: a ratio (1.75) no image dimension has
+DEFAULT_MAX_TOKENS = 512  # the text-token axes' bound where the pipeline names no max_sequence_length
+TASK_CLASS_SUFFIXES = {"img2img": ("Img2Img", "I2I"), "inpaint": ("Inpaint", "Inpainting")}
+
+
+class NotCompilable(KasokuError, ValueError):
+    """A pipeline kasoku cannot compile any component of, or whose recording failed."""
+
+
+@functools.cache
+def pipeline_classes() -> dict[str, type]:
+    """Every pipeline class the installed diffusers exports, by name (a name whose lazy import fails, such as a
+    legacy ONNX class, is left out)."""
+    import diffusers
+
+    found = {}
+    for name in dir(diffusers):
+        if not name.endswith("Pipeline"):
+            continue
+        try:
+            cls = getattr(diffusers, name)
+        except (AttributeError, ImportError, RuntimeError):
+            continue
+        if isinstance(cls, type):
+            found[name] = cls
+    return found
+
+
+def _task_of_class(cls: type) -> str:
+    """A diffusers pipeline class's task, from its call: a mask means inpainting, an image and a strength img2img."""
+    parameters = inspect.signature(cls.__call__).parameters
+    if "mask_image" in parameters:
+        return "inpaint"
+    if "image" in parameters and "strength" in parameters:
+        return "img2img"
+    return "txt2img"
+
+
+def _siblings(cls: type) -> dict[str, str]:
+    """Task -> class name of the pipelines of `cls`'s family: diffusers' AutoPipeline tables, else its naming
+    (``ChromaPipeline``, ``ChromaImg2ImgPipeline``, ``ChromaInpaintPipeline``)."""
+    from diffusers.pipelines import auto_pipeline
+
+    own = _task_of_class(cls)
+    found = {own: cls.__name__}
+    tables = {"txt2img": auto_pipeline.AUTO_TEXT2IMAGE_PIPELINES_MAPPING,
+              "img2img": auto_pipeline.AUTO_IMAGE2IMAGE_PIPELINES_MAPPING,
+              "inpaint": auto_pipeline.AUTO_INPAINT_PIPELINES_MAPPING}
+    keys = [key for key, value in tables[own].items() if value is cls]
+    classes = pipeline_classes()
+    stem = cls.__name__.removesuffix("Pipeline")
+    for suffix in (*TASK_CLASS_SUFFIXES["img2img"], *TASK_CLASS_SUFFIXES["inpaint"]):
+        stem = stem.removesuffix(suffix)
+    for task in TASKS:
+        if task in found:
+            continue
+        named = [table_class for key in keys if (table_class := tables[task].get(key)) is not None]
+        named += [classes[f"{stem}{suffix}Pipeline"] for suffix in TASK_CLASS_SUFFIXES.get(task, ())
+                  if f"{stem}{suffix}Pipeline" in classes]
+        named += [classes[f"{stem}Pipeline"]] if task == "txt2img" and f"{stem}Pipeline" in classes else []
+        fitting = [c for c in named if _task_of_class(c) == task]
+        if fitting:
+            found[task] = fitting[0].__name__
+    return {task: found[task] for task in TASKS if task in found}
+
+
+def is_diffusers_pipeline(pipeline_class: str) -> bool:
+    return pipeline_class in pipeline_classes()
+
+
+@functools.cache
+def generic_family(pipeline_class: str) -> GenericFamily:
+    """The generic family of a diffusers pipeline class (one object per class)."""
+    classes = pipeline_classes()
+    if pipeline_class not in classes:
+        raise NotADiffusersPipeline(f"{pipeline_class!r} is not a pipeline class of the installed diffusers.")
+    return GenericFamily(classes[pipeline_class])
+
+
+def probes(multiple: int, tokens: bool, guided: bool | None) -> tuple[Probe, ...]:
+    """The recorded calls' shapes, in pixels of `multiple`: the optimum (one image of 4x3), two images of 3x5
+    (batch x2, height x3/4, width x5/3, area x5/4: every product of them changes by its own ratio), with
+    `PROBE_TOKENS` text tokens where the pipeline takes them; `guided` says whether both run with guidance, and
+    where the pipeline has a choice (not None), a third call is the optimum the other way."""
+    one, two = PROBE_TOKENS if tokens else (None, None)
+    first = Probe(1, 4 * multiple, 3 * multiple, one, bool(guided))
+    found = (first, Probe(2, 3 * multiple, 5 * multiple, two, bool(guided)))
+    if guided is not None:
+        found += (Probe(1, first.height, first.width, one, not guided),)
+    return found
+
+
+class GenericFamily(Family):
+    """The family of one diffusers pipeline class, compiled from its recorded calls."""
+
+    generic: ClassVar[bool] = True
+    default_steps = 28
+    default_guidance = 4.0
+
+    def __init__(self, cls: type):
+        self.cls = cls
+        self.name = cls.__name__
+        self.title = cls.__name__.removesuffix("Pipeline")
+        self.pipelines = _siblings(cls)
+        parameters = inspect.signature(cls.__call__).parameters
+        self.parameters = parameters
+        self.call_arguments = ()
+
+    # ---- recognising it --------------------------------------------------------------------------
+
+    def class_names(self) -> tuple[str, ...]:
+        return tuple(self.pipelines.values())
+
+    def check_layout(self, components: Mapping[str, Any], where: str) -> None:
+        modules = [name for name, module in components.items() if module is not None]
+        if not modules:
+            raise NotCompilable(f"{where} has no torch components to compile.")
+
+    # ---- the recordings ------------------------------------------------------------------------------
+
+    def modules(self, model: ModelView) -> dict[str, torch.nn.Module]:
+        """The pipeline's torch components by attribute (as they are now: maybe on the meta device)."""
+        return {name: module for name, module in model.pipe.components.items()
+                if isinstance(module, torch.nn.Module)}
+
+    def guided(self, model: ModelView) -> bool | None:
+        """Whether the probes run with guidance by default (True), without (False), and whether a third probe
+        runs the other way (None: the pipeline has no guidance argument)."""
+        if "true_cfg_scale" in self.parameters:
+            return True
+        if "guidance_scale" in self.parameters:
+            return True
+        return None
+
+    def probe_arguments(self, probe: Probe, task: str, *, pipeline) -> dict[str, Any]:
+        """The call of `pipeline` (the class for `task`) at `probe`, with the arguments its call takes."""
+        from PIL import Image
+
+        parameters = inspect.signature(type(pipeline).__call__).parameters
+        prompts = list(PROMPTS[:probe.batch]) if probe.batch > 1 else PROMPTS[0]
+        arguments: dict[str, Any] = {"prompt": prompts, "height": probe.height, "width": probe.width,
+                                     "num_inference_steps": PROBE_STEPS,
+                                     "generator": torch.Generator().manual_seed(0), "output_type": "pil",
+                                     "use_resolution_binning": False, "clean_caption": False,
+                                     # an LLM's generate loop that rewrites the prompt (LongCat's) is not compiled
+                                     "enable_prompt_rewrite": False}
+        if probe.tokens is not None:
+            arguments["max_sequence_length"] = probe.tokens
+        if "true_cfg_scale" in parameters:
+            arguments["true_cfg_scale"] = 4.0 if probe.guidance else 1.0
+            arguments["negative_prompt"] = ["blurry"] * probe.batch if probe.guidance else None
+        elif "guidance_scale" in parameters:
+            arguments["guidance_scale"] = 4.5 if probe.guidance else 1.0
+        if task != "txt2img":
+            ramp = torch.linspace(0, 255, probe.width).expand(probe.height, probe.width)
+            pixels = torch.stack([ramp, ramp.flip(1), torch.full_like(ramp, 128)], -1).to(torch.uint8).numpy()
+            arguments["image"] = Image.fromarray(pixels)
+            arguments["strength"] = 1.0
+        if task == "inpaint":
+            mask = torch.zeros(probe.height, probe.width, dtype=torch.uint8)
+            mask[probe.height // 4: 3 * probe.height // 4, probe.width // 4: 3 * probe.width // 4] = 255
+            arguments["mask_image"] = Image.fromarray(mask.numpy())
+        return {name: value for name, value in arguments.items() if name in parameters}
+
+    def record(self, model: ModelView) -> list[Recording]:
+        """Run the pipeline at the probes, for every task it has a class for, with its components recorded (kept
+        on the model: recording runs once)."""
+        memo = model.memo
+        if "recordings" in memo:
+            return memo["recordings"]
+        modules = {name: model.ref(name).load() for name in self.modules(model)}
+        takes_tokens = "max_sequence_length" in self.parameters
+        found: list[Recording] = []
+        for task in self.pipelines:
+            pipeline = self.task_pipeline(model.pipe, task)
+            shapes = probes(self.pixel_multiple(model), takes_tokens, self.guided(model))
+            for probe in shapes if task == "txt2img" else shapes[:2]:
+                found.append(Recording(probe, task, self._recorded_call(pipeline, task, probe, modules)))
+        memo["recordings"] = found
+        return found
+
+    def _recorded_call(self, pipeline, task: str, probe: Probe, modules: Mapping[str, torch.nn.Module]) -> list:
+        with recording(modules) as calls:
+            try:
+                with torch.no_grad():
+                    pipeline(**self.probe_arguments(probe, task, pipeline=pipeline))
+            except Exception as error:  # the pipeline's own failure, whatever it is, said in one line
+                raise NotCompilable(
+                    f"{self.title}: its {task} pipeline ({self.pipelines[task]}) failed when kasoku ran it to record "
+                    f"its calls ({probe.batch} image(s) of {probe.height}x{probe.width}): "
+                    f"{type(error).__name__}: {error}") from error
+        return list(calls)
+
+    def pixel_multiple(self, model: ModelView) -> int:
+        """The step of the image sizes: the VAE's scale times two (diffusion transformers patch or pack 2x2 latent
+        cells per token), doubled while the pipeline refuses the first probe's size before calling any component
+        (Sana's sizes are multiples of 32 whatever its VAE)."""
+        memo = model.memo
+        if "pixel_multiple" not in memo:
+            multiple = self.vae_scale(model) * 2
+            pipeline = self.task_pipeline(model.pipe, "txt2img" if "txt2img" in self.pipelines else
+                                          next(iter(self.pipelines)))
+            while multiple < 128 and self._refuses_size(pipeline, multiple):
+                multiple *= 2
+            memo["pixel_multiple"] = multiple
+        return memo["pixel_multiple"]
+
+    def _refuses_size(self, pipeline, multiple: int) -> bool:
+        """Whether the pipeline refuses a call at the first probe's size before it calls any component (its own
+        input checks come first: this costs no compute)."""
+        check = getattr(pipeline, "check_inputs", None)
+        if check is None:
+            return False
+        probe = probes(multiple, False, None)[0]
+        parameters = inspect.signature(check).parameters
+        arguments = {"prompt": PROMPTS[0], "height": probe.height, "width": probe.width}
+        try:
+            check(**{name: value for name, value in arguments.items() if name in parameters},
+                  **{name: None for name, p in parameters.items() if name not in arguments and
+                     p.default is inspect.Parameter.empty and name != "self"})
+        except ValueError as error:
+            return "divisible" in str(error) or "multiple" in str(error)
+        except Exception:  # a check that needs what we did not give: not a size refusal
+            return False
+        return False
+
+    def max_tokens(self) -> int:
+        default = self.parameters.get("max_sequence_length")
+        value = default.default if default is not None else None
+        return value if isinstance(value, int) else DEFAULT_MAX_TOKENS
+
+    def signatures(self, model: ModelView) -> dict[str, list[Signature]]:
+        """Attribute -> the signatures of its calls that can become graphs (see :meth:`in_torch` for the rest)."""
+        memo = model.memo
+        if "signatures" not in memo:
+            found, kept = {}, {}
+            recordings = self.record(model)
+            for attribute in self._called(recordings):
+                try:
+                    every = recorded.signatures(recordings, attribute, max_tokens=self.max_tokens())
+                except UncompilableCall as error:
+                    kept[attribute] = str(error)
+                    continue
+                for signature in every:
+                    if signature.exact:
+                        kept[signature.component] = (
+                            f"it takes values that follow the image size as Python numbers "
+                            f"({', '.join(signature.paths[i] for i, _ in signature.keyed)}), and kasoku does not "
+                            "compile a graph per image size yet")
+                found[attribute] = [s for s in every if not s.exact]
+            memo["signatures"], memo["in_torch"] = found, kept
+        return memo["signatures"]
+
+    def in_torch(self, model: ModelView) -> dict[str, str]:
+        """Component (or module) -> why its calls stay in torch: known from the recordings, or from a build."""
+        self.signatures(model)
+        return dict(model.memo["in_torch"])
+
+    def keep_in_torch(self, model: ModelView, reasons: Mapping[str, str]) -> None:
+        self.signatures(model)
+        model.memo["in_torch"].update(reasons)
+
+    @staticmethod
+    def _called(recordings: Iterable[Recording]) -> list[str]:
+        return list(dict.fromkeys(call.component for r in recordings for call in r.calls))
+
+    # ---- components and specs ------------------------------------------------------------------------
+
+    def component_names(self, model: ModelView | None = None) -> tuple[str, ...]:
+        if model is None:
+            return ()
+        return tuple(s.component for signatures in self.signatures(model).values() for s in signatures)
+
+    def denoiser_attribute(self, model: ModelView) -> str:
+        """The module the denoising loop calls: the one called most often in the first recording, and of those
+        the last to be called first (text encoders, called once per prompt, come before the loop)."""
+        counts: dict[str, int] = {}
+        first: dict[str, int] = {}
+        for index, call in enumerate(self.record(model)[0].calls):
+            counts[call.component] = counts.get(call.component, 0) + 1
+            first.setdefault(call.component, index)
+        return max(counts, key=lambda name: (counts[name], first[name]))
+
+    @property
+    def denoiser(self) -> str:  # type: ignore[override]
+        return "transformer"
+
+    def present_text_encoders(self, model: ModelView | None = None) -> tuple[TextEncoderSlot, ...]:
+        if model is None:
+            return ()
+        return tuple(TextEncoderSlot(name, kind="recorded") for name in self.signatures(model)
+                     if name.startswith("text_encoder"))
+
+    @property
+    def text_encoder_slots(self) -> tuple[TextEncoderSlot, ...]:  # type: ignore[override]
+        return ()
+
+    def tasks(self, model: ModelView) -> tuple[str, ...]:
+        return tuple(self.pipelines)
+
+    def task_components(self, task: str, model: ModelView | None = None) -> tuple[str, ...]:
+        if model is None:
+            return ()
+        called = {(call.component, call.method) for r in self.record(model) if r.task == task for call in r.calls}
+        kept = self.in_torch(model)
+        return tuple(s.component for signatures in self.signatures(model).values() for s in signatures
+                     if (s.attribute, s.method) in called and s.component not in kept)
+
+    def specs(self, model: ModelView, profile: ShapeProfile, names: Iterable[str] | None,
+              cache_branch: int = DEFAULT_BRANCH) -> dict[str, ComponentSpec]:
+        builders = self.spec_builders(model, profile, cache_branch)
+        names = list(builders if names is None else names)
+        absent = [n for n in names if n not in builders]
+        if absent:
+            raise KasokuError(f"this {self.title} model has no {', '.join(absent)}; "
+                              f"its components are {', '.join(builders)}.")
+        return {name: builders[name]() for name in names}
+
+    def spec_builders(self, model: ModelView, profile: ShapeProfile,
+                      cache_branch: int = DEFAULT_BRANCH) -> dict[str, Callable[[], ComponentSpec]]:
+        builders = {}
+        for signatures in self.signatures(model).values():
+            for signature in signatures:
+                builders[signature.component] = functools.partial(self._spec, model, signature, profile)
+        return builders
+
+    def _spec(self, model: ModelView, signature: Signature, profile: ShapeProfile) -> ComponentSpec:
+        return recorded.recorded_spec(signature, model.ref(signature.attribute), profile)
+
+    # ---- sizes ----------------------------------------------------------------------------------------
+
+    def vae_scale(self, model: ModelView) -> int:
+        value = getattr(model.pipe, "vae_scale_factor", None)
+        return int(value) if isinstance(value, (int, float)) and value > 0 else 8
+
+    def native_size(self, model: ModelView) -> int:
+        default = self.parameters.get("height")
+        if default is not None and isinstance(default.default, int):
+            return default.default
+        # diffusers' own default: the pipeline's default_sample_size, else its denoiser's sample_size (PixArt's),
+        # in latent cells
+        sample = getattr(model.pipe, "default_sample_size", None)
+        if not isinstance(sample, int):
+            config = getattr(getattr(model.pipe, "transformer", None) or getattr(model.pipe, "unet", None),
+                             "config", None)
+            sample = getattr(config, "sample_size", None)
+        if isinstance(sample, int) and sample > 0:
+            return sample * self.vae_scale(model)
+        return 1024
+
+    def default_profile(self, model: ModelView, max_batch: int = 4) -> ShapeProfile:
+        return default_profile(self.native_size(model), self.pixel_multiple(model), max_batch)
+
+    # ---- pipelines on engines ------------------------------------------------------------------------
+
+    def pipelines_for(self, source: str | None = None, *, controlnet: bool = False) -> Mapping[str, str]:
+        return self.pipelines
+
+    def doubles_batch(self, kwargs: Mapping[str, Any], model: ModelView | None = None) -> bool:
+        """Whether the denoiser sees twice the images: the recorded denoiser input has a guided axis and the call
+        asks for guidance (diffusers' rule: a scale above 1)."""
+        if model is None or "guidance_scale" not in self.parameters:
+            return False
+        guided = any(axis.min_scale is not None for s in self.signatures(model).get(
+            self.denoiser_attribute(model), ()) for slot in s.inputs for axis in slot.tensor.dynamic_axes.values())
+        return guided and super().doubles_batch(kwargs, model)
+
+    def stand_ins(self, model: ModelView, engines: Mapping[str, Any], times: EngineTimes) -> dict[str, Any]:
+        """Each module with an engine for any of its calls, as an :class:`EngineRecorded` (its other calls run the
+        torch module, loaded with its weights); the others stay the torch modules."""
+        replaced: dict[str, Any] = {}
+        for attribute in self.modules(model):
+            compiled = [s for s in self.signatures(model).get(attribute, ()) if s.component in engines]
+            every = self.signatures(model).get(attribute, ())
+            if compiled:
+                torch_module = model.ref(attribute).load() if len(compiled) < len(every) or \
+                    self._has_uncompiled_calls(model, attribute) else None
+                replaced[attribute] = EngineRecorded(getattr(model.pipe, attribute), engines, times, compiled,
+                                                     torch_module=torch_module)
+            elif attribute in self._called(self.record(model)):
+                replaced[attribute] = model.ref(attribute).load()
+        return replaced
+
+    def _has_uncompiled_calls(self, model: ModelView, attribute: str) -> bool:
+        """Whether some recorded call of the module has no graph (a signature kept in torch)."""
+        kept = self.in_torch(model)
+        return attribute in kept or any(name.startswith(recorded.component_name(attribute, method))
+                                        for name in kept for method in ("forward", "decode", "encode"))
+
+    def denoiser_stand_ins(self, model: ModelView, engines: Mapping[str, Any], times: EngineTimes) -> dict[str, Any]:
+        return {}
+
+    def step_cache_target(self, stand_ins: Mapping[str, Any]):
+        return None
+
+    def lora_state_dict(self, source, model: ModelView, **kwargs):
+        raise KasokuError(f"LoRA on {self.title} pipelines is not compiled yet.")
+
+    def __repr__(self) -> str:
+        return f"<generic family {self.title}>"

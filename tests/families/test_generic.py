@@ -1,0 +1,278 @@
+"""Pipelines kasoku has no hand-written family for, compiled from the calls diffusers makes to their components.
+
+Each tiny family (kasoku.tools.tiny_families, at the sizes of diffusers' own tests) is compiled once per backend
+into a session cache and compared with diffusers' own pipeline on the same generator. `make test` runs a few
+families on ONNX Runtime and one on OpenVINO; `make test-slow` runs every family on both.
+"""
+
+from __future__ import annotations
+
+import inspect
+
+import numpy as np
+import pytest
+import torch
+
+import kasoku
+from kasoku.architectures.recorded import signatures
+from kasoku.core.components import ShapeProfile
+from kasoku.core.parity import psnr
+from kasoku.core.recording import _flatten_with_paths
+from kasoku.core.standins import InvalidInput
+from kasoku.families import NotADiffusersPipeline, classify
+from kasoku.families.generic import GenericFamily
+from kasoku.model.pipeline_model import Model
+from kasoku.tools.tiny_families import TINY_FAMILIES, tiny_family_pipeline
+
+# The families whose denoiser runs on an engine; the others' denoisers stay in torch, with the reason the
+# compile report gives (their text encoders and VAEs run on engines).
+DENOISER_ON_ENGINES = ("pixart-sigma", "auraflow", "sana", "sana-sprint", "cogview4", "ovis-image", "bria",
+                       "flux2-klein")
+DENOISER_IN_TORCH = tuple(name for name in TINY_FAMILIES if name not in DENOISER_ON_ENGINES)
+FAST = ("pixart-sigma", "sana-sprint", "flux2-klein", "z-image")  # the families `make test` compiles
+MIN_PSNR = 40.0
+
+
+def _multiple(pipe) -> int:
+    model = Model.of(pipe)
+    return model.family.pixel_multiple(model)
+
+
+def _profile(pipe) -> ShapeProfile:
+    step = max(16, _multiple(pipe))
+    return ShapeProfile.from_ranges((1, 1, 2), (2 * step, 4 * step, 8 * step), (2 * step, 4 * step, 8 * step), step)
+
+
+def _arguments(pipe, *, guided: bool | None = None, **given) -> dict:
+    """A call every class of the family takes: its own size, 2 steps, the guidance asked for."""
+    parameters = inspect.signature(type(pipe).__call__).parameters
+    step = max(16, _multiple(pipe))
+    arguments = {"prompt": "a red fox", "height": 4 * step, "width": 4 * step, "num_inference_steps": 2,
+                 "output_type": "np", "use_resolution_binning": False, "max_sequence_length": 48,
+                 "enable_prompt_rewrite": False, **given}
+    if guided is not None:
+        arguments["guidance_scale"] = 4.5 if guided else 1.0
+    return {name: value for name, value in arguments.items() if name in parameters}
+
+
+def _images(pipe, **call) -> np.ndarray:
+    output = pipe(generator=torch.Generator().manual_seed(1), **call)
+    return np.asarray(output.images if hasattr(output, "images") else output.image)
+
+
+@pytest.fixture(scope="session")
+def generic_cache(tmp_path_factory):
+    return tmp_path_factory.mktemp("generic-cache")
+
+
+_compiled: dict[tuple[str, str], tuple] = {}
+
+
+def compiled(family: str, backend: str, cache) -> tuple:
+    """(diffusers pipeline, kasoku pipeline) of the tiny `family` on `backend`, compiled once per session."""
+    if (family, backend) not in _compiled:
+        pipe = tiny_family_pipeline(family)
+        _compiled[family, backend] = pipe, kasoku.compile(pipe, backend, profile=_profile(pipe), cache_dir=cache)
+    return _compiled[family, backend]
+
+
+# ---- recognising any diffusers pipeline ----------------------------------------------------------------------
+
+
+def test_any_diffusers_pipeline_class_gets_a_generic_family():
+    family = classify("AuraFlowPipeline", {"transformer": object()}, {})
+    assert isinstance(family, GenericFamily) and family.title == "AuraFlow"
+    assert family is classify("AuraFlowPipeline", {"transformer": object()}, {})
+    chroma = classify("ChromaPipeline", {"transformer": object()}, {})
+    assert chroma.pipelines == {"txt2img": "ChromaPipeline", "img2img": "ChromaImg2ImgPipeline",
+                                "inpaint": "ChromaInpaintPipeline"}
+
+
+def test_a_class_diffusers_does_not_have_is_refused():
+    with pytest.raises(NotADiffusersPipeline, match="not a pipeline class of the installed diffusers"):
+        classify("MadeUpPipeline", {"transformer": object()}, {})
+
+
+# ---- recording -----------------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def pixart_model():
+    return Model.of(tiny_family_pipeline("pixart-sigma"))
+
+
+def test_recorded_calls_give_the_denoisers_axes(pixart_model):
+    found = pixart_model.family.signatures(pixart_model)
+    assert set(found) == {"text_encoder", "transformer", "vae"}
+    (transformer,) = found["transformer"]
+    dims = {slot.tensor.name: slot.tensor.dims for slot in transformer.inputs}
+    batch, channels, height, width = dims["hidden_states"]
+    assert (batch.name, channels, height.name, width.name) == ("batch_x2_guided", 4, "height_div8", "width_div8")
+    assert batch.min_scale == 1 and batch.scale == 2  # twice the images with guidance, once without
+    assert dims["encoder_hidden_states"][1].name == "text_tokens"
+    assert dims["encoder_hidden_states"][1].bounds == (1, 300)  # PixArt-Σ's max_sequence_length
+    assert transformer.outputs[0].tensor.dims[2].name == "height_div8"
+    (decoder,) = found["vae"]
+    assert decoder.component == "vae_decoder" and decoder.method == "decode"
+    assert "generator" not in {decoder.paths[i] for i, _ in decoder.constants}  # passed along, not computed with
+
+
+def test_a_size_the_pipeline_refuses_raises_the_step():
+    pipe = tiny_family_pipeline("sana")
+    assert pipe.vae_scale_factor * 2 == 4 and _multiple(pipe) == 32  # Sana asks for multiples of 32
+
+
+def test_only_the_outputs_the_pipeline_reads_are_compiled():
+    model = Model.of(tiny_family_pipeline("flux2-klein"))
+    (encoder,) = model.family.signatures(model)["text_encoder"]
+    recorded = model.memo["recordings"][0].calls[0]
+    assert recorded.component == "text_encoder" and len(recorded.output_leaves) > 28  # logits and 29 hidden states
+    assert [o.tensor.name for o in encoder.outputs] == ["hidden_states_9", "hidden_states_18", "hidden_states_27"]
+
+
+def test_model_outputs_flatten_with_their_keys():
+    from diffusers.models.autoencoders.vae import DiagonalGaussianDistribution
+    from diffusers.models.modeling_outputs import AutoencoderKLOutput
+
+    output = AutoencoderKLOutput(latent_dist=DiagonalGaussianDistribution(torch.zeros(1, 8, 2, 2)))
+    leaves, _, paths = _flatten_with_paths((output, {"scale": 1.0}))
+    assert paths == [("0", "latent_dist"), ("1", "scale")] and leaves[1] == 1.0
+
+
+def test_a_constant_that_changes_between_calls_is_refused():
+    model = Model.of(tiny_family_pipeline("pixart-sigma"))
+    recordings = model.family.record(model)
+    call = next(c for c in recordings[0].calls if c.component == "transformer")
+    index = call.paths.index("return_dict")
+    leaves = list(call.leaves)
+    leaves[index] = True
+    changed = type(call)(call.component, call.method, call.arguments, call.paths, tuple(leaves), call.output,
+                         call.output_paths, call.output_leaves, call.read)
+    recordings[0].calls.append(changed)
+    with pytest.raises(kasoku.KasokuError, match="`return_dict` changing from call to call"):
+        signatures(recordings, "transformer", max_tokens=300)
+
+
+# ---- compiled against diffusers ------------------------------------------------------------------------------
+
+
+def _check_family(family: str, backend: str, cache) -> None:
+    pipe, fast = compiled(family, backend, cache)
+    report = fast.compile_report
+    denoiser = "transformer"
+    assert (report.backends[denoiser] == backend) == (family in DENOISER_ON_ENGINES), report.in_torch
+    assert report.backends.get("vae_decoder") == backend and report.backends.get("text_encoder") == backend
+    if family in DENOISER_IN_TORCH:
+        assert report.in_torch.get(denoiser), "a component kept in torch says why"
+        assert any(note.startswith(f"{denoiser} stays in torch: ") for note in report.notes)
+    guidance = [None] if "guidance_scale" not in inspect.signature(type(pipe).__call__).parameters or \
+        family == "sana-sprint" else [True, False]
+    for guided in guidance:
+        call = _arguments(pipe, guided=guided)
+        assert psnr(_images(pipe, **call), _images(fast, **call)) >= MIN_PSNR, (family, guided)
+
+
+@pytest.mark.integration
+@pytest.mark.parametrize("family", FAST)
+def test_a_tiny_family_matches_diffusers_on_onnxruntime(family, generic_cache):
+    _check_family(family, "onnxruntime", generic_cache)
+
+
+@pytest.mark.integration
+def test_a_tiny_family_matches_diffusers_on_openvino(generic_cache):
+    _check_family("pixart-sigma", "openvino", generic_cache)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("backend", ["onnxruntime", "openvino"])
+@pytest.mark.parametrize("family", list(TINY_FAMILIES))
+def test_every_tiny_family_matches_diffusers(family, backend, generic_cache):
+    _check_family(family, backend, generic_cache)
+
+
+@pytest.mark.integration
+def test_img2img_runs_the_recorded_vae_encoder(generic_cache):
+    from diffusers import SanaSprintImg2ImgPipeline
+    from PIL import Image
+
+    pipe, fast = compiled("sana-sprint", "onnxruntime", generic_cache)
+    assert fast.compile_report.backends["vae_encoder"] == "onnxruntime"
+    image = Image.fromarray((np.indices((128, 128)).sum(0) % 255).astype(np.uint8)).convert("RGB")
+    reference = SanaSprintImg2ImgPipeline(**pipe.components)
+    call = _arguments(reference, image=image, strength=0.6)
+    assert psnr(_images(reference, **call), _images(fast, **call)) >= MIN_PSNR
+
+
+@pytest.mark.integration
+def test_inpaint_matches_diffusers(generic_cache):
+    from diffusers import Flux2KleinInpaintPipeline
+    from PIL import Image
+
+    pipe, fast = compiled("flux2-klein", "onnxruntime", generic_cache)
+    image = Image.fromarray((np.indices((64, 64)).sum(0) * 2 % 255).astype(np.uint8)).convert("RGB")
+    mask = np.zeros((64, 64), np.uint8)
+    mask[16:48, 16:48] = 255
+    reference = Flux2KleinInpaintPipeline(**pipe.components)
+    call = _arguments(reference, image=image, mask_image=Image.fromarray(mask), strength=1.0)
+    assert psnr(_images(reference, **call), _images(fast, **call)) >= MIN_PSNR
+
+
+@pytest.mark.integration
+def test_a_call_unlike_the_recorded_ones_is_refused_in_one_line(generic_cache):
+    _, fast = compiled("pixart-sigma", "onnxruntime", generic_cache)
+    transformer = fast._pipes["txt2img"].transformer
+    latents = torch.zeros(2, 4, 8, 8)
+    with pytest.raises(InvalidInput, match="cannot serve this call: `return_dict` is True but was False"):
+        transformer(latents, encoder_hidden_states=torch.zeros(2, 48, 32), timestep=torch.zeros(2),
+                    encoder_attention_mask=torch.ones(2, 48, dtype=torch.int64), added_cond_kwargs={
+                        "resolution": None, "aspect_ratio": None}, return_dict=True)
+
+
+def test_a_pipeline_with_no_torch_component_is_refused_first():
+    from kasoku.families.generic import NotCompilable
+
+    with pytest.raises(NotCompilable, match="has no torch components to compile"):
+        classify("PixArtSigmaPipeline", {"transformer": None, "vae": None}, {}, where="this folder")
+
+
+@pytest.mark.integration
+def test_a_call_outside_the_compiled_shapes_is_refused_before_it_runs(generic_cache):
+    pipe, fast = compiled("pixart-sigma", "onnxruntime", generic_cache)
+    with pytest.raises(kasoku.KasokuError, match="outside") as error:
+        fast(**_arguments(pipe, height=256, width=256))
+    assert "\n" not in str(error.value)
+
+
+@pytest.mark.integration
+def test_a_component_that_does_not_export_stays_in_torch_in_one_line(generic_cache):
+    _, fast = compiled("z-image", "onnxruntime", generic_cache)
+    reason = fast.compile_report.in_torch["transformer"]
+    assert "\n" not in reason and len(reason) <= 200
+    assert fast.compile_report.backends["vae_decoder"] == "onnxruntime"
+
+
+def _check_precision(family: str, precision: str, cache) -> None:
+    """bf16 and int8 (weights) on OpenVINO, against the fp32 engines within kasoku's contract for them."""
+    from kasoku.core.components import Precision
+    from kasoku.core.parity import TOLERANCES, ssim
+
+    pipe, fp32 = compiled(family, "openvino", cache)
+    contract = TOLERANCES[Precision(precision)]
+    low = kasoku.compile(pipe, "openvino", precision=precision, profile=_profile(pipe), cache_dir=cache)
+    assert set(low.compile_report.precisions.values()) == {precision} and not low.compile_report.in_torch
+    call = _arguments(pipe, num_inference_steps=contract.image_steps)
+    expected, actual = _images(fp32, **call), _images(low, **call)
+    assert psnr(expected, actual) >= contract.image_psnr_db and ssim(expected, actual) >= contract.image_ssim
+
+
+@pytest.mark.integration
+@pytest.mark.parametrize("precision", ["bf16", "int8"])
+def test_reduced_precisions_keep_their_contract(precision, generic_cache):
+    _check_precision("pixart-sigma", precision, generic_cache)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("precision", ["bf16", "int8"])
+@pytest.mark.parametrize("family", ["flux2-klein", "cogview4"])
+def test_reduced_precisions_keep_their_contract_on_more_families(family, precision, generic_cache):
+    _check_precision(family, precision, generic_cache)
