@@ -32,7 +32,7 @@ class Tiny(Command):
 
     def add_arguments(self, p: argparse.ArgumentParser) -> None:
         from ..core.choices import FAMILY_TITLES, PREDICTION_TYPES
-        from ..tools.tiny_families import TINY_FAMILIES
+        from ..core.choices import RECORDED_TINY_FAMILIES as TINY_FAMILIES
 
         p.add_argument("dir", type=Path, help="an empty or new folder to write the pipeline into")
         p.add_argument("--family", choices=[*FAMILY_TITLES, *TINY_FAMILIES], default="sd1", metavar="FAMILY",

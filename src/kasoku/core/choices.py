@@ -65,3 +65,9 @@ class Size:
 
     def __str__(self) -> str:
         return f"{self.width}x{self.height}"
+
+# the tiny families `kasoku tiny --family` builds of the pipelines compiled from their recorded calls
+# (kasoku/tools/tiny_families.py checks at import that its builders are these)
+RECORDED_TINY_FAMILIES = ("pixart-sigma", "auraflow", "chroma", "sana", "sana-sprint", "lumina2", "cogview4",
+                          "z-image", "flux2-klein", "qwen-image", "ovis-image", "bria", "flux2", "hunyuan-image",
+                          "krea2", "longcat-image", "ernie-image", "cogview3-plus", "hunyuan-dit", "kandinsky3")

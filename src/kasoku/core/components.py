@@ -188,6 +188,10 @@ class Axis:
         """The image dimensions this axis scales (one, or the several whose product it scales)."""
         return (self.of,) if isinstance(self.of, str) else tuple(self.of)
 
+    @property
+    def is_product(self) -> bool:
+        return len(self.dims) > 1
+
     def at(self, shape: ImageShape, *, minimum: bool = False) -> int:
         if minimum and self.from_one:
             return 1

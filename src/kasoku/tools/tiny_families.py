@@ -18,6 +18,7 @@ from typing import Any
 import torch
 
 from ..architectures.tiny import seeded
+from ..core.choices import RECORDED_TINY_FAMILIES
 
 __all__ = ["TINY_FAMILIES", "tiny_family_pipeline"]
 
@@ -540,6 +541,9 @@ TINY_FAMILIES: dict[str, Callable[[int], Any]] = {
     "krea2": krea2, "longcat-image": longcat_image, "ernie-image": ernie_image, "cogview3-plus": cogview3_plus,
     "hunyuan-dit": hunyuan_dit, "kandinsky3": kandinsky3,
 }
+
+
+assert tuple(TINY_FAMILIES) == RECORDED_TINY_FAMILIES, "kasoku.core.choices lists the tiny families for the CLI"
 
 
 def tiny_family_pipeline(family: str, seed: int = 0):
