@@ -408,8 +408,8 @@ class GenericFamily(Family):
         torch module, loaded with its weights); the others stay the torch modules."""
         replaced: dict[str, Any] = {}
         for attribute in self.modules(model):
-            compiled = [s for s in self.signatures(model).get(attribute, ()) if s.component in engines]
             every = self.signatures(model).get(attribute, ())
+            compiled = [s for s in every if s.component in engines]
             if compiled:
                 torch_module = model.ref(attribute).load() if len(compiled) < len(every) or \
                     self._has_uncompiled_calls(model, attribute) else None
