@@ -14,6 +14,7 @@ markers.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime
 import inspect
 import json
@@ -29,7 +30,8 @@ RESULTS = ROOT / "benchmarks" / "results"
 README_START, README_END = "<!-- coverage:start -->", "<!-- coverage:end -->"
 MIN_PSNR = 40.0
 # the call-parameter names of video, audio and 3D pipelines
-NOT_IMAGES = ("num_frames", "audio_length_in_s", "frame_rate", "fps", "video", "num_videos_per_prompt")
+NOT_IMAGES = ("num_frames", "audio_length_in_s", "frame_rate", "fps", "video", "num_videos_per_prompt",
+              "video_length")
 # the variants a family's row names instead of a row of their own
 VARIANT_WORDS = ("ControlNet", "PAG", "Control", "Adapter", "Combined", "Prior", "Decoder", "Upscale", "Refiner",
                  "Edit", "Layered", "Kontext", "Redux", "Fill", "Depth", "Instruct", "Img2Img", "Inpaint", "I2I", "KV",
@@ -87,6 +89,8 @@ def measured(family: str, backend: str, cache: Path) -> dict:
     step = max(16, model.family.pixel_multiple(model)) if model.family.generic else 16
     profile = ShapeProfile.from_ranges((1, 1, 1), (2 * step, 4 * step, 8 * step), (2 * step, 4 * step, 8 * step),
                                        step)
+    if model.family.generic:  # the text tokens the call asks for (a graph of one shape is compiled for them)
+        profile = dataclasses.replace(profile, text_tokens=48)
     start = time.perf_counter()
     fast = kasoku.compile(pipe, backend, profile=profile, cache_dir=cache)
     seconds = time.perf_counter() - start
@@ -94,6 +98,8 @@ def measured(family: str, backend: str, cache: Path) -> dict:
     call = {"prompt": "a red fox", "height": 4 * step, "width": 4 * step, "num_inference_steps": 2,
             "output_type": "np", "use_resolution_binning": False, "max_sequence_length": 48,
             "enable_prompt_rewrite": False}
+    if "guidance_schedule" in parameters:  # a guidance per step (Ideogram 4's) as long as its default steps
+        call.update(guidance_schedule=None, guidance_scale=4.0)
     if not model.family.generic:  # the hand-written families compile their text tokens for diffusers' default
         del call["max_sequence_length"]
     call = {name: value for name, value in call.items() if name in parameters}
@@ -128,6 +134,11 @@ def run(backends: list[str], only: list[str] | None, cache: Path) -> dict:
     for name in classes:
         row: dict = {"class": name}
         family = builders.get(name)
+        if ".deprecated." in classes[name].__module__:
+            row["reason"] = "deprecated in diffusers (diffusers.pipelines.deprecated): not a target, not tried here"
+            row["status"] = "deprecated"
+            rows.append(row)
+            continue
         if name in BLOCKED:
             row["reason"] = BLOCKED[name]
         elif family is None:
@@ -160,9 +171,11 @@ def versions() -> dict[str, str]:
 def markdown(result: dict) -> str:
     backends = result["backends"]
     compiled = sum(row["status"] == "compiled" for row in result["rows"])
-    lines = [f"{compiled} of {len(result['rows'])} text-to-image pipeline classes of diffusers "
+    deprecated = sum(row["status"] == "deprecated" for row in result["rows"])
+    lines = [f"{compiled} of {len(result['rows']) - deprecated} text-to-image pipeline classes of diffusers "
              f"{result['versions']['diffusers']} compile with their denoiser and VAE on engines and match diffusers "
-             f"(tiny random pipelines, 2 steps; `python benchmarks/coverage.py`, {result['date']}, {result['cpu']}).",
+             f"(tiny random pipelines, 2 steps; `python benchmarks/coverage.py`, {result['date']}, {result['cpu']}); "
+             f"{deprecated} more are deprecated in diffusers and listed without a run.",
              "", "| class | status | " + " | ".join(f"{b} dB" for b in backends) + " | where each component runs |",
              "|---|---|" + "---|" * len(backends) + "---|"]
     for row in result["rows"]:

@@ -21,8 +21,8 @@ quiet_third_party_logs()
 ENGINE_FIXTURES = {"tiny_onnx", "tiny_compiled", "tiny_kasoku", "tiny_inpaint_kasoku", "family_kasoku"}
 
 
-# Tests marked `slow` take minutes each on two cores (AOTInductor's C++ compiles): `make test` skips them with this
-# reason, `make test-slow` (KASOKU_RUN_SLOW=1) runs them.
+# Tests marked `slow` take minutes each on two cores (AOTInductor's C++ compiles, families `make test` covers with
+# others): `make test` skips them with their marker's reason, `make test-slow` (KASOKU_RUN_SLOW=1) runs them.
 RUN_SLOW = os.environ.get("KASOKU_RUN_SLOW") == "1"
 
 
@@ -42,8 +42,10 @@ def _file_rank(item) -> int:
 def pytest_collection_modifyitems(config, items):
     items.sort(key=_file_rank)  # stable: each file's own order is kept
     for item in items:
-        if item.get_closest_marker("slow") is not None and not RUN_SLOW:
-            item.add_marker(pytest.mark.skip(reason="slow (minutes of compile on 2 cores); `make test-slow` runs it"))
+        slow = item.get_closest_marker("slow")
+        if slow is not None and not RUN_SLOW:
+            why = slow.kwargs.get("reason", "minutes of compile on 2 cores")
+            item.add_marker(pytest.mark.skip(reason=f"slow ({why}); `make test-slow` runs it"))
         fixtures = set(getattr(item, "fixturenames", ()))
         if item.get_closest_marker("integration") is None and fixtures & ENGINE_FIXTURES:
             item.add_marker(pytest.mark.integration)
@@ -71,6 +73,18 @@ def layer_precisions(engine, layer_type: str = "") -> list[str]:
 def linear_layer_precisions(engine) -> list[str]:
     """The runtime precision of each linear layer (FullyConnected node) of `engine`."""
     return layer_precisions(engine, "FullyConnected")
+
+
+def quantized_linear_layers(engine) -> list[tuple[str, bool]]:
+    """Each linear layer of `engine` as (its runtime precision, whether NNCF quantized it: OpenVINO fused its
+    dequantization into it)."""
+    found = []
+    for op in engine.compiled.get_runtime_model().get_ordered_ops():
+        info = op.get_rt_info()
+        if "layerType" in info and info["layerType"].astype(str).startswith("FullyConnected"):
+            names = info["originalLayersNames"].astype(str) if "originalLayersNames" in info else ""
+            found.append((info["runtimePrecision"].astype(str), "Dequantization" in names))
+    return found
 
 
 def tiny_profile(pipe):

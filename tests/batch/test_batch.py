@@ -211,6 +211,7 @@ def test_batched_calls_make_the_same_bytes_as_one_job_per_call(reference, tiny_d
     assert images(tmp_path / "out") == images(reference)
 
 
+@pytest.mark.slow(reason="Ray's start and its workers' compiles (the local batch tests stay)")
 @needs_ray
 def test_ray_gives_the_same_images_byte_for_byte(reference, tiny_dir, tiny_cache, prompts, tmp_path, capsys):
     summary = tmp_path / "ray.json"

@@ -84,6 +84,7 @@ def test_an_int8_build_without_memory_to_spare_is_refused_before_nncf_starts(tin
                        cache_dir=tiny_cache.root)
 
 
+@pytest.mark.slow(reason="two builds stopped by the guard (its unit tests stay)")
 @pytest.mark.integration
 def test_a_build_the_guard_stopped_is_refused_before_its_work_until_more_memory_is_free(tiny_pipe, tmp_path,
                                                                                        monkeypatch):

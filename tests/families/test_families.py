@@ -267,6 +267,7 @@ def test_generate_sdxl_from_the_cli(family_dirs, family_kasoku, tiny_cache, tmp_
     assert "text_encoder_2=onnxruntime" in printed
 
 
+@pytest.mark.slow(reason="SDXL's IP-Adapter (SD 1.x's, SD3's stay)")
 @pytest.mark.integration
 def test_sdxl_runs_an_ip_adapter_image_prompt(family_kasoku, tmp_path):
     """IP-Adapter on SDXL (its two text encoders, its added conditioning): the family's engines plus the image

@@ -7,6 +7,7 @@ families on ONNX Runtime and one on OpenVINO; `make test-slow` runs every family
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 
 import numpy as np
@@ -26,10 +27,12 @@ from kasoku.tools.tiny_families import TINY_FAMILIES, tiny_family_pipeline
 
 # The families whose denoiser runs on an engine; the others' denoisers stay in torch, with the reason the
 # compile report gives (their text encoders and VAEs run on engines).
-DENOISER_ON_ENGINES = ("pixart-sigma", "auraflow", "sana", "sana-sprint", "cogview4", "ovis-image", "bria",
-                       "flux2-klein")
-DENOISER_IN_TORCH = tuple(name for name in TINY_FAMILIES if name not in DENOISER_ON_ENGINES)
-FAST = ("pixart-sigma", "sana-sprint", "flux2-klein", "z-image")  # the families `make test` compiles
+DENOISER_IN_TORCH = ("qwen-image", "lumina2", "hunyuan-image", "kandinsky3")
+DENOISER_ON_ENGINES = tuple(name for name in TINY_FAMILIES if name not in DENOISER_IN_TORCH)
+# the families `make test` compiles: dynamic graphs (PixArt-Σ, Flux.2 klein), a transformer of one shape (Chroma's
+# attention mask is as long as its text and image tokens together), one kept in torch (Qwen-Image's text follows
+# the prompt's own length and its dynamic graph does not export)
+FAST = ("pixart-sigma", "flux2-klein", "chroma", "qwen-image")
 MIN_PSNR = 40.0
 
 
@@ -40,7 +43,9 @@ def _multiple(pipe) -> int:
 
 def _profile(pipe) -> ShapeProfile:
     step = max(16, _multiple(pipe))
-    return ShapeProfile.from_ranges((1, 1, 2), (2 * step, 4 * step, 8 * step), (2 * step, 4 * step, 8 * step), step)
+    profile = ShapeProfile.from_ranges((1, 1, 2), (2 * step, 4 * step, 8 * step), (2 * step, 4 * step, 8 * step),
+                                       step)
+    return dataclasses.replace(profile, text_tokens=48)  # the calls' max_sequence_length (graphs of one shape)
 
 
 def _arguments(pipe, *, guided: bool | None = None, **given) -> dict:
@@ -192,15 +197,39 @@ def test_every_tiny_family_matches_diffusers(family, backend, generic_cache):
 
 @pytest.mark.integration
 def test_img2img_runs_the_recorded_vae_encoder(generic_cache):
-    from diffusers import SanaSprintImg2ImgPipeline
+    from diffusers import ChromaImg2ImgPipeline
     from PIL import Image
 
-    pipe, fast = compiled("sana-sprint", "onnxruntime", generic_cache)
+    pipe, fast = compiled("chroma", "onnxruntime", generic_cache)
     assert fast.compile_report.backends["vae_encoder"] == "onnxruntime"
-    image = Image.fromarray((np.indices((128, 128)).sum(0) % 255).astype(np.uint8)).convert("RGB")
-    reference = SanaSprintImg2ImgPipeline(**pipe.components)
+    image = Image.fromarray((np.indices((64, 64)).sum(0) % 255).astype(np.uint8)).convert("RGB")
+    reference = ChromaImg2ImgPipeline(**pipe.components)
     call = _arguments(reference, image=image, strength=0.6)
     assert psnr(_images(reference, **call), _images(fast, **call)) >= MIN_PSNR
+
+
+@pytest.mark.integration
+def test_a_transformer_whose_dynamic_graph_fails_runs_an_engine_of_the_optimum_and_refuses_other_shapes(
+        generic_cache):
+    pipe, fast = compiled("chroma", "onnxruntime", generic_cache)
+    report = fast.compile_report
+    assert report.backends["transformer"] == "onnxruntime" and not report.in_torch
+    (note,) = [n for n in report.notes if n.startswith("transformer runs an engine of one shape")]
+    assert "must match the size" in note  # why: the mask is as long as the text and image tokens together
+    fast.times.reset()
+    with pytest.raises(InvalidInput, match=r"transformer cannot serve this call: `hidden_states` has shape "
+                                           r"\(1, 32, \d+\) where the engine takes \(1, 16, \d+\)\. Its engine takes "
+                                           r"one shape, the call kasoku recorded \(1 image of 64x64 with") as error:
+        fast(**_arguments(pipe, height=64, width=128))
+    assert "\n" not in str(error.value) and "transformer" not in fast.times.calls
+
+
+@pytest.mark.integration
+def test_a_graph_that_follows_the_prompt_has_no_one_shape_fallback(generic_cache):
+    _, fast = compiled("qwen-image", "onnxruntime", generic_cache)
+    reason = fast.compile_report.in_torch["transformer"]
+    # its call takes the image size as numbers (img_shapes): a graph of one shape, were its text not the prompt's own
+    assert reason.startswith("`encoder_hidden_states` follow the prompt's own length"), reason
 
 
 @pytest.mark.integration
@@ -245,10 +274,11 @@ def test_a_call_outside_the_compiled_shapes_is_refused_before_it_runs(generic_ca
 
 @pytest.mark.integration
 def test_a_component_that_does_not_export_stays_in_torch_in_one_line(generic_cache):
-    _, fast = compiled("z-image", "onnxruntime", generic_cache)
+    _, fast = compiled("qwen-image", "onnxruntime", generic_cache)
     reason = fast.compile_report.in_torch["transformer"]
     assert "\n" not in reason and len(reason) <= 200
     assert fast.compile_report.backends["vae_decoder"] == "onnxruntime"
+    assert any(note.startswith("transformer stays in torch: ") for note in fast.compile_report.notes)
 
 
 def _check_precision(family: str, precision: str, cache) -> None:
@@ -276,3 +306,91 @@ def test_reduced_precisions_keep_their_contract(precision, generic_cache):
 @pytest.mark.parametrize("family", ["flux2-klein", "cogview4"])
 def test_reduced_precisions_keep_their_contract_on_more_families(family, precision, generic_cache):
     _check_precision(family, precision, generic_cache)
+
+
+# ---- LoRA through the class's own diffusers loader ---------------------------------------------------------
+
+
+def _two_adapters(pipe, folder) -> tuple[str, str]:
+    from tests.families.test_transformers import _save_transformer_adapter
+
+    return (str(_save_transformer_adapter(pipe, folder / "a", 1, ["to_q", "to_k", "to_v", "to_out.0"])),
+            str(_save_transformer_adapter(pipe, folder / "b", 2, ["to_q", "to_v"])))
+
+
+def _check_lora(reference, fast, folder) -> None:
+    """One adapter, then two blended, against diffusers' own `load_lora_weights`; unloading gives the base back."""
+    a, b = _two_adapters(reference, folder)
+    call = _arguments(reference)
+    base = _images(fast, **call)
+    for pipe in (reference, fast):
+        pipe.load_lora_weights(a, adapter_name="a")
+    one = _images(fast, **call)
+    assert psnr(_images(reference, **call), one) >= MIN_PSNR and psnr(base, one) < 70  # it changes the image
+    for pipe in (reference, fast):
+        pipe.load_lora_weights(b, adapter_name="b")
+        pipe.set_adapters(["a", "b"], [0.7, 0.5])
+    assert psnr(_images(reference, **call), _images(fast, **call)) >= MIN_PSNR
+    fast.unload_lora_weights()
+    assert np.array_equal(_images(fast, **call), base)  # the base weights exactly
+
+
+@pytest.mark.integration
+def test_lora_one_adapter_and_two_blended_on_a_new_family(generic_cache, tmp_path):
+    _, fast = compiled("flux2-klein", "onnxruntime", generic_cache)
+    _check_lora(tiny_family_pipeline("flux2-klein"), fast, tmp_path)
+
+
+@pytest.mark.slow(reason="a second family's LoRA, with run-time weights")
+def test_lora_with_run_time_weights_on_another_new_family(generic_cache, tmp_path):
+    reference = tiny_family_pipeline("cogview4")
+    fast = kasoku.compile(tiny_family_pipeline("cogview4"), "onnxruntime", profile=_profile(reference),
+                          cache_dir=generic_cache, lora_targets="attention")
+    assert fast.lora_components == ("transformer",)
+    _check_lora(reference, fast, tmp_path)
+
+
+@pytest.mark.integration
+def test_lora_is_refused_where_diffusers_has_no_loader_or_the_module_is_several_graphs(generic_cache, tmp_path):
+    from kasoku.runtime.lora import LoraError
+
+    pipe, pixart = compiled("pixart-sigma", "onnxruntime", generic_cache)
+    folder = tmp_path / "adapter"
+    folder.mkdir()
+    (folder / "pytorch_lora_weights.safetensors").write_bytes(b"")
+    with pytest.raises(LoraError, match="PixArtSigmaPipeline has no LoRA loader in diffusers"):
+        pixart.load_lora_weights(str(folder))
+    qwen, fast = compiled("qwen-image", "onnxruntime", generic_cache)
+    a, _ = _two_adapters(qwen, tmp_path)
+    with pytest.raises(LoraError, match=r"the transformer of this QwenImage pipeline runs as 3 graphs"):
+        fast.load_lora_weights(a)
+
+
+# ---- kasoku's other tools on a new family's folder -------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def pixart_dir(tmp_path_factory):
+    from kasoku.tools.tiny import write_tiny_pipeline
+
+    return write_tiny_pipeline(tmp_path_factory.mktemp("models") / "tiny-pixart", family="pixart-sigma")
+
+
+@pytest.mark.integration
+def test_verify_and_batch_run_on_a_new_familys_folder(pixart_dir, generic_cache, tmp_path):
+    import json
+
+    from kasoku.cli import main
+    from kasoku.tools.verification import verify
+
+    pipe, _ = compiled("pixart-sigma", "onnxruntime", generic_cache)
+    report = verify(pixart_dir, "onnxruntime", profile=_profile(pipe), cache_dir=generic_cache)
+    assert report.passed and report.image.psnr_db >= MIN_PSNR, report.to_dict()
+    assert {c.component for c in report.components} == {"text_encoder", "transformer", "vae_decoder"}
+    jobs = tmp_path / "jobs.jsonl"  # no negative prompt: the pipeline's own default ("" for PixArt)
+    jobs.write_text("".join(json.dumps({"prompt": p, "seed": s, "steps": 2, "height": 64, "width": 64}) + "\n"
+                            for s, p in enumerate(["a red fox", "an old lighthouse"])))
+    out = tmp_path / "out"
+    assert main(["batch", str(pixart_dir), str(jobs), "--out", str(out), "--backend", "onnxruntime", "--height",
+                 "32:128", "--width", "32:128", "--cache-dir", str(generic_cache)]) == 0
+    assert sorted(p.name for p in out.glob("*.png")) == ["000001.png", "000002.png"]

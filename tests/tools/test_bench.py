@@ -11,6 +11,7 @@ from kasoku.cli import main
 pytestmark = pytest.mark.integration  # exports or builds engines
 
 
+@pytest.mark.slow(reason="a full bench run (the families' bench tests stay)")
 def test_bench_reports_every_field(tiny_dir, tmp_path, capsys):
     out, chart = tmp_path / "bench.json", tmp_path / "bench.png"
     # no --cache-dir: a fresh cache, so compile times are cold ones

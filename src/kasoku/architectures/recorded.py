@@ -25,6 +25,7 @@ called the module (arguments, output structure, `config`, `dtype`, `device`, any
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import itertools
 import json
@@ -65,6 +66,7 @@ class Probe:
     width: int
     tokens: int | None
     guidance: bool
+    prompt: int = 0  # the first of the prompts it is called with (a second call at one shape takes other prompts)
 
     def product(self, dims: Sequence[str]) -> int:
         value = 1
@@ -115,6 +117,8 @@ class Signature:
     output_tree: pytree.TreeSpec = field(compare=False)
     output_template: tuple[Any, ...] = field(compare=False)  # per output leaf: its recorded description
     output_paths: tuple[str, ...] = ()
+    # where every dimension is fixed (a graph of one shape): the call it was recorded at, for the messages
+    one_shape: str = field(default="", compare=False)
 
     @property
     def input_names(self) -> tuple[str, ...]:
@@ -131,6 +135,12 @@ class Signature:
                 "paths": list(self.paths),
                 "constants": [(i, repr(v)) for i, v in self.constants], "keyed": [(i, repr(v)) for i, v in self.keyed],
                 "outputs": [o.tensor.name for o in self.outputs], "output_tree": str(self.output_tree)}
+
+    @property
+    def pattern(self) -> tuple:
+        """What its calls share (the key recorded calls are grouped by): method, argument tree, tensor leaves."""
+        tensors = {slot.index for slot in self.inputs}
+        return self.method, str(self.arguments), tuple(i in tensors for i in range(len(self.paths)))
 
     def digest(self) -> str:
         return hashlib.sha256(json.dumps(self.described(), sort_keys=True).encode()).hexdigest()[:16]
@@ -152,8 +162,13 @@ class Signature:
             if isinstance(leaves[index], torch.Tensor) or not _same(leaves[index], value):
                 return f"`{self.paths[index]}` is {_shown(leaves[index])} but was {_shown(value)} when recorded"
         for slot in self.inputs:
-            if not isinstance(leaves[slot.index], torch.Tensor):
-                return f"`{self.paths[slot.index]}` is {_shown(leaves[slot.index])} but was a tensor when recorded"
+            value = leaves[slot.index]
+            if not isinstance(value, torch.Tensor):
+                return f"`{self.paths[slot.index]}` is {_shown(value)} but was a tensor when recorded"
+            dims = slot.tensor.dims
+            if value.ndim != len(dims) or any(isinstance(d, int) and d != n for d, n in zip(dims, value.shape)):
+                wanted = tuple(d if isinstance(d, int) else d.name for d in dims)
+                return f"`{self.paths[slot.index]}` has shape {tuple(value.shape)} where the engine takes {wanted}"
         return None
 
 
@@ -173,7 +188,8 @@ def _shown(value: Any) -> str:
 
 
 def _pattern(call: Call) -> tuple:
-    """What calls of one signature share: the method, the tree of the arguments, which leaves are tensors."""
+    """What calls of one signature share: the method, the tree of the arguments, which leaves are tensors (as
+    :attr:`Signature.pattern`)."""
     return (call.method, str(call.arguments), tuple(isinstance(leaf, torch.Tensor) for leaf in call.leaves))
 
 
@@ -190,7 +206,8 @@ def component_name(attribute: str, method: str) -> str:
 def signatures(recordings: Sequence[Recording], attribute: str, *, max_tokens: int) -> list[Signature]:
     """The signatures of every method the pipeline called on the module at `attribute`, across `recordings`
     (the first is the optimum: its values seed the graph's samples). A second pattern of the same method is a
-    second engine, ``<name>_2``. `max_tokens` bounds the text-token axes."""
+    second engine, ``<name>_2``. `max_tokens` bounds the text-token axes. Recordings of one probe give graphs of
+    one shape (every dimension fixed)."""
     grouped: dict[tuple, list[tuple[Probe, Call]]] = {}
     for recording in recordings:
         for call in recording.calls:
@@ -205,7 +222,17 @@ def signatures(recordings: Sequence[Recording], attribute: str, *, max_tokens: i
         if per_method[method] > 1:
             name = f"{name}_{per_method[method]}"
         found.append(_signature(name, attribute, observed, recordings[0].probe, max_tokens))
+    if len({dataclasses.replace(recording.probe, prompt=0) for recording in recordings}) == 1:
+        shown = described_probe(recordings[0].probe)
+        found = [dataclasses.replace(signature, one_shape=shown) for signature in found]
     return found
+
+
+def described_probe(probe: Probe) -> str:
+    """A probe as a message names it: "1 image of 1024x768 with guidance, 512 text tokens"."""
+    text = f"{probe.batch} image{'s' if probe.batch > 1 else ''} of {probe.height}x{probe.width} " \
+           f"{'with' if probe.guidance else 'without'} guidance"
+    return text + (f", {probe.tokens} text tokens" if probe.tokens is not None else "")
 
 
 def _signature(name: str, attribute: str, observed: list[tuple[Probe, Call]], optimum: Probe,
@@ -481,6 +508,10 @@ class EngineRecorded(EngineModule):
             if reason is None:
                 return self._run_signature(signature, leaves)
             reasons.append(reason)
+        if candidates[0].one_shape:
+            raise InvalidInput(f"{candidates[0].component} cannot serve this call: {reasons[0]}. Its engine takes one "
+                               f"shape, the call kasoku recorded ({candidates[0].one_shape}): call the pipeline at "
+                               "that shape, or compile for the shape you call (the profile's optimum).")
         raise InvalidInput(f"{candidates[0].component} cannot serve this call: {reasons[0]}. Its engine was compiled "
                            "from the calls diffusers made when kasoku recorded the pipeline; call it as those did.")
 

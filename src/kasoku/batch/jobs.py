@@ -126,9 +126,10 @@ def call_arguments(jobs: Sequence) -> dict[str, Any]:
     import torch
 
     first = jobs[0]
+    # no negative prompt: the pipeline's own default (PixArt's is "", and None fails in its text cleaning)
+    negative = {} if first.negative_prompt is None else {"negative_prompt": [job.negative_prompt for job in jobs]}
     return dict(
-        prompt=[job.prompt for job in jobs],
-        negative_prompt=None if first.negative_prompt is None else [job.negative_prompt for job in jobs],
+        prompt=[job.prompt for job in jobs], **negative,
         generator=[torch.Generator().manual_seed(job.seed) for job in jobs],
         num_inference_steps=first.steps, guidance_scale=first.guidance, **caching_arguments(first),
     )

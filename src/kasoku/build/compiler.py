@@ -152,6 +152,7 @@ class Compiler:
         self.records: list[StageRecord] = []
         self.load_seconds: dict[str, float] = {}
         self.in_torch: dict[str, str] = {}  # component -> why it stays in torch (a recorded graph that failed)
+        self.one_shape: dict[str, str] = {}  # component -> why its engine takes one shape (its dynamic graph failed)
         self.references: dict = {}  # torch's outputs for the parity checks, computed once per component and shape
         self.built: dict[tuple[str, str], str] = {}  # (component, backend) -> the engine entry this compile built
         self.intermediates: set[str] = set()  # export and optimization entries the engines were built from
@@ -584,13 +585,38 @@ class Compiler:
                 chosen[name], engine = self.choose(spec)
                 engines[name] = engine or self.engine(spec, chosen[name])
             except _stays_in_torch(spec) as error:
-                if isinstance(error, (NotEnoughMemory, InvalidOptions, CacheError)):
-                    raise  # a refusal that names its remedy
-                chosen[name] = "torch"
-                self.in_torch[name] = _first_line(error)
+                _raise_refusal(error)
+                at_one_shape = self._at_one_shape(spec, error)
+                if at_one_shape is None:
+                    chosen[name] = "torch"
+                else:
+                    chosen[name], engines[name] = at_one_shape
             if on_done:
                 on_done(name)
         return engines, chosen
+
+    def _at_one_shape(self, spec: ComponentSpec, error: Exception) -> tuple[str, Engine] | None:
+        """The engine of `spec`'s one-shape graph, where its dynamic one failed with `error` (`one_shape` says
+        why); None where it has none or that fails too (`in_torch` says why)."""
+        if spec.one_shape is None:
+            self.in_torch[spec.name] = _first_line(error)
+            return None
+        try:
+            fixed = spec.one_shape()
+            choice, engine = self.choose(fixed)
+            engine = engine or self.engine(fixed, choice)
+        except Exception as second:
+            _raise_refusal(second)
+            self.in_torch[spec.name] = _first_line(f"{_first_line(error)}; at one shape: {_first_line(second)}")
+            return None
+        self.one_shape[spec.name] = _first_line(error)
+        return choice, engine
+
+
+def _raise_refusal(error: BaseException) -> None:
+    """A refusal that names its remedy (memory, options, the cache) stops the compile, recorded graph or not."""
+    if isinstance(error, (NotEnoughMemory, InvalidOptions, CacheError)):
+        raise error
 
 
 def _stays_in_torch(spec: ComponentSpec) -> tuple[type[BaseException], ...]:

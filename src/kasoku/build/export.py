@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import io
 import logging
+import re
 import time
 import warnings
 from dataclasses import asdict, dataclass, field
@@ -21,10 +22,18 @@ from typing import Iterable, Sequence
 
 import onnx
 import torch
+from torch.utils import _pytree as pytree
 
 from .. import __version__
 from ..core.attention import exportable_attention
-from ..core.components import ComponentSpec, ImageShape, Precision, ShapeProfile, torch_dynamic_shapes
+from ..core.components import (
+    ComponentSpec,
+    ImageShape,
+    Precision,
+    ShapeProfile,
+    export_dims_plan,
+    torch_dynamic_shapes,
+)
 from ..core.console import to_json
 from ..core.errors import KasokuError
 from ..core.extras import import_onnxruntime
@@ -42,6 +51,7 @@ from ..core.weights import (
 )
 from ..core.weights import module_weights as _module_weights
 from ..model.pipeline_model import Model
+from .onnx_complex import complex_ops_registered
 
 logger = logging.getLogger(__name__)
 
@@ -147,6 +157,32 @@ def _without_noop_squeezes(program: torch.export.ExportedProgram) -> torch.expor
     return program
 
 
+_SUGGESTED_DIM = re.compile(r"^\s*(\w+) = Dim\('\w+'(?:, min=(\d+))?(?:, max=(\d+))?\)", re.M)
+
+
+def _within_suggested_ranges(spec: ComponentSpec, dynamic: dict, error: Exception) -> dict | None:
+    """`dynamic` with its free axes (a prompt's tokens) narrowed to the range torch.export's guards allow, where
+    they allow less than the spec's bounds (Gemma 2 branches on its sliding window: at most 4094 tokens; no
+    dynamic dimension is 1); None where the error suggests no such range."""
+    from torch.export import Dim
+
+    free = {name for name, plan in export_dims_plan(spec).items() if plan[0] == "free"}
+    suggested = {m.group(1): m.groups()[1:] for m in _SUGGESTED_DIM.finditer(str(error)) if m.group(1) in free}
+    if not suggested:
+        return None
+    narrowed: dict[str, object] = {}
+
+    def within(dim):
+        name = getattr(dim, "__name__", None)
+        if name not in suggested:
+            return dim
+        low, high = suggested[name]
+        return narrowed.setdefault(name, Dim(name, min=max(dim.min, int(low or dim.min)),
+                                             max=min(dim.max, int(high or dim.max))))
+
+    return pytree.tree_map(within, dynamic)
+
+
 def _export_graph_to_file(spec: ComponentSpec, path: Path, exporter: str, opset: int, weights: set[str]) -> None:
     """The graph with `weights` as named inputs. The dynamo exporter runs without its optimizer, which
     would fold weights into new, unnamed constants (transposed projections, reshaped norms); its optimizer
@@ -159,15 +195,22 @@ def _export_graph_to_file(spec: ComponentSpec, path: Path, exporter: str, opset:
             dynamic = torch_dynamic_shapes(spec)
 
             def converted(module):
-                return torch.onnx.export(module, args, dynamo=True, dynamic_shapes=dynamic, verbose=False,
-                                         optimize=False, **common)
+                with complex_ops_registered():
+                    return torch.onnx.export(module, args, dynamo=True, dynamic_shapes=dynamic, verbose=False,
+                                             optimize=False, **common)
 
             def captured():
                 # torch.export's non-strict capture reasons through symbolic sizes where the ONNX exporter's own
                 # capture can fail (PixArt's positional embedding); its program converts as it is, less the
                 # squeezes ONNX cannot take
-                return _without_noop_squeezes(torch.export.export(spec.module, args, dynamic_shapes=dynamic,
-                                                                  strict=False))
+                try:
+                    program = torch.export.export(spec.module, args, dynamic_shapes=dynamic, strict=False)
+                except torch._dynamo.exc.UserError as error:
+                    narrowed = _within_suggested_ranges(spec, dynamic, error)
+                    if narrowed is None:
+                        raise
+                    program = torch.export.export(spec.module, args, dynamic_shapes=narrowed, strict=False)
+                return _without_noop_squeezes(program)
 
             # a recorded graph is always captured so; a hand-written one only where the exporter's capture fails
             recorded = spec.graph_kind == "recorded"

@@ -70,4 +70,7 @@ class Size:
 # (kasoku/tools/tiny_families.py checks at import that its builders are these)
 RECORDED_TINY_FAMILIES = ("pixart-sigma", "auraflow", "chroma", "sana", "sana-sprint", "lumina2", "cogview4",
                           "z-image", "flux2-klein", "qwen-image", "ovis-image", "bria", "flux2", "hunyuan-image",
-                          "krea2", "longcat-image", "ernie-image", "cogview3-plus", "hunyuan-dit", "kandinsky3")
+                          "krea2", "longcat-image", "ernie-image", "cogview3-plus", "hunyuan-dit", "kandinsky3",
+                          "pixart-alpha", "lcm", "lumina", "kandinsky5", "hidream", "bria-fibo", "bria-fibo2",
+                          "nucleus-moe-image", "ideogram4", "prx", "dreamlite", "dreamlite-mobile", "ldm",
+                          "deepfloyd-if", "stable-unclip", "cosmos2")

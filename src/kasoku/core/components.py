@@ -289,6 +289,9 @@ class ComponentSpec:
     # What its architecture graph is named by, when not `name`: components that differ by their slot only (a second
     # ControlNet of one architecture) share one graph and export once.
     graph_name: str = ""
+    # The same component as a graph of one shape (the profile's optimum), which a graph compiled from recorded calls
+    # falls back to where its dynamic graph does not export or build (a dimension that is a sum of two axes).
+    one_shape: Callable[[], ComponentSpec] | None = field(default=None, repr=False, compare=False)
 
     @property
     def graph_id(self) -> str:

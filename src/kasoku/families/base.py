@@ -41,6 +41,9 @@ VAE_COMPONENTS = ("vae_decoder", "vae_encoder")
 __all__ = ["CONTROLNET_COMPONENT", "CONTROLNET_UNET", "TASKS", "Family", "ModelView", "NotADiffusersPipeline",
            "TextEncoderSlot", "UNetFamily", "UnfitControlNet"]
 
+# the attributes of a pipeline object that task pipelines made from it keep (numbers, names, lists of sizes)
+PLAIN_VALUES = (bool, int, float, str, list, tuple)
+
 UnfitControlNet = controlnet.UnfitControlNet
 
 
@@ -411,6 +414,10 @@ class Family:
         new = self.pipeline_class(task, controlnet=has_controlnet, source=type(pipe).__name__).from_pipe(
             pipe, **overrides)
         new.set_progress_bar_config(disable=True)
+        if type(new) is type(pipe):  # from_pipe copies components and config: what was set on the object, too
+            for name, value in vars(pipe).items():  # (Kandinsky 5's `resolutions`, the sizes it snaps to)
+                if not name.startswith("_") and name in vars(new) and isinstance(value, PLAIN_VALUES):
+                    setattr(new, name, value)
         return new
 
     def in_torch(self, model: ModelView) -> dict[str, str]:
@@ -419,6 +426,15 @@ class Family:
 
     def keep_in_torch(self, model: ModelView, reasons: Mapping[str, str]) -> None:
         """Remember components whose engine could not be built (only recorded graphs fall back to torch)."""
+
+    def at_one_shape(self, model: ModelView, reasons: Mapping[str, str]) -> None:
+        """Remember components whose engine takes one shape since their dynamic graph failed (only recorded graphs
+        fall back so)."""
+
+    def one_shape(self, model: ModelView) -> dict[str, str]:
+        """Component -> why its engine takes one shape where the profile has several (none for a hand-written
+        family)."""
+        return {}
 
     def stand_ins(self, model: ModelView, engines: Mapping[str, Any], times: EngineTimes) -> dict[str, Any]:
         """The pipeline attributes that engines replace: its torch modules, and what ran on their output."""

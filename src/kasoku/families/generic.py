@@ -15,6 +15,7 @@ or build, stays in torch: one line says which and why, and the rest of the pipel
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import inspect
 from collections.abc import Callable, Iterable, Mapping
@@ -36,7 +37,8 @@ __all__ = ["GenericFamily", "NotCompilable", "generic_family", "is_diffusers_pip
 # what a recording's pipeline calls are given (the class takes only what its __call__ names)
 PROMPTS = ("a red fox in the snow", "an old lighthouse on a rocky coast at dusk, oil painting")
 PROBE_STEPS = 2
-PROBE_TOKENS = (48, 84)  # max_sequence_length of the two probes: a ratio (1.75) no image dimension has
+# max_sequence_length of the two probes: a ratio (7/3) no image dimension has, multiples of 16 (tokenizers pad so)
+PROBE_TOKENS = (48, 112)
 DEFAULT_MAX_TOKENS = 512  # the text-token axes' bound where the pipeline names no max_sequence_length
 TASK_CLASS_SUFFIXES = {"img2img": ("Img2Img", "I2I"), "inpaint": ("Inpaint", "Inpainting")}
 
@@ -115,15 +117,18 @@ def generic_family(pipeline_class: str) -> GenericFamily:
     return GenericFamily(classes[pipeline_class])
 
 
-def probes(multiple: int, tokens: bool, guided: bool | None) -> tuple[Probe, ...]:
+def probes(multiple: int, tokens: bool, guided: bool | None, *, tasks: bool = False) -> tuple[Probe, ...]:
     """The recorded calls' shapes, in pixels of `multiple`: the optimum (one image of 4x3), two images of 3x5
-    (batch x2, height x3/4, width x5/3, area x5/4: every product of them changes by its own ratio), with
-    `PROBE_TOKENS` text tokens where the pipeline takes them; `guided` says whether both run with guidance, and
-    where the pipeline has a choice (not None), a third call is the optimum the other way."""
+    (batch x2, height x3/4, width x5/3, area x5/4: every product of them changes by its own ratio), one image of
+    3x5 with the other prompt (a call pattern that follows the images, a list per image, still sees two sizes and
+    two prompts), with `PROBE_TOKENS` text tokens where the pipeline takes them; `guided` says whether they run
+    with guidance, and where the pipeline has a choice (not None), a last call is the optimum the other way
+    (text-to-image only: not for `tasks`)."""
     one, two = PROBE_TOKENS if tokens else (None, None)
     first = Probe(1, 4 * multiple, 3 * multiple, one, bool(guided))
-    found = (first, Probe(2, 3 * multiple, 5 * multiple, two, bool(guided)))
-    if guided is not None:
+    found = (first, Probe(2, 3 * multiple, 5 * multiple, two, bool(guided)),
+             Probe(1, 3 * multiple, 5 * multiple, two, bool(guided), prompt=1))
+    if guided is not None and not tasks:
         found += (Probe(1, first.height, first.width, one, not guided),)
     return found
 
@@ -175,7 +180,8 @@ class GenericFamily(Family):
         from PIL import Image
 
         parameters = inspect.signature(type(pipeline).__call__).parameters
-        prompts = list(PROMPTS[:probe.batch]) if probe.batch > 1 else PROMPTS[0]
+        chosen = [PROMPTS[(probe.prompt + i) % len(PROMPTS)] for i in range(probe.batch)]
+        prompts = chosen if probe.batch > 1 else chosen[0]
         arguments: dict[str, Any] = {"prompt": prompts, "height": probe.height, "width": probe.width,
                                      "num_inference_steps": PROBE_STEPS,
                                      "generator": torch.Generator().manual_seed(0), "output_type": "pil",
@@ -189,6 +195,8 @@ class GenericFamily(Family):
             arguments["negative_prompt"] = ["blurry"] * probe.batch if probe.guidance else None
         elif "guidance_scale" in parameters:
             arguments["guidance_scale"] = 4.5 if probe.guidance else 1.0
+        # a guidance value per step (Ideogram 4's) is as long as the default steps: the probes' one scale instead
+        arguments["guidance_schedule"] = None
         if task != "txt2img":
             ramp = torch.linspace(0, 255, probe.width).expand(probe.height, probe.width)
             pixels = torch.stack([ramp, ramp.flip(1), torch.full_like(ramp, 128)], -1).to(torch.uint8).numpy()
@@ -211,8 +219,7 @@ class GenericFamily(Family):
         found: list[Recording] = []
         for task in self.pipelines:
             pipeline = self.task_pipeline(model.pipe, task)
-            shapes = probes(self.pixel_multiple(model), takes_tokens, self.guided(model))
-            for probe in shapes if task == "txt2img" else shapes[:2]:
+            for probe in probes(self.pixel_multiple(model), takes_tokens, self.guided(model), tasks=task != "txt2img"):
                 found.append(Recording(probe, task, self._recorded_call(pipeline, task, probe, modules)))
         memo["recordings"] = found
         return found
@@ -262,6 +269,11 @@ class GenericFamily(Family):
             return False
         return False
 
+    def text_tokens(self, profile: ShapeProfile) -> int | None:
+        """None: recorded graphs take the text tokens asked for as an axis, and no call is given a default (the
+        profile's only choose the optimum a graph of one shape is recorded at)."""
+        return None
+
     def max_tokens(self) -> int:
         default = self.parameters.get("max_sequence_length")
         value = default.default if default is not None else None
@@ -279,13 +291,7 @@ class GenericFamily(Family):
                 except UncompilableCall as error:
                     kept[attribute] = str(error)
                     continue
-                for signature in every:
-                    if signature.exact:
-                        kept[signature.component] = (
-                            f"it takes values that follow the image size as Python numbers "
-                            f"({', '.join(signature.paths[i] for i, _ in signature.keyed)}), and kasoku does not "
-                            "compile a graph per image size yet")
-                found[attribute] = [s for s in every if not s.exact]
+                found[attribute] = every
             memo["signatures"], memo["in_torch"] = found, kept
         return memo["signatures"]
 
@@ -297,6 +303,59 @@ class GenericFamily(Family):
     def keep_in_torch(self, model: ModelView, reasons: Mapping[str, str]) -> None:
         self.signatures(model)
         model.memo["in_torch"].update(reasons)
+
+    def at_one_shape(self, model: ModelView, reasons: Mapping[str, str]) -> None:
+        """Remember the components whose engine takes one shape since their dynamic graph failed (`reasons`)."""
+        model.memo.setdefault("one_shape", {}).update(reasons)
+
+    def one_shape(self, model: ModelView) -> dict[str, str]:
+        """Component -> why its engine takes one shape (the call recorded at the profile's optimum)."""
+        return dict(model.memo.get("one_shape", {}))
+
+    # ---- graphs of one shape -------------------------------------------------------------------------
+
+    def optimum_probe(self, profile: ShapeProfile) -> Probe:
+        """The call at the profile's optimum: its images and size, the text tokens asked for (the profile's, else the
+        pipeline's default) and guidance (the profile's, else what a call with the pipeline's defaults does)."""
+        opt, tokens = profile.opt, None
+        if "max_sequence_length" in self.parameters:
+            tokens = profile.text_tokens or self.max_tokens()
+        guided = profile.guidance if profile.guidance is not None else self._guided_by_default()
+        return Probe(opt.batch, opt.height, opt.width, tokens, guided)
+
+    def _guided_by_default(self) -> bool:
+        # true CFG (Qwen-Image's) needs a negative prompt, which a call with the defaults does not give
+        default = self.parameters.get("guidance_scale")
+        value = default.default if default is not None and "true_cfg_scale" not in self.parameters else None
+        return isinstance(value, (int, float)) and value > 1
+
+    def recordings_at(self, model: ModelView, probe: Probe) -> list[Recording]:
+        """The pipeline's calls at one probe, for every task, with two prompts of their own: what differs between
+        them follows the prompt, not the shape (kept on the model per probe)."""
+        memo = model.memo.setdefault("recordings_at", {})
+        if probe not in memo:
+            modules = {name: model.ref(name).load() for name in self.modules(model)}
+            memo[probe] = [Recording(each, task, self._recorded_call(self.task_pipeline(model.pipe, task), task,
+                                                                     each, modules))
+                           for each in (probe, dataclasses.replace(probe, prompt=1)) for task in self.pipelines]
+        return memo[probe]
+
+    def signature_at(self, model: ModelView, signature: Signature, profile: ShapeProfile) -> Signature:
+        """`signature`'s graph of one shape: its call pattern as recorded at the profile's optimum, where no
+        dimension follows the prompt (a prompt's own length, which no graph of one shape serves)."""
+        probe = self.optimum_probe(profile)
+        recordings = self.recordings_at(model, probe)
+        for found in recorded.signatures(recordings, signature.attribute, max_tokens=self.max_tokens()):
+            if found.pattern != signature.pattern:
+                continue
+            prompted = [slot.tensor.name for slot in found.inputs if slot.tensor.dynamic_axes]
+            if prompted:
+                raise UncompilableCall(f"{', '.join(f'`{n}`' for n in prompted)} follow the prompt's own length: no "
+                                       "graph of one shape serves every prompt")
+            model.memo.setdefault("signatures_at", {})[signature.component] = found
+            return found
+        raise UncompilableCall(f"the pipeline does not call {signature.component} as it did at the probes when it "
+                               f"makes {recorded.described_probe(probe)}: no graph of that one shape.")
 
     @staticmethod
     def _called(recordings: Iterable[Recording]) -> list[str]:
@@ -352,18 +411,46 @@ class GenericFamily(Family):
         if absent:
             raise KasokuError(f"this {self.title} model has no {', '.join(absent)}; "
                               f"its components are {', '.join(builders)}.")
-        return {name: builders[name]() for name in names}
+        found = {}
+        for name in names:
+            try:
+                found[name] = builders[name]()
+            except UncompilableCall as error:  # a graph of one shape it needs and cannot have: it stays in torch
+                self.keep_in_torch(model, {name: str(error)})
+        return found
 
     def spec_builders(self, model: ModelView, profile: ShapeProfile,
                       cache_branch: int = DEFAULT_BRANCH) -> dict[str, Callable[[], ComponentSpec]]:
         builders = {}
+        # what a compile learns of graphs of one shape is learnt anew by each
+        model.memo["signatures_at"], model.memo["one_shape"] = {}, {}
         for signatures in self.signatures(model).values():
             for signature in signatures:
                 builders[signature.component] = functools.partial(self._spec, model, signature, profile)
         return builders
 
     def _spec(self, model: ModelView, signature: Signature, profile: ShapeProfile) -> ComponentSpec:
-        return recorded.recorded_spec(signature, model.ref(signature.attribute), profile)
+        """A dynamic graph, which falls back to one of the profile's optimum; a graph of that one shape straight away
+        where the profile has one shape, or where the call takes values that follow the image size as numbers."""
+        ref = model.ref(signature.attribute)
+        one_shape = functools.partial(self._spec_at_optimum, model, signature, profile)
+        if signature.exact:
+            self.at_one_shape(model, {signature.component: (
+                "it takes values that follow the image size as Python numbers "
+                f"({', '.join(signature.paths[i] for i, _ in signature.keyed)})")})
+        if signature.exact or profile.is_static:
+            return one_shape()
+        return dataclasses.replace(recorded.recorded_spec(signature, ref, profile), one_shape=one_shape,
+                                   takes_lora=self._takes_lora(signature))
+
+    def _spec_at_optimum(self, model: ModelView, signature: Signature, profile: ShapeProfile) -> ComponentSpec:
+        spec = recorded.recorded_spec(self.signature_at(model, signature, profile), model.ref(signature.attribute),
+                                      profile)
+        return dataclasses.replace(spec, takes_lora=self._takes_lora(signature))
+
+    def _takes_lora(self, signature: Signature) -> bool:
+        """Whether diffusers' LoRA loader of the class changes the module this graph calls forward on."""
+        return signature.method == "forward" and signature.attribute in self.lora_modules
 
     # ---- sizes ----------------------------------------------------------------------------------------
 
@@ -409,7 +496,8 @@ class GenericFamily(Family):
         replaced: dict[str, Any] = {}
         for attribute in self.modules(model):
             every = self.signatures(model).get(attribute, ())
-            compiled = [s for s in every if s.component in engines]
+            at_one_shape = model.memo.get("signatures_at", {})
+            compiled = [at_one_shape.get(s.component, s) for s in every if s.component in engines]
             if compiled:
                 torch_module = model.ref(attribute).load() if len(compiled) < len(every) or \
                     self._has_uncompiled_calls(model, attribute) else None
@@ -431,8 +519,23 @@ class GenericFamily(Family):
     def step_cache_target(self, stand_ins: Mapping[str, Any]):
         return None
 
+    @property
+    def lora_modules(self) -> tuple[str, ...]:
+        """The modules diffusers' LoRA loader of the class changes (its `_lora_loadable_modules`)."""
+        return tuple(getattr(self.cls, "_lora_loadable_modules", ()))
+
     def lora_state_dict(self, source, model: ModelView, **kwargs):
-        raise KasokuError(f"LoRA on {self.title} pipelines is not compiled yet.")
+        """diffusers' own reading of the file for this class; a module compiled as several graphs (one per call
+        pattern) would take an adapter in one of them only, and is refused."""
+        if not self.lora_modules or not hasattr(self.cls, "lora_state_dict"):
+            raise KasokuError(f"{self.cls.__name__} has no LoRA loader in diffusers: no adapter can be loaded into it.")
+        for attribute in self.lora_modules:
+            graphs = [s.component for s in self.signatures(model).get(attribute, ()) if s.method == "forward"]
+            if len(graphs) > 1:
+                raise KasokuError(f"the {attribute} of this {self.title} pipeline runs as {len(graphs)} graphs (one "
+                                f"per call pattern: {', '.join(graphs)}); kasoku loads LoRA into a module of one "
+                                "graph only so far.")
+        return super().lora_state_dict(source, model, **kwargs)
 
     def __repr__(self) -> str:
         return f"<generic family {self.title}>"

@@ -8,6 +8,7 @@ generate` asks it before it compiles anything, a :class:`kasoku.KasokuPipeline` 
 
 from __future__ import annotations
 
+import inspect
 import math
 import numbers
 from collections.abc import Callable, Container, Mapping
@@ -203,7 +204,8 @@ class CallChecks:
         self._check_text_tokens(kwargs)
         self._check_image_prompts(kwargs, guided, caching)
         encoded = self._prompts_encoded(prompt, kwargs, guided)
-        if not encoded and not self.family.present_text_encoders(self.model):
+        # (a generic family's text encoder the pipeline never calls as a module, Ideogram 4's, runs in torch)
+        if not encoded and not self.family.generic and not self.family.present_text_encoders(self.model):
             wanted = ", ".join(f"`{name}`" for name in self._embeddings(guided))
             raise InvalidInput(f"this {self.family.title} pipeline has no text encoders (loaded with "
                                f"text_encoder=None): give {wanted} as a pipeline with them encodes the prompts (its "
@@ -404,7 +406,11 @@ class CallChecks:
         (`max_sequence_length`; diffusers' default may be another). A diffusers pipeline compared with this one
         takes them too."""
         compiled = self.family.text_tokens(self.profile)
-        return {} if compiled is None else {"max_sequence_length": compiled}
+        fixed: dict[str, Any] = {} if compiled is None else {"max_sequence_length": compiled}
+        if all("use_resolution_binning" in inspect.signature(cls.__call__).parameters
+               for cls in pipeline_classes(self.model)):
+            fixed["use_resolution_binning"] = False  # binning computes at another size than the engines were built for
+        return fixed
 
     def defaults(self, kwargs) -> dict[str, Any]:
         """What a call omits that the engines fix (see :attr:`fixed_arguments`)."""

@@ -78,7 +78,9 @@ def compile_components(
     engines, chosen = compiler.compile(specs, on_done=release_unneeded)
     compiler.finish()
     model.family.keep_in_torch(model, compiler.in_torch)
+    model.family.at_one_shape(model, compiler.one_shape)
     in_torch = model.family.in_torch(model)
+    chosen.update({name: "torch" for name in in_torch if name not in chosen})  # kept before any build, too
     report = CompileReport(
         model=label,
         precision=asked,
@@ -88,7 +90,8 @@ def compile_components(
         seconds=time.perf_counter() - start,
         family=model.family.name,
         precisions={name: compiler.precision(spec).value for name, spec in specs.items()},
-        notes=notes + precision_notes(specs, options) + model.notes + in_torch_notes(in_torch),
+        notes=notes + precision_notes(specs, options) + model.notes + in_torch_notes(in_torch) +
+        one_shape_notes(model.family.one_shape(model), specs),
         load_seconds=compiler.load_seconds,
         in_torch=in_torch,
     )
@@ -166,6 +169,12 @@ def _fastest(model: Model, specs: dict[str, ComponentSpec], options: CompileOpti
     denoiser = model.family.denoiser
     chosen.update({name: chosen[denoiser] for name in specs if name in step_cache and denoiser in chosen})
     return options.replace(precision=chosen), notes
+
+
+def one_shape_notes(one_shape: dict[str, str], specs: dict[str, ComponentSpec]) -> list[str]:
+    """One line per component whose engine takes one shape of the profile's several: the optimum's."""
+    return [f"{name} runs an engine of one shape, the profile's optimum, since {reason}" for name, reason in
+            one_shape.items() if name in specs and not specs[name].profile.is_static]
 
 
 def in_torch_notes(in_torch: dict[str, str]) -> list[str]:

@@ -15,9 +15,19 @@ import string
 from collections.abc import Callable
 from typing import Any
 
+import numpy as np
 import torch
 
-from ..architectures.tiny import seeded
+from ..architectures.tiny import (
+    SCHEDULER_COMMON,
+    TINY_SIZES,
+    seeded,
+    tiny_t5_encoder,
+    tiny_text_encoder,
+    tiny_tokenizer,
+    tiny_unet_common,
+    tiny_vae,
+)
 from ..core.choices import RECORDED_TINY_FAMILIES
 
 __all__ = ["TINY_FAMILIES", "tiny_family_pipeline"]
@@ -184,12 +194,16 @@ def pixart_sigma(seed: int):
 
     tokenizer = t5_tokenizer(300)
     return d.PixArtSigmaPipeline(tokenizer=tokenizer, scheduler=d.DPMSolverMultistepScheduler(), **_built(seed, dict(
-        text_encoder=lambda: _t5(tokenizer), vae=lambda: _kl_vae(levels=4),
-        transformer=lambda: d.PixArtTransformer2DModel(
-            sample_size=32, num_layers=2, patch_size=2, attention_head_dim=8, num_attention_heads=3,
-            caption_channels=32, in_channels=4, cross_attention_dim=24, out_channels=8, attention_bias=True,
-            activation_fn="gelu-approximate", num_embeds_ada_norm=1000, norm_type="ada_norm_single",
-            norm_elementwise_affine=False, norm_eps=1e-6))))
+        text_encoder=lambda: _t5(tokenizer), vae=lambda: _kl_vae(levels=4), transformer=_pixart_transformer)))
+
+
+def _pixart_transformer():
+    from diffusers import PixArtTransformer2DModel
+
+    return PixArtTransformer2DModel(
+        sample_size=32, num_layers=2, patch_size=2, attention_head_dim=8, num_attention_heads=3, caption_channels=32,
+        in_channels=4, cross_attention_dim=24, out_channels=8, attention_bias=True, activation_fn="gelu-approximate",
+        num_embeds_ada_norm=1000, norm_type="ada_norm_single", norm_elementwise_affine=False, norm_eps=1e-6)
 
 
 def auraflow(seed: int):
@@ -533,13 +547,493 @@ def kandinsky3(seed: int):
                                up_block_types=["AttnUpDecoderBlock2D", "UpDecoderBlock2D"], vq_embed_dim=4))))
 
 
+def pixart_alpha(seed: int):
+    import diffusers as d
+
+    tokenizer = t5_tokenizer(120)  # PixArt-alpha's prompts: 120 tokens (Sigma's: 300)
+    return d.PixArtAlphaPipeline(tokenizer=tokenizer, scheduler=d.DPMSolverMultistepScheduler(), **_built(seed, dict(
+        text_encoder=lambda: _t5(tokenizer), vae=lambda: _kl_vae(levels=4), transformer=_pixart_transformer)))
+
+
+def lcm(seed: int):
+    import diffusers as d
+
+
+    tokenizer = tiny_tokenizer()
+    return d.LatentConsistencyModelPipeline(
+        tokenizer=tokenizer, scheduler=d.LCMScheduler(**SCHEDULER_COMMON), safety_checker=None,
+        feature_extractor=None, requires_safety_checker=False, **_built(seed, dict(
+            text_encoder=lambda: tiny_text_encoder(tokenizer), vae=tiny_vae,
+            # the SD 1.x tiny U-Net (kasoku's sd1 family) with the LCM guidance embedding
+            unet=lambda: d.UNet2DConditionModel(
+                down_block_types=("CrossAttnDownBlock2D", "DownBlock2D"),
+                up_block_types=("UpBlock2D", "CrossAttnUpBlock2D"), cross_attention_dim=TINY_SIZES.text_hidden,
+                attention_head_dim=TINY_SIZES.head_dim, time_cond_proj_dim=TINY_SIZES.guidance_embedding,
+                **tiny_unet_common(4)))))
+
+
+def lumina(seed: int):
+    import diffusers as d
+    import transformers as tr
+
+    tokenizer = gemma_tokenizer()
+
+    def transformer():
+        model = d.LuminaNextDiT2DModel(
+            sample_size=4, patch_size=2, in_channels=4, hidden_size=16, num_layers=2, num_attention_heads=2,
+            num_kv_heads=1, multiple_of=16, ffn_dim_multiplier=None, norm_eps=1e-5, learn_sigma=True, qk_norm=True,
+            cross_attention_dim=8, scaling_factor=1.0)
+        with torch.no_grad():
+            model.pad_token.normal_()  # created with torch.empty: random values would differ from run to run
+            for block in model.layers:  # the cross-attention's tanh gates start at zero: the prompt would not count
+                block.gate.normal_()
+        return model
+
+    # Lumina-Next reads the text encoder's second-to-last hidden states (output_hidden_states=True); the pipeline
+    # hard-codes an 8x VAE (vae_scale_factor = 8), so the VAE has four levels
+    return d.LuminaPipeline(tokenizer=tokenizer, scheduler=d.FlowMatchEulerDiscreteScheduler(), **_built(seed, dict(
+        text_encoder=lambda: tr.GemmaModel(tr.GemmaConfig(
+            head_dim=4, hidden_size=8, intermediate_size=37, num_attention_heads=2, num_hidden_layers=2,
+            num_key_value_heads=2, vocab_size=len(tokenizer), pad_token_id=0, eos_token_id=1, bos_token_id=2)),
+        vae=lambda: _kl_vae(levels=4, scaling_factor=0.13025), transformer=transformer)))
+
+
+def kandinsky5(seed: int):
+    import diffusers as d
+    from diffusers.models.transformers.transformer_kandinsky import Kandinsky5Modulation
+
+
+    tokenizer = qwen_tokenizer()  # a plain Qwen2 tokenizer in the Qwen2VLProcessor's place (called with images=None)
+    clip_tokenizer = tiny_tokenizer()
+
+    def transformer():
+        model = d.Kandinsky5Transformer3DModel(
+            in_visual_dim=16, in_text_dim=32, in_text_dim2=32, time_dim=16, out_visual_dim=16, patch_size=(1, 2, 2),
+            model_dim=16, ff_dim=32, num_text_blocks=1, num_visual_blocks=2, axes_dims=(4, 2, 2),
+            visual_cond=False, attention_type="regular")
+        with torch.no_grad():  # the modulations start at zero (adaLN-zero): every block would be the identity
+            for module in model.modules():
+                if isinstance(module, Kandinsky5Modulation):
+                    module.out_layer.reset_parameters()
+        return model
+
+    # the pipeline hard-codes an 8x VAE (vae_scale_factor_spatial = 8): four levels
+    pipe = d.Kandinsky5T2IPipeline(
+        tokenizer=tokenizer, tokenizer_2=clip_tokenizer, scheduler=d.FlowMatchEulerDiscreteScheduler(shift=7.0),
+        **_built(seed, dict(
+            text_encoder=lambda: _qwen25_vl(tokenizer, hidden=32),
+            text_encoder_2=lambda: tiny_text_encoder(clip_tokenizer),
+            vae=lambda: _kl_vae(latent_channels=16, levels=4, scaling_factor=0.3611, shift_factor=0.1159,
+                                use_quant_conv=False, use_post_quant_conv=False),
+            transformer=transformer)))
+    # the pipeline snaps (width, height) to one of its `resolutions` (1024x1024 and six others at the same area):
+    # the tiny sizes too, first. An attribute of the instance only: a pipeline saved and loaded again has lost it
+    pipe.resolutions = [(32, 32), (64, 64), (64, 32), (32, 64), *pipe.resolutions]
+    return pipe
+
+
+def hidream(seed: int):
+    import diffusers as d
+    import transformers as tr
+
+
+    clip_length = 218  # the most the pipeline pads its CLIP prompts to (min(max_sequence_length, 218))
+
+    def clip_tokenizer():
+        tokenizer = tiny_tokenizer()
+        tokenizer.model_max_length = clip_length
+        return tokenizer
+
+    def clip(tokenizer):  # CLIP-L and -G with projections: the pipeline reads their pooled, projected embeddings
+        return tr.CLIPTextModelWithProjection(tr.CLIPTextConfig(
+            vocab_size=len(tokenizer), hidden_size=32, intermediate_size=37, num_hidden_layers=2,
+            num_attention_heads=4, max_position_embeddings=clip_length, projection_dim=32, hidden_act="gelu",
+            bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
+            pad_token_id=tokenizer.pad_token_id))
+
+    tokenizer, tokenizer_2, tokenizer_3, tokenizer_4 = clip_tokenizer(), clip_tokenizer(), t5_tokenizer(), \
+        llama_tokenizer()
+    # the Llama encoder is called with output_hidden_states=True (and output_attentions=True); the transformer
+    # reads the hidden states of its `llama_layers` (here both layers')
+    return d.HiDreamImagePipeline(
+        tokenizer=tokenizer, tokenizer_2=tokenizer_2, tokenizer_3=tokenizer_3, tokenizer_4=tokenizer_4,
+        scheduler=d.FlowMatchEulerDiscreteScheduler(), **_built(seed, dict(
+            text_encoder=lambda: clip(tokenizer), text_encoder_2=lambda: clip(tokenizer_2),
+            text_encoder_3=lambda: _t5(tokenizer_3),
+            text_encoder_4=lambda: tr.LlamaForCausalLM(tr.LlamaConfig(
+                hidden_size=16, intermediate_size=32, num_hidden_layers=2, num_attention_heads=4,
+                num_key_value_heads=4, vocab_size=len(tokenizer_4), max_position_embeddings=1024,
+                bos_token_id=tokenizer_4.bos_token_id, eos_token_id=tokenizer_4.eos_token_id,
+                pad_token_id=tokenizer_4.eos_token_id)),
+            # the pipeline rescales every size to the area of (128 * VAE scale) ** 2, 4096 latent patches: a
+            # one-level VAE (scale 1) gives 128x128 images
+            vae=lambda: _kl_vae(latent_channels=16, levels=1, scaling_factor=0.3611, shift_factor=0.1159),
+            transformer=lambda: d.HiDreamImageTransformer2DModel(
+                patch_size=2, in_channels=16, out_channels=16, num_layers=1, num_single_layers=1,
+                attention_head_dim=8, num_attention_heads=4, caption_channels=[32, 16], text_emb_dim=64,
+                num_routed_experts=4, num_activated_experts=2, axes_dims_rope=(4, 2, 2), max_resolution=(128, 128),
+                llama_layers=(0, 1)))))
+
+
+def bria_fibo(seed: int):
+    import diffusers as d
+    import transformers as tr
+
+    tokenizer = t5_tokenizer()
+    return d.BriaFiboPipeline(tokenizer=tokenizer, scheduler=d.FlowMatchEulerDiscreteScheduler(), **_built(seed, dict(
+        # the vocabulary keeps SmolLM3's 128256: an empty (negative) prompt is encoded as the id 128000
+        text_encoder=lambda: tr.SmolLM3ForCausalLM(tr.SmolLM3Config(
+            hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
+            num_key_value_heads=1)),
+        # Wan 2.2's VAE (patch 2, three downsamples): the 16 the pipeline hard-codes as its VAE scale
+        vae=lambda: d.AutoencoderKLWan(
+            base_dim=8, decoder_base_dim=8, z_dim=16, dim_mult=[1, 2, 4, 4], num_res_blocks=1, is_residual=True,
+            in_channels=12, out_channels=12, patch_size=2, scale_factor_spatial=16, scale_factor_temporal=4,
+            temperal_downsample=[False, True, True], latents_mean=[0.0] * 16, latents_std=[1.0] * 16),
+        transformer=lambda: d.BriaFiboTransformer2DModel(
+            patch_size=1, in_channels=16, num_layers=1, num_single_layers=1, attention_head_dim=8,
+            num_attention_heads=2, joint_attention_dim=64, text_encoder_dim=32, pooled_projection_dim=None,
+            axes_dims_rope=[0, 4, 4]))))
+
+
+def _qwen3_vl_processor(tokenizer):
+    """A Qwen3VLProcessor over `tokenizer`, without its video processor: Qwen3VLVideoProcessor needs torchvision."""
+    from unittest import mock
+
+    import transformers as tr
+
+    # ProcessorMixin checks each part's class against transformers' VideoProcessorMixin, which transformers only
+    # exports with torchvision installed ("type object 'VIDEO_PROCESSOR_MAPPING' has no attribute '_extra_content'"):
+    # the check is skipped while the processor is made. The pipelines only run it on text.
+    with mock.patch.object(tr.Qwen3VLProcessor, "check_argument_for_proper_class", lambda self, name, arg: None):
+        return tr.Qwen3VLProcessor(image_processor=tr.Qwen2VLImageProcessorPil(patch_size=16), tokenizer=tokenizer,
+                                   video_processor=None, chat_template=_QWEN_CHAT_TEMPLATE)
+
+
+def _qwen3_vl(tokenizer, layers: int, hidden: int = 16, model: str = "Qwen3VLForConditionalGeneration"):
+    import transformers as tr
+
+    ids = tokenizer.convert_tokens_to_ids(["<|image_pad|>", "<|video_pad|>", "<|vision_start|>", "<|vision_end|>"])
+    return getattr(tr, model)(tr.Qwen3VLConfig(
+        text_config=dict(hidden_size=hidden, intermediate_size=16, num_hidden_layers=layers, num_attention_heads=2,
+                         num_key_value_heads=2, head_dim=8, vocab_size=len(tokenizer), rope_theta=1e6,
+                         rope_scaling={"mrope_section": [1, 1, 2], "rope_type": "default"}),
+        vision_config=dict(depth=1, hidden_size=16, intermediate_size=16, num_heads=2, out_hidden_size=hidden),
+        vocab_size=len(tokenizer), image_token_id=ids[0], video_token_id=ids[1], vision_start_token_id=ids[2],
+        vision_end_token_id=ids[3]))
+
+
+def bria_fibo2(seed: int):
+    import diffusers as d
+    import torch
+
+    tokenizer = qwen_tokenizer()
+
+    def transformer():
+        model = d.BriaFibo2Transformer2DModel(
+            in_channels=1, patch_size=2, dim=32, n_layers=2, n_refiner_layers=1, n_heads=2,
+            cap_feat_dim=48,  # three text encoder layers of width 16 side by side
+            injection_layer_ids=(1,), perceiver_num_layers=1, min_num_gist_tokens=4, max_num_gist_tokens=8,
+            gist_step=4, gist_min_text_len=4, gist_max_text_len=16, axes_dims=(4, 6, 6), axes_lens=(16, 16, 16))
+        with torch.no_grad():  # the text injection's gate starts at zero (tanh(0)): it would add nothing
+            for block in model.layers:
+                if hasattr(block, "cross_attn_gate"):
+                    block.cross_attn_gate.normal_()
+        return model
+
+    return d.BriaFibo2Pipeline(
+        processor=_qwen3_vl_processor(tokenizer), scheduler=d.FlowMatchEulerDiscreteScheduler(), **_built(seed, dict(
+            # the pipeline reads the hidden states of layers 5 to 35 (TEXT_ENCODER_OUT_LAYERS): 36 layers
+            text_encoder=lambda: _qwen3_vl(tokenizer, layers=36), vae=_flux2_vae, transformer=transformer)))
+
+
+def nucleus_moe_image(seed: int):
+    import diffusers as d
+    import torch
+    from diffusers.models.transformers.transformer_nucleusmoe_image import SwiGLUExperts
+
+    tokenizer = qwen_tokenizer()
+
+    def transformer():
+        model = d.NucleusMoEImageTransformer2DModel(
+            patch_size=2, in_channels=16, out_channels=4, num_layers=2, attention_head_dim=16, num_attention_heads=4,
+            joint_attention_dim=16, axes_dims_rope=(8, 4, 4),
+            # width 64: a dense block's MLP is int(width * 4 * 2 / 3) // 128 * 128 wide, 128 here, empty under 48
+            # block 0 dense, block 1 a mixture of 4 experts (the real model keeps its first 3 and last block dense)
+            moe_enabled=True, dense_moe_strategy="leave_first_block_dense", num_experts=4, moe_intermediate_dim=16,
+            capacity_factors=[1.0, 1.0])  # each expert takes a quarter of the tokens (the real 8 of 128 a 16th)
+        with torch.no_grad():  # the experts' packed weights are created with torch.empty: scaled as nn.Linear's
+            for experts in (m for m in model.modules() if isinstance(m, SwiGLUExperts)):
+                experts.gate_up_proj.normal_(std=experts.hidden_size ** -0.5)
+                experts.down_proj.normal_(std=experts.moe_intermediate_dim ** -0.5)
+        return model
+
+    return d.NucleusMoEImagePipeline(
+        processor=_qwen3_vl_processor(tokenizer), scheduler=d.FlowMatchEulerDiscreteScheduler(), **_built(seed, dict(
+            # the pipeline takes the hidden states of layer -8 (`return_index`): 8 layers, so that one is layer 1
+            text_encoder=lambda: _qwen3_vl(tokenizer, layers=8), vae=_qwen_vae, transformer=transformer)))
+
+
+
+
+def ideogram4(seed: int):
+    import diffusers as d
+
+    tokenizer = qwen_tokenizer()
+    # the pipeline concatenates the hidden states of the 13 layers 0, 3, ..., 33, 35 (QWEN3_VL_ACTIVATION_LAYERS),
+    # running the text encoder's decoder layers itself: 36 layers of width 8
+    transformer = dict(in_channels=16, num_layers=1, attention_head_dim=8, num_attention_heads=4, intermediate_size=32,
+                       adaln_dim=16, llm_features_dim=13 * 8, rope_theta=10_000, mrope_section=(2, 1, 1),
+                       norm_eps=1e-5)
+
+    def vae():  # 4 latent channels, patchified by 2 into the transformer's 16
+        from diffusers import AutoencoderKLFlux2
+
+        return AutoencoderKLFlux2(sample_size=32, in_channels=3, out_channels=3, block_out_channels=(8, 8),
+                                  down_block_types=("DownEncoderBlock2D",) * 2,
+                                  up_block_types=("UpDecoderBlock2D",) * 2, layers_per_block=1, latent_channels=4,
+                                  norm_num_groups=8, patch_size=(2, 2), use_quant_conv=False,
+                                  use_post_quant_conv=False)
+
+    return d.Ideogram4Pipeline(tokenizer=tokenizer, scheduler=d.FlowMatchEulerDiscreteScheduler(), **_built(seed, dict(
+        text_encoder=lambda: _qwen3_vl(tokenizer, layers=36, hidden=8, model="Qwen3VLModel"), vae=vae,
+        transformer=lambda: d.Ideogram4Transformer2DModel(**transformer),
+        unconditional_transformer=lambda: d.Ideogram4Transformer2DModel(**transformer),
+        # optional: only `prompt_upsampling=True` uses it, to write a longer prompt with the text encoder
+        prompt_enhancer_head=lambda: d.Ideogram4PromptEnhancerHead(hidden_size=8, vocab_size=len(tokenizer)))))
+
+
+
+
+def prx(seed: int):
+    # PRXPipeline cleans every prompt with ftfy (a dev dependency of kasoku for it): without ftfy diffusers fails
+    # with "NameError: name 'ftfy' is not defined"
+    import diffusers as d
+    import transformers as tr
+    from transformers.models.t5gemma.modeling_t5gemma import T5GemmaEncoder  # not exported at the top level
+
+    tokenizer = gemma_tokenizer(48)  # the pipeline pads every prompt to `tokenizer.model_max_length`
+
+    def text_encoder():
+        config = dict(vocab_size=len(tokenizer), hidden_size=8, intermediate_size=16, num_hidden_layers=2,
+                      num_attention_heads=2, num_key_value_heads=1, head_dim=4, max_position_embeddings=64,
+                      layer_types=["full_attention"] * 2, query_pre_attn_scalar=4, sliding_window=4096,
+                      rms_norm_eps=1e-6, attn_logit_softcapping=50.0, final_logit_softcapping=30.0,
+                      pad_token_id=0, eos_token_id=1, bos_token_id=2)
+        # the encoder half of a T5Gemma: T5GemmaConfig sets its encoder config's `is_decoder` and dropout rates
+        config = tr.T5GemmaConfig(encoder=tr.T5GemmaModuleConfig(**config), is_encoder_decoder=False)
+        return T5GemmaEncoder(config.encoder)
+
+    def transformer():
+        from diffusers.models.transformers.transformer_prx import Modulation
+
+        model = d.PRXTransformer2DModel(patch_size=1, in_channels=4, context_in_dim=8, hidden_size=8, mlp_ratio=2.0,
+                                        num_heads=2, depth=2, axes_dim=[2, 2])
+        # each block's modulation starts at zero (a trained model's does not): its gates would make every block
+        # the identity, and the image independent of the prompt; initialised as any nn.Linear instead
+        for modulation in (m for m in model.modules() if isinstance(m, Modulation)):
+            modulation.lin.reset_parameters()
+        return model
+
+    return d.PRXPipeline(tokenizer=tokenizer, scheduler=d.FlowMatchEulerDiscreteScheduler(), **_built(seed, dict(
+        text_encoder=text_encoder, vae=lambda: _kl_vae(levels=4, shift_factor=0.0, scaling_factor=1.0),
+        transformer=transformer)))
+
+
+def _dreamlite_parts(tokenizer):
+    import diffusers as d
+
+    return dict(
+        text_encoder=lambda: _qwen3_vl(tokenizer, layers=2),  # its last hidden state
+        vae=lambda: d.AutoencoderTiny(in_channels=3, out_channels=3, encoder_block_out_channels=(32, 32),
+                                      decoder_block_out_channels=(32, 32), num_encoder_blocks=(1, 1),
+                                      num_decoder_blocks=(1, 1), latent_channels=4),
+        unet=lambda: d.DreamLiteUNetModel(
+            sample_size=8, in_channels=4, out_channels=4,
+            down_block_types=("DreamLiteCrossAttnNoSelfAttnDownBlock2D", "DreamLiteCrossAttnDownBlock2D"),
+            up_block_types=("DreamLiteCrossAttnUpBlock2D", "DreamLiteUpBlock2D"), block_out_channels=(32, 64),
+            cross_attention_dim=16, attention_head_dim=8, layers_per_block=1, norm_num_groups=8,
+            transformer_layers_per_block=1))
+
+
+def dreamlite(seed: int):
+    import diffusers as d
+
+    # the text-to-image path reads only the tokenizer; the Qwen3-VL processor (edit mode only) needs torchvision
+    tokenizer = qwen_tokenizer()
+    return d.DreamLitePipeline(tokenizer=tokenizer, processor=None, scheduler=d.FlowMatchEulerDiscreteScheduler(),
+                               **_built(seed, _dreamlite_parts(tokenizer)))
+
+
+
+
+def dreamlite_mobile(seed: int):
+    import diffusers as d
+
+    # distilled, no CFG: guidance_scale is accepted (default None) and ignored; the Qwen3-VL processor (edit mode
+    # only) needs torchvision, so None
+    tokenizer = qwen_tokenizer()
+    return d.DreamLiteMobilePipeline(tokenizer=tokenizer, processor=None,
+                                     scheduler=d.FlowMatchEulerDiscreteScheduler(),
+                                     **_built(seed, _dreamlite_parts(tokenizer)))
+
+
+_BERT_WORDS = ("a the of and to in is on with dog cat fox red snow old painting photo squirrel eating burger "
+               "bad quality").split()
+
+
+def ldm_bert_tokenizer():
+    """A WordPiece BertTokenizer (CompVis' LDM uses bert-base-uncased's) over a small vocabulary: known words are one
+    token, anything else falls back to letters ("##x" pieces); the pipeline pads to a fixed 77."""
+    import string
+
+    import transformers as tr
+
+    letters = list(string.ascii_lowercase + string.digits + string.punctuation)
+    vocab = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", *_BERT_WORDS, *letters, *("##" + c for c in letters)]
+    tokenizer = tr.BertTokenizer(vocab={t: i for i, t in enumerate(dict.fromkeys(vocab))}, do_lower_case=True)
+    tokenizer.model_max_length = 77
+    return tokenizer
+
+
+def ldm(seed: int):
+    import diffusers as d
+    from diffusers.pipelines.latent_diffusion.pipeline_latent_diffusion import LDMBertConfig, LDMBertModel
+
+    tokenizer = ldm_bert_tokenizer()
+    # the pipeline makes latents of height // 8 whatever the VAE: a four-level (8x) one
+    scheduler = d.DDIMScheduler(**{**SCHEDULER_COMMON, "steps_offset": 0}, clip_sample=False, set_alpha_to_one=False)
+    return d.LDMTextToImagePipeline(tokenizer=tokenizer, scheduler=scheduler, **_built(seed, dict(
+        bert=lambda: LDMBertModel(LDMBertConfig(
+            vocab_size=len(tokenizer), max_position_embeddings=77, encoder_layers=2, encoder_ffn_dim=37,
+            encoder_attention_heads=4, head_dim=8, d_model=32, dropout=0.0, pad_token_id=tokenizer.pad_token_id)),
+        vqvae=lambda: _kl_vae(levels=4),
+        unet=lambda: d.UNet2DConditionModel(
+            **tiny_unet_common(4), down_block_types=("DownBlock2D", "CrossAttnDownBlock2D"),
+            up_block_types=("CrossAttnUpBlock2D", "UpBlock2D"), cross_attention_dim=32, attention_head_dim=8))))
+
+
+def deepfloyd_if(seed: int):
+    """DeepFloyd IF stage I: a pixel-space U-Net (3 channels in, 6 out: noise and the learned variance range) on
+    T5 (v1.1's gated GELU) states of a fixed 77 tokens; no safety checker, feature extractor or watermarker."""
+    import diffusers as d
+
+    tokenizer = t5_tokenizer()
+    scheduler = d.DDPMScheduler(num_train_timesteps=1000, beta_schedule="squaredcos_cap_v2", beta_start=0.0001,
+                                beta_end=0.02, thresholding=True, dynamic_thresholding_ratio=0.95,
+                                sample_max_value=1.0, prediction_type="epsilon", variance_type="learned_range")
+    return d.IFPipeline(tokenizer=tokenizer, scheduler=scheduler, safety_checker=None, feature_extractor=None,
+                        watermarker=None, requires_safety_checker=False, **_built(seed, dict(
+                            text_encoder=lambda: tiny_t5_encoder(tokenizer),
+                            unet=lambda: d.UNet2DConditionModel(
+                                sample_size=32, layers_per_block=1, block_out_channels=[32, 64],
+                                down_block_types=["ResnetDownsampleBlock2D", "SimpleCrossAttnDownBlock2D"],
+                                mid_block_type="UNetMidBlock2DSimpleCrossAttn",
+                                up_block_types=["SimpleCrossAttnUpBlock2D", "ResnetUpsampleBlock2D"], in_channels=3,
+                                out_channels=6, cross_attention_dim=32, encoder_hid_dim=32, attention_head_dim=8,
+                                addition_embed_type="text", addition_embed_type_num_heads=2,
+                                cross_attention_norm="group_norm", resnet_time_scale_shift="scale_shift",
+                                act_fn="gelu"))))
+
+
+def stable_unclip(seed: int):
+    """Stable unCLIP (SD 2.1-unclip with the karlo prior): a CLIP-L text encoder with a projection feeds the
+    PriorTransformer (its text_embeds and last_hidden_state), whose image embedding, noised by noise_level and
+    normalised by the image normaliser, is the U-Net's class embedding (2 x 32 wide); an OpenCLIP-style text
+    encoder (SD 2, pads with "!") feeds its cross-attention."""
+    import diffusers as d
+    from diffusers.pipelines.stable_diffusion.stable_unclip_image_normalizer import StableUnCLIPImageNormalizer
+
+    prior_tokenizer, tokenizer = tiny_tokenizer(), tiny_tokenizer(pad_token="!")
+
+    def prior():
+        model = d.PriorTransformer(num_attention_heads=2, attention_head_dim=12, embedding_dim=32, num_layers=1)
+        with torch.no_grad():  # created as zeros: give them live values (clip_mean/clip_std are unused here)
+            model.positional_embedding.normal_(std=0.02)
+            model.prd_embedding.normal_(std=0.02)
+        return model
+
+    return d.StableUnCLIPPipeline(
+        prior_tokenizer=prior_tokenizer, tokenizer=tokenizer,
+        prior_scheduler=d.DDPMScheduler(variance_type="fixed_small_log", prediction_type="sample",
+                                        num_train_timesteps=1000, clip_sample=True, clip_sample_range=5.0,
+                                        beta_schedule="squaredcos_cap_v2"),
+        image_noising_scheduler=d.DDPMScheduler(beta_schedule="squaredcos_cap_v2"),
+        scheduler=d.DDIMScheduler(beta_schedule="scaled_linear", beta_start=0.00085, beta_end=0.012,
+                                  prediction_type="v_prediction", set_alpha_to_one=False, steps_offset=1),
+        **_built(seed, dict(
+            prior_text_encoder=lambda: tiny_text_encoder(prior_tokenizer, projected=True), prior=prior,
+            image_normalizer=lambda: StableUnCLIPImageNormalizer(embedding_dim=32),
+            text_encoder=lambda: tiny_text_encoder(tokenizer, openclip=True),
+            unet=lambda: d.UNet2DConditionModel(
+                sample_size=8, in_channels=4, out_channels=4, down_block_types=("CrossAttnDownBlock2D", "DownBlock2D"),
+                up_block_types=("UpBlock2D", "CrossAttnUpBlock2D"), block_out_channels=(32, 64),
+                attention_head_dim=(2, 4), class_embed_type="projection", projection_class_embeddings_input_dim=64,
+                cross_attention_dim=32, layers_per_block=1, norm_num_groups=8, upcast_attention=True,
+                use_linear_projection=True),
+            vae=tiny_vae)))
+
+
+def _pass_through_safety_checker():
+    from diffusers.configuration_utils import ConfigMixin
+    from diffusers.models.modeling_utils import ModelMixin
+
+    class PassThroughSafetyChecker(ModelMixin, ConfigMixin):
+        """Stands in for cosmos_guardrail's CosmosSafetyChecker (not installed here, and a model of gigabytes): every
+        prompt passes and every image comes back unchanged. Cosmos2TextToImagePipeline cannot go without one: given
+        None, its __init__ builds CosmosSafetyChecker() ("`cosmos_guardrail` is not installed") and its __call__
+        refuses ("You have disabled the safety checker"). With a checker the decoded image goes through uint8."""
+
+        def __init__(self):
+            super().__init__()
+            self.register_buffer("_device_tracker", torch.zeros(1), persistent=False)
+
+        def check_text_safety(self, prompt: str) -> bool:
+            return True
+
+        def check_video_safety(self, frames: np.ndarray) -> np.ndarray:
+            return frames
+
+    return PassThroughSafetyChecker()
+
+
+def cosmos2(seed: int):
+    import diffusers as d
+
+    def transformer():
+        # concat_padding_mask=False, unlike Cosmos 2's checkpoints and diffusers' test: with True the transformer
+        # resizes the padding mask with torchvision (transformer_cosmos.py: `transforms.functional.resize`), which is
+        # not installed here -> NameError: name 'transforms' is not defined
+        model = d.CosmosTransformer3DModel(
+            in_channels=16, out_channels=16, num_attention_heads=2, attention_head_dim=16, num_layers=2, mlp_ratio=2,
+            text_embed_dim=32, adaln_lora_dim=4, max_size=(4, 32, 32), patch_size=(1, 2, 2), rope_scale=(2.0, 1.0, 1.0),
+            concat_padding_mask=False, extra_pos_embed_type="learnable")
+        with torch.no_grad():  # the learnable positional embeddings start at zero: give them a live value
+            for name in ("pos_emb_t", "pos_emb_h", "pos_emb_w"):
+                getattr(model.learnable_pos_embed, name).normal_(std=0.02)
+        return model
+
+    tokenizer = t5_tokenizer()
+    # the pipeline registers sigma_max=80, sigma_min=0.002, sigma_data=1, final_sigmas_type="sigma_min" on it
+    return d.Cosmos2TextToImagePipeline(
+        tokenizer=tokenizer, scheduler=d.FlowMatchEulerDiscreteScheduler(use_karras_sigmas=True),
+        safety_checker=_pass_through_safety_checker().eval(), **_built(seed, dict(
+            text_encoder=lambda: _t5(tokenizer), transformer=transformer,
+            vae=lambda: d.AutoencoderKLWan(base_dim=3, z_dim=16, dim_mult=[1, 1, 1, 1], num_res_blocks=1,
+                                           temperal_downsample=[False, True, True]))))
+
+
 # family name (as `kasoku tiny --family` takes it) -> builder(seed) of its text-to-image pipeline
 TINY_FAMILIES: dict[str, Callable[[int], Any]] = {
     "pixart-sigma": pixart_sigma, "auraflow": auraflow, "chroma": chroma, "sana": sana, "sana-sprint": sana_sprint,
     "lumina2": lumina2, "cogview4": cogview4, "z-image": z_image, "flux2-klein": flux2_klein,
     "qwen-image": qwen_image, "ovis-image": ovis_image, "bria": bria, "flux2": flux2, "hunyuan-image": hunyuan_image,
     "krea2": krea2, "longcat-image": longcat_image, "ernie-image": ernie_image, "cogview3-plus": cogview3_plus,
-    "hunyuan-dit": hunyuan_dit, "kandinsky3": kandinsky3,
+    "hunyuan-dit": hunyuan_dit, "kandinsky3": kandinsky3, "pixart-alpha": pixart_alpha, "lcm": lcm, "lumina": lumina,
+    "kandinsky5": kandinsky5, "hidream": hidream, "bria-fibo": bria_fibo, "bria-fibo2": bria_fibo2,
+    "nucleus-moe-image": nucleus_moe_image, "ideogram4": ideogram4, "prx": prx, "dreamlite": dreamlite,
+    "dreamlite-mobile": dreamlite_mobile, "ldm": ldm, "deepfloyd-if": deepfloyd_if, "stable-unclip": stable_unclip,
+    "cosmos2": cosmos2,
 }
 
 
