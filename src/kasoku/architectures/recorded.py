@@ -242,12 +242,18 @@ def _signature(name: str, attribute: str, observed: list[tuple[Probe, Call]], op
     axes = _AxisNamer(max_tokens)
     inputs = tuple(_input(first.paths[i], i, observed, axes) for i in first.tensor_indices)
     read = [any(call.outputs_read()[i] for _, call in observed) for i in range(len(first.output_leaves))]
-    outputs = tuple(_output(first.output_paths[i], i, observed, axes) for i, kind in enumerate(first.output_leaves)
+    taken = {slot.tensor.name for slot in inputs}  # a graph's output cannot share an input's name (a U-Net's sample)
+    outputs = tuple(_output(_unique(first.output_paths[i], taken), i, observed, axes)
+                    for i, kind in enumerate(first.output_leaves)
                     if read[i] and not isinstance(kind, Opaque) and (isinstance(kind, (tuple, Distribution))))
     if not outputs:
         raise UncompilableCall(f"the pipeline read no tensor of {name}'s output when it was recorded.")
     return Signature(name, attribute, first.method, first.arguments, first.paths, constants, keyed, inputs, outputs,
                      first.output, first.output_leaves, first.output_paths)
+
+
+def _unique(name: str, taken: set[str]) -> str:
+    return name if name not in taken else f"{name}_out"
 
 
 def _constants(name: str, first: Call, observed: list[tuple[Probe, Call]], optimum: Probe):

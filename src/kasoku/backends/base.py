@@ -275,7 +275,8 @@ class Engine(ABC):
 def _as_tensor(value: Any) -> torch.Tensor:
     if isinstance(value, torch.Tensor):
         return value.detach()
-    return torch.from_numpy(np.ascontiguousarray(value))  # shares the array's memory
+    array = np.asarray(value)  # not ascontiguousarray: it makes a 0-dim array (a scalar timestep) 1-dim
+    return torch.from_numpy(array if array.flags.c_contiguous else array.copy(order="C"))  # shares its memory
 
 
 class Source(str, Enum):

@@ -73,4 +73,4 @@ RECORDED_TINY_FAMILIES = ("pixart-sigma", "auraflow", "chroma", "sana", "sana-sp
                           "krea2", "longcat-image", "ernie-image", "cogview3-plus", "hunyuan-dit", "kandinsky3",
                           "pixart-alpha", "lcm", "lumina", "kandinsky5", "hidream", "bria-fibo", "bria-fibo2",
                           "nucleus-moe-image", "ideogram4", "prx", "dreamlite", "dreamlite-mobile", "ldm",
-                          "deepfloyd-if", "stable-unclip", "cosmos2")
+                          "deepfloyd-if", "stable-unclip")

@@ -415,8 +415,10 @@ class Family:
             pipe, **overrides)
         new.set_progress_bar_config(disable=True)
         if type(new) is type(pipe):  # from_pipe copies components and config: what was set on the object, too
+            components = set(pipe.components) | set(pipe.config)  # (their entries are tuples: not these)
             for name, value in vars(pipe).items():  # (Kandinsky 5's `resolutions`, the sizes it snaps to)
-                if not name.startswith("_") and name in vars(new) and isinstance(value, PLAIN_VALUES):
+                if not name.startswith("_") and name in vars(new) and name not in components and \
+                        isinstance(value, PLAIN_VALUES):
                     setattr(new, name, value)
         return new
 

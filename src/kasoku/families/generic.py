@@ -18,7 +18,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import inspect
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any, ClassVar
 
 import torch
@@ -225,16 +225,36 @@ class GenericFamily(Family):
         return found
 
     def _recorded_call(self, pipeline, task: str, probe: Probe, modules: Mapping[str, torch.nn.Module]) -> list:
-        with recording(modules) as calls:
-            try:
-                with torch.no_grad():
-                    pipeline(**self.probe_arguments(probe, task, pipeline=pipeline))
-            except Exception as error:  # the pipeline's own failure, whatever it is, said in one line
-                raise NotCompilable(
-                    f"{self.title}: its {task} pipeline ({self.pipelines[task]}) failed when kasoku ran it to record "
-                    f"its calls ({probe.batch} image(s) of {probe.height}x{probe.width}): "
-                    f"{type(error).__name__}: {error}") from error
-        return list(calls)
+        first_error = None
+        for arguments in self._probe_calls(probe, task, pipeline):
+            with recording(modules) as calls:
+                try:
+                    with torch.no_grad():
+                        pipeline(**arguments)
+                except Exception as error:  # the pipeline's own failure, whatever it is: the next form of the call
+                    first_error = first_error or error
+                    continue
+            return list(calls)
+        raise NotCompilable(
+            f"{self.title}: its {task} pipeline ({self.pipelines[task]}) failed when kasoku ran it to record its "
+            f"calls ({probe.batch} image(s) of {probe.height}x{probe.width}): {type(first_error).__name__}: "
+            f"{first_error}") from first_error
+
+    def _probe_calls(self, probe: Probe, task: str, pipeline) -> Iterator[dict[str, Any]]:
+        """The call at `probe`, then for several images the other forms diffusers pipelines take them in: an image
+        (and mask) per prompt (DeepFloyd IF's img2img), or one prompt and `num_images_per_prompt` (DreamLite takes
+        one prompt only)."""
+        arguments = self.probe_arguments(probe, task, pipeline=pipeline)
+        yield arguments
+        if probe.batch == 1:
+            return
+        if "image" in arguments:
+            yield {**arguments, **{name: [arguments[name]] * probe.batch for name in ("image", "mask_image")
+                                   if name in arguments}}
+        if "num_images_per_prompt" in inspect.signature(type(pipeline).__call__).parameters:
+            one = {name: value[0] for name, value in arguments.items()
+                   if name in ("prompt", "negative_prompt") and isinstance(value, list)}
+            yield {**arguments, **one, "num_images_per_prompt": probe.batch}
 
     def pixel_multiple(self, model: ModelView) -> int:
         """The step of the image sizes: the VAE's scale times two (diffusion transformers patch or pack 2x2 latent

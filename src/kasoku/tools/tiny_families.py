@@ -15,7 +15,6 @@ import string
 from collections.abc import Callable
 from typing import Any
 
-import numpy as np
 import torch
 
 from ..architectures.tiny import (
@@ -974,55 +973,6 @@ def stable_unclip(seed: int):
             vae=tiny_vae)))
 
 
-def _pass_through_safety_checker():
-    from diffusers.configuration_utils import ConfigMixin
-    from diffusers.models.modeling_utils import ModelMixin
-
-    class PassThroughSafetyChecker(ModelMixin, ConfigMixin):
-        """Stands in for cosmos_guardrail's CosmosSafetyChecker (not installed here, and a model of gigabytes): every
-        prompt passes and every image comes back unchanged. Cosmos2TextToImagePipeline cannot go without one: given
-        None, its __init__ builds CosmosSafetyChecker() ("`cosmos_guardrail` is not installed") and its __call__
-        refuses ("You have disabled the safety checker"). With a checker the decoded image goes through uint8."""
-
-        def __init__(self):
-            super().__init__()
-            self.register_buffer("_device_tracker", torch.zeros(1), persistent=False)
-
-        def check_text_safety(self, prompt: str) -> bool:
-            return True
-
-        def check_video_safety(self, frames: np.ndarray) -> np.ndarray:
-            return frames
-
-    return PassThroughSafetyChecker()
-
-
-def cosmos2(seed: int):
-    import diffusers as d
-
-    def transformer():
-        # concat_padding_mask=False, unlike Cosmos 2's checkpoints and diffusers' test: with True the transformer
-        # resizes the padding mask with torchvision (transformer_cosmos.py: `transforms.functional.resize`), which is
-        # not installed here -> NameError: name 'transforms' is not defined
-        model = d.CosmosTransformer3DModel(
-            in_channels=16, out_channels=16, num_attention_heads=2, attention_head_dim=16, num_layers=2, mlp_ratio=2,
-            text_embed_dim=32, adaln_lora_dim=4, max_size=(4, 32, 32), patch_size=(1, 2, 2), rope_scale=(2.0, 1.0, 1.0),
-            concat_padding_mask=False, extra_pos_embed_type="learnable")
-        with torch.no_grad():  # the learnable positional embeddings start at zero: give them a live value
-            for name in ("pos_emb_t", "pos_emb_h", "pos_emb_w"):
-                getattr(model.learnable_pos_embed, name).normal_(std=0.02)
-        return model
-
-    tokenizer = t5_tokenizer()
-    # the pipeline registers sigma_max=80, sigma_min=0.002, sigma_data=1, final_sigmas_type="sigma_min" on it
-    return d.Cosmos2TextToImagePipeline(
-        tokenizer=tokenizer, scheduler=d.FlowMatchEulerDiscreteScheduler(use_karras_sigmas=True),
-        safety_checker=_pass_through_safety_checker().eval(), **_built(seed, dict(
-            text_encoder=lambda: _t5(tokenizer), transformer=transformer,
-            vae=lambda: d.AutoencoderKLWan(base_dim=3, z_dim=16, dim_mult=[1, 1, 1, 1], num_res_blocks=1,
-                                           temperal_downsample=[False, True, True]))))
-
-
 # family name (as `kasoku tiny --family` takes it) -> builder(seed) of its text-to-image pipeline
 TINY_FAMILIES: dict[str, Callable[[int], Any]] = {
     "pixart-sigma": pixart_sigma, "auraflow": auraflow, "chroma": chroma, "sana": sana, "sana-sprint": sana_sprint,
@@ -1033,7 +983,6 @@ TINY_FAMILIES: dict[str, Callable[[int], Any]] = {
     "kandinsky5": kandinsky5, "hidream": hidream, "bria-fibo": bria_fibo, "bria-fibo2": bria_fibo2,
     "nucleus-moe-image": nucleus_moe_image, "ideogram4": ideogram4, "prx": prx, "dreamlite": dreamlite,
     "dreamlite-mobile": dreamlite_mobile, "ldm": ldm, "deepfloyd-if": deepfloyd_if, "stable-unclip": stable_unclip,
-    "cosmos2": cosmos2,
 }
 
 
