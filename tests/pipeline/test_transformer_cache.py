@@ -209,6 +209,7 @@ def test_step_caching_arguments_resolve_per_denoiser():
     assert StepCaching.of(transformer, **caching.arguments()) == caching
 
 
+@pytest.mark.slow(reason="the first-block cache through the CLI (its Python tests stay)")
 def test_generate_and_verify_with_the_first_block_cache_from_the_cli(tmp_path, tiny_cache, cached, capsys):
     folder = tmp_path / "tiny-flux"
     assert main(["tiny", str(folder), "--family", "flux"]) == 0

@@ -33,7 +33,6 @@ def tuned(tiny_dir, tiny_cache):
                 cache_dir=tiny_cache.root)
 
 
-@pytest.mark.slow(reason="a full tune over precisions")
 def test_front_is_monotone_and_dominates_every_other_trial(tuned):
     record = tuned.record
     measured = [t for t in record.trials if t.ok]
