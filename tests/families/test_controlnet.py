@@ -496,6 +496,7 @@ def test_tensorrt_engines_match_torch(tiny_pipe, controlnets, tmp_path):
             assert all(r.passed for r in results), [r.line() for r in results]
 
 
+@pytest.mark.slow(reason="IP-Adapter and LoRA at once on ControlNet (each alone stays)")
 @integration
 def test_ip_adapter_with_lora_on_the_controlnet_pipeline(compiled, tiny_dir, controlnet_dir, tmp_path):
     """IP-Adapter, LoRA and a ControlNet at once (the U-Net that takes the residuals also takes the image prompt,

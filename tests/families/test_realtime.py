@@ -145,6 +145,7 @@ def test_lcm_refuses_more_steps_than_it_was_distilled_on(lcm):
         run(fast, negative_prompt="blurry")
 
 
+@pytest.mark.slow(reason="SDXL's LCM U-Net (SD 1.x's LCM pipeline stays)")
 def test_sdxl_runs_an_lcm_unet_in_its_own_pipeline(tiny_cache):
     reference = tiny_pipeline(family="sdxl", lcm=True)
     assert type(reference).__name__ == "StableDiffusionXLPipeline"

@@ -71,7 +71,8 @@ def entries(cache) -> set[str]:
 
 
 @integration
-@pytest.mark.parametrize("kind", ["plain", "plus"])
+@pytest.mark.parametrize("kind", ["plain", pytest.param("plus", marks=pytest.mark.slow(
+    reason="the Plus kind (the plain one stays; the Plus one is also in the scale test)"))])
 def test_each_kind_matches_diffusers_and_unloading_gives_the_base_images_exactly(ours, adapters, kind):
     base = image(ours)
     ours.load_ip_adapter(str(adapters / "a"), subfolder="", weight_name=IP_ADAPTER_FILES[kind])

@@ -27,12 +27,17 @@ MIN_PSNR = 30.0  # below every caching setting's measured drift on the tiny mode
 FRESH_PROMPTS = CALIBRATION_PROMPTS[:2]  # the tuner judged on verify's fidelity prompts: these it never saw
 
 
+# the tests of a whole tune (the tuner's unit tests below stay in `make test`)
+A_TUNE = pytest.mark.slow(reason="a whole tune over precisions and step caching")
+
+
 @pytest.fixture(scope="module")
 def tuned(tiny_dir, tiny_cache):
     return tune(tiny_dir, backend="openvino", steps=STEPS, precisions=("fp32", "bf16"), min_psnr=MIN_PSNR,
                 cache_dir=tiny_cache.root)
 
 
+@A_TUNE
 def test_front_is_monotone_and_dominates_every_other_trial(tuned):
     record = tuned.record
     measured = [t for t in record.trials if t.ok]
@@ -51,6 +56,7 @@ def test_front_is_monotone_and_dominates_every_other_trial(tuned):
     assert len(saved["trials"]) == len(record.trials)
 
 
+@A_TUNE
 def test_bf16_is_measured_or_said_to_be_impossible_here(tuned):
     bf16 = [t for t in tuned.record.trials if t.recipe.precision == "bf16"]
     assert bf16
@@ -58,6 +64,7 @@ def test_bf16_is_measured_or_said_to_be_impossible_here(tuned):
         assert trial.ok or "bf16" in trial.error
 
 
+@A_TUNE
 def test_winner_meets_min_psnr_on_fresh_prompts(tuned, tiny_pipe, tiny_cache):
     winner = tuned.winner
     fitting = [t for t in tuned.record.trials if t.ok and t.psnr_db >= MIN_PSNR]
@@ -80,12 +87,14 @@ def test_winner_meets_min_psnr_on_fresh_prompts(tuned, tiny_pipe, tiny_cache):
         assert fast.last_step_cache.interval == 2 and own.shape == image.shape
 
 
+@A_TUNE
 def test_a_stricter_bound_picks_a_slower_closer_recipe(tuned):
     loose, strict = tuned.record.winner(MIN_PSNR), tuned.record.winner(math.inf)
     assert strict.recipe.is_reference
     assert loose.seconds <= strict.seconds and loose.psnr_db <= strict.psnr_db
 
 
+@A_TUNE
 def test_a_budget_stops_after_the_reference_and_a_rerun_resumes(tuned, tiny_dir, tiny_cache):
     # another record (4 steps) over the engines the tuning at 8 built
     settings = dict(backend="openvino", steps=4, size=(SIZE, SIZE), precisions=("fp32",),
@@ -100,6 +109,7 @@ def test_a_budget_stops_after_the_reference_and_a_rerun_resumes(tuned, tiny_dir,
     assert (again.resumed, again.measured) == (2, 0)
 
 
+@A_TUNE
 def test_table_and_chart(tuned, tmp_path):
     text = markdown(tuned)
     assert f"Winner at {MIN_PSNR:g} dB" in text and "★" in text and "reference" in text
@@ -107,6 +117,7 @@ def test_table_and_chart(tuned, tmp_path):
     assert chart.stat().st_size > 5000 and chart.read_bytes()[:4] == b"\x89PNG"
 
 
+@A_TUNE
 def test_cli_tune_resumes_then_generate_runs_the_winner(tuned, tiny_dir, tiny_cache, tmp_path, capsys):
     common = ["--backend", "openvino", "--cache-dir", str(tiny_cache.root)]
     assert main(["tune", str(tiny_dir), "--steps", str(STEPS), "--precisions", "fp32,bf16", "--min-psnr",
