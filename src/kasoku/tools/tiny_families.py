@@ -88,6 +88,18 @@ def t5_tokenizer(max_length: int = 512):
     return tokenizer
 
 
+def bert_tokenizer(max_length: int = 77):
+    """A WordPiece BertTokenizer (HunyuanDiT's and CompVis' LDM's are bert-base's) over a small vocabulary: known words
+    are one token, anything else falls back to letters ("##x" pieces); their pipelines pad to a fixed 77."""
+    from transformers import BertTokenizer
+
+    letters = list(string.ascii_lowercase + string.digits + string.punctuation)
+    vocab = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", *_WORDS, *letters, *("##" + c for c in letters)]
+    tokenizer = BertTokenizer(vocab={t: i for i, t in enumerate(dict.fromkeys(vocab))}, do_lower_case=True)
+    tokenizer.model_max_length = max_length
+    return tokenizer
+
+
 def _piece_vocab(specials: list[str]) -> dict[str, int]:
     vocab = {s: i for i, s in enumerate(specials)}
     for piece in ["▁", "\n", *_CHARS, *(f"<0x{i:02X}>" for i in range(256))]:
@@ -163,13 +175,13 @@ def _kl_vae(latent_channels: int = 4, levels: int = 2, width: int = 8, **config)
                          sample_size=32, **config)
 
 
-def _flux2_vae():
+def _flux2_vae(latent_channels: int = 1, **config):
     from diffusers import AutoencoderKLFlux2
 
     return AutoencoderKLFlux2(sample_size=32, in_channels=3, out_channels=3, block_out_channels=(8, 8),
                               down_block_types=("DownEncoderBlock2D",) * 2, up_block_types=("UpDecoderBlock2D",) * 2,
-                              layers_per_block=1, latent_channels=1, norm_num_groups=8, use_quant_conv=False,
-                              use_post_quant_conv=False)
+                              layers_per_block=1, latent_channels=latent_channels, norm_num_groups=8,
+                              use_quant_conv=False, use_post_quant_conv=False, **config)
 
 
 def _qwen_vae():
@@ -511,16 +523,14 @@ def hunyuan_dit(seed: int):
     import diffusers as d
     import transformers as tr
 
-    bert_tokenizer = tr.BertTokenizer(vocab={t: i for i, t in enumerate(
-        ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", *_WORDS, *_CHARS])})
-    bert_tokenizer.model_max_length = 77
+    tokenizer = bert_tokenizer()
     tokenizer_2 = t5_tokenizer()
     return d.HunyuanDiTPipeline(
-        tokenizer=bert_tokenizer, tokenizer_2=tokenizer_2, scheduler=d.DDPMScheduler(), safety_checker=None,
+        tokenizer=tokenizer, tokenizer_2=tokenizer_2, scheduler=d.DDPMScheduler(), safety_checker=None,
         feature_extractor=None, requires_safety_checker=False, **_built(seed, dict(
             text_encoder=lambda: tr.BertModel(tr.BertConfig(
                 hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=37,
-                vocab_size=len(bert_tokenizer), max_position_embeddings=512)),
+                vocab_size=len(tokenizer), max_position_embeddings=512)),
             text_encoder_2=lambda: _t5(tokenizer_2), vae=lambda: _kl_vae(levels=4),
             transformer=lambda: d.HunyuanDiT2DModel(
                 sample_size=16, num_layers=2, patch_size=2, attention_head_dim=8, num_attention_heads=3,
@@ -556,7 +566,6 @@ def pixart_alpha(seed: int):
 
 def lcm(seed: int):
     import diffusers as d
-
 
     tokenizer = tiny_tokenizer()
     return d.LatentConsistencyModelPipeline(
@@ -601,7 +610,6 @@ def kandinsky5(seed: int):
     import diffusers as d
     from diffusers.models.transformers.transformer_kandinsky import Kandinsky5Modulation
 
-
     tokenizer = qwen_tokenizer()  # a plain Qwen2 tokenizer in the Qwen2VLProcessor's place (called with images=None)
     clip_tokenizer = tiny_tokenizer()
 
@@ -634,7 +642,6 @@ def kandinsky5(seed: int):
 def hidream(seed: int):
     import diffusers as d
     import transformers as tr
-
 
     clip_length = 218  # the most the pipeline pads its CLIP prompts to (min(max_sequence_length, 218))
 
@@ -724,7 +731,6 @@ def _qwen3_vl(tokenizer, layers: int, hidden: int = 16, model: str = "Qwen3VLFor
 
 def bria_fibo2(seed: int):
     import diffusers as d
-    import torch
 
     tokenizer = qwen_tokenizer()
 
@@ -748,7 +754,6 @@ def bria_fibo2(seed: int):
 
 def nucleus_moe_image(seed: int):
     import diffusers as d
-    import torch
     from diffusers.models.transformers.transformer_nucleusmoe_image import SwiGLUExperts
 
     tokenizer = qwen_tokenizer()
@@ -773,8 +778,6 @@ def nucleus_moe_image(seed: int):
             text_encoder=lambda: _qwen3_vl(tokenizer, layers=8), vae=_qwen_vae, transformer=transformer)))
 
 
-
-
 def ideogram4(seed: int):
     import diffusers as d
 
@@ -785,23 +788,13 @@ def ideogram4(seed: int):
                        adaln_dim=16, llm_features_dim=13 * 8, rope_theta=10_000, mrope_section=(2, 1, 1),
                        norm_eps=1e-5)
 
-    def vae():  # 4 latent channels, patchified by 2 into the transformer's 16
-        from diffusers import AutoencoderKLFlux2
-
-        return AutoencoderKLFlux2(sample_size=32, in_channels=3, out_channels=3, block_out_channels=(8, 8),
-                                  down_block_types=("DownEncoderBlock2D",) * 2,
-                                  up_block_types=("UpDecoderBlock2D",) * 2, layers_per_block=1, latent_channels=4,
-                                  norm_num_groups=8, patch_size=(2, 2), use_quant_conv=False,
-                                  use_post_quant_conv=False)
-
     return d.Ideogram4Pipeline(tokenizer=tokenizer, scheduler=d.FlowMatchEulerDiscreteScheduler(), **_built(seed, dict(
-        text_encoder=lambda: _qwen3_vl(tokenizer, layers=36, hidden=8, model="Qwen3VLModel"), vae=vae,
+        text_encoder=lambda: _qwen3_vl(tokenizer, layers=36, hidden=8, model="Qwen3VLModel"),
+        vae=lambda: _flux2_vae(latent_channels=4, patch_size=(2, 2)),  # patchified by 2 into the transformer's 16
         transformer=lambda: d.Ideogram4Transformer2DModel(**transformer),
         unconditional_transformer=lambda: d.Ideogram4Transformer2DModel(**transformer),
         # optional: only `prompt_upsampling=True` uses it, to write a longer prompt with the text encoder
         prompt_enhancer_head=lambda: d.Ideogram4PromptEnhancerHead(hidden_size=8, vocab_size=len(tokenizer)))))
-
-
 
 
 def prx(seed: int):
@@ -864,8 +857,6 @@ def dreamlite(seed: int):
                                **_built(seed, _dreamlite_parts(tokenizer)))
 
 
-
-
 def dreamlite_mobile(seed: int):
     import diffusers as d
 
@@ -877,29 +868,11 @@ def dreamlite_mobile(seed: int):
                                      **_built(seed, _dreamlite_parts(tokenizer)))
 
 
-_BERT_WORDS = ("a the of and to in is on with dog cat fox red snow old painting photo squirrel eating burger "
-               "bad quality").split()
-
-
-def ldm_bert_tokenizer():
-    """A WordPiece BertTokenizer (CompVis' LDM uses bert-base-uncased's) over a small vocabulary: known words are one
-    token, anything else falls back to letters ("##x" pieces); the pipeline pads to a fixed 77."""
-    import string
-
-    import transformers as tr
-
-    letters = list(string.ascii_lowercase + string.digits + string.punctuation)
-    vocab = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", *_BERT_WORDS, *letters, *("##" + c for c in letters)]
-    tokenizer = tr.BertTokenizer(vocab={t: i for i, t in enumerate(dict.fromkeys(vocab))}, do_lower_case=True)
-    tokenizer.model_max_length = 77
-    return tokenizer
-
-
 def ldm(seed: int):
     import diffusers as d
     from diffusers.pipelines.latent_diffusion.pipeline_latent_diffusion import LDMBertConfig, LDMBertModel
 
-    tokenizer = ldm_bert_tokenizer()
+    tokenizer = bert_tokenizer()
     # the pipeline makes latents of height // 8 whatever the VAE: a four-level (8x) one
     scheduler = d.DDIMScheduler(**{**SCHEDULER_COMMON, "steps_offset": 0}, clip_sample=False, set_alpha_to_one=False)
     return d.LDMTextToImagePipeline(tokenizer=tokenizer, scheduler=scheduler, **_built(seed, dict(
