@@ -87,6 +87,23 @@ def quantized_linear_layers(engine) -> list[tuple[str, bool]]:
     return found
 
 
+def save_transformer_adapter(pipe, folder, seed, targets):
+    """A LoRA adapter (rank 4, random) on `targets` of `pipe`'s transformer, saved with the class's own
+    `save_lora_weights` into `folder`."""
+    import torch
+    from peft import LoraConfig
+    from peft.utils import get_peft_model_state_dict
+
+    transformer = type(pipe.transformer).from_config(pipe.transformer.config)
+    transformer.load_state_dict(pipe.transformer.state_dict())
+    torch.manual_seed(seed)
+    config = LoraConfig(r=4, lora_alpha=8, target_modules=targets, init_lora_weights=False)
+    transformer.add_adapter(config)
+    type(pipe).save_lora_weights(folder, transformer_lora_layers=get_peft_model_state_dict(transformer),
+                                 transformer_lora_adapter_metadata=config.to_dict())
+    return folder
+
+
 def tiny_profile(pipe):
     """`pipe`'s default profile at the tiny pipelines' sizes (TINY_SIZES)."""
     from kasoku.core.components import profile_with_ranges

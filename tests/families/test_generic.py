@@ -333,10 +333,10 @@ def test_reduced_precisions_keep_their_contract_on_more_families(family, precisi
 
 
 def _two_adapters(pipe, folder) -> tuple[str, str]:
-    from tests.families.test_transformers import _save_transformer_adapter
+    from tests.conftest import save_transformer_adapter
 
-    return (str(_save_transformer_adapter(pipe, folder / "a", 1, ["to_q", "to_k", "to_v", "to_out.0"])),
-            str(_save_transformer_adapter(pipe, folder / "b", 2, ["to_q", "to_v"])))
+    return (str(save_transformer_adapter(pipe, folder / "a", 1, ["to_q", "to_k", "to_v", "to_out.0"])),
+            str(save_transformer_adapter(pipe, folder / "b", 2, ["to_q", "to_v"])))
 
 
 def _check_lora(reference, fast, folder) -> None:

@@ -22,7 +22,7 @@ from kasoku.families import FAMILIES, detect_family
 from kasoku.model.loading import load_pipeline
 from kasoku.model.pipeline_model import Model
 from kasoku.pipeline.kasoku_pipeline import InvalidInput
-from tests.conftest import TINY_SIZES_FLAG, quantized_linear_layers, tiny_profile
+from tests.conftest import TINY_SIZES_FLAG, quantized_linear_layers, save_transformer_adapter, tiny_profile
 
 pytestmark = pytest.mark.integration  # exports or builds engines
 
@@ -210,27 +210,13 @@ def test_a_step_cache_method_of_another_denoiser_is_refused_with_the_reason(comp
 # ---- LoRA: diffusers' files on the transformer, rebound without re-export ----------------------------
 
 
-def _save_transformer_adapter(pipe, folder, seed, targets):
-    from peft import LoraConfig
-    from peft.utils import get_peft_model_state_dict
-
-    transformer = type(pipe.transformer).from_config(pipe.transformer.config)
-    transformer.load_state_dict(pipe.transformer.state_dict())
-    torch.manual_seed(seed)
-    config = LoraConfig(r=4, lora_alpha=8, target_modules=targets, init_lora_weights=False)
-    transformer.add_adapter(config)
-    type(pipe).save_lora_weights(folder, transformer_lora_layers=get_peft_model_state_dict(transformer),
-                                 transformer_lora_adapter_metadata=config.to_dict())
-    return folder
-
-
 @pytest.mark.parametrize("name", [pytest.param(name, marks=pytest.mark.slow(reason="Flux's LoRA; SD3's runs"))
                                   if name == "flux" else name for name in FAMILY_NAMES])
 def test_lora_one_adapter_and_two_blended(name, pipes, tiny_cache, tmp_path, request):
     from kasoku.tools.tiny import tiny_pipeline
 
-    a = _save_transformer_adapter(pipes[name], tmp_path / "a", 1, ["to_q", "to_k", "to_v", "to_out.0"])
-    b = _save_transformer_adapter(pipes[name], tmp_path / "b", 2, ["to_q", "to_v", "add_k_proj", "proj_out"])
+    a = save_transformer_adapter(pipes[name], tmp_path / "a", 1, ["to_q", "to_k", "to_v", "to_out.0"])
+    b = save_transformer_adapter(pipes[name], tmp_path / "b", 2, ["to_q", "to_v", "add_k_proj", "proj_out"])
     reference = tiny_pipeline(family=name)
     fast = kasoku.compile(tiny_pipeline(family=name), "onnxruntime", profile=tiny_profile(reference),
                           cache_dir=tiny_cache.root, lora_targets="attention", label=f"{name}-lora")

@@ -29,7 +29,7 @@ import dataclasses
 import hashlib
 import itertools
 import json
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from fractions import Fraction
 from typing import Any
@@ -414,9 +414,10 @@ def _sample_input(signature: Signature):
     return sample
 
 
-def recorded_spec(signature: Signature, ref: ModuleRef, profile: ShapeProfile) -> ComponentSpec:
-    """The component spec of a recorded signature of the module at `ref` (its profile exact in height and width
-    where a constant follows the image size)."""
+def recorded_spec(signature: Signature, ref: ModuleRef, profile: ShapeProfile, *, takes_lora: bool = False,
+                  one_shape: Callable[[], ComponentSpec] | None = None) -> ComponentSpec:
+    """The component spec of a recorded signature of the module at `ref`; `takes_lora` where diffusers' LoRA loader
+    changes the module, `one_shape` the spec its graph falls back to (see :class:`ComponentSpec`)."""
     return ComponentSpec(
         name=signature.component,
         inputs=tuple(slot.tensor for slot in signature.inputs),
@@ -428,6 +429,8 @@ def recorded_spec(signature: Signature, ref: ModuleRef, profile: ShapeProfile) -
         sample_input=_sample_input(signature),
         modules=(ref.path,),
         graph_kind="recorded",
+        takes_lora=takes_lora,
+        one_shape=one_shape,
     )
 
 

@@ -212,16 +212,20 @@ class GenericFamily(Family):
         """Run the pipeline at the probes, for every task it has a class for, with its components recorded (kept
         on the model: recording runs once)."""
         memo = model.memo
-        if "recordings" in memo:
-            return memo["recordings"]
+        if "recordings" not in memo:
+            takes_tokens = "max_sequence_length" in self.parameters
+            memo["recordings"] = self._recordings(model, lambda task: probes(
+                self.pixel_multiple(model), takes_tokens, self.guided(model), tasks=task != "txt2img"))
+        return memo["recordings"]
+
+    def _recordings(self, model: ModelView, probes_of: Callable[[str], Iterable[Probe]]) -> list[Recording]:
+        """The pipeline's calls at `probes_of(task)`, for every task it has a class for."""
         modules = {name: model.ref(name).load() for name in self.modules(model)}
-        takes_tokens = "max_sequence_length" in self.parameters
         found: list[Recording] = []
         for task in self.pipelines:
             pipeline = self.task_pipeline(model.pipe, task)
-            for probe in probes(self.pixel_multiple(model), takes_tokens, self.guided(model), tasks=task != "txt2img"):
+            for probe in probes_of(task):
                 found.append(Recording(probe, task, self._recorded_call(pipeline, task, probe, modules)))
-        memo["recordings"] = found
         return found
 
     def _recorded_call(self, pipeline, task: str, probe: Probe, modules: Mapping[str, torch.nn.Module]) -> list:
@@ -354,10 +358,7 @@ class GenericFamily(Family):
         them follows the prompt, not the shape (kept on the model per probe)."""
         memo = model.memo.setdefault("recordings_at", {})
         if probe not in memo:
-            modules = {name: model.ref(name).load() for name in self.modules(model)}
-            memo[probe] = [Recording(each, task, self._recorded_call(self.task_pipeline(model.pipe, task), task,
-                                                                     each, modules))
-                           for each in (probe, dataclasses.replace(probe, prompt=1)) for task in self.pipelines]
+            memo[probe] = self._recordings(model, lambda task: (probe, dataclasses.replace(probe, prompt=1)))
         return memo[probe]
 
     def signature_at(self, model: ModelView, signature: Signature, profile: ShapeProfile) -> Signature:
@@ -460,13 +461,12 @@ class GenericFamily(Family):
                 f"({', '.join(signature.paths[i] for i, _ in signature.keyed)})")})
         if signature.exact or profile.is_static:
             return one_shape()
-        return dataclasses.replace(recorded.recorded_spec(signature, ref, profile), one_shape=one_shape,
-                                   takes_lora=self._takes_lora(signature))
+        return recorded.recorded_spec(signature, ref, profile, takes_lora=self._takes_lora(signature),
+                                      one_shape=one_shape)
 
     def _spec_at_optimum(self, model: ModelView, signature: Signature, profile: ShapeProfile) -> ComponentSpec:
-        spec = recorded.recorded_spec(self.signature_at(model, signature, profile), model.ref(signature.attribute),
-                                      profile)
-        return dataclasses.replace(spec, takes_lora=self._takes_lora(signature))
+        return recorded.recorded_spec(self.signature_at(model, signature, profile), model.ref(signature.attribute),
+                                      profile, takes_lora=self._takes_lora(signature))
 
     def _takes_lora(self, signature: Signature) -> bool:
         """Whether diffusers' LoRA loader of the class changes the module this graph calls forward on."""
