@@ -2,7 +2,7 @@
 
     python benchmarks/coverage.py [--backends onnxruntime,openvino] [--families pixart-sigma,sana] [--readme]
 
-(`--families none` measures nothing: it writes today's table again from its JSON.)
+(`--families none` measures nothing: it writes the table again from this machine's latest JSON.)
 
 Every text-to-image pipeline class of the installed diffusers (video, audio and 3D left out; ControlNet, PAG and
 edit variants are listed with their family) gets a row. A family kasoku can build a tiny pipeline of (the five
@@ -127,7 +127,8 @@ def status(row: dict) -> str:
     denoiser = next((name for name in ("transformer", "unet") if name in components), None)
     # the VAE's decode: "vae_decoder", or another attribute's ("vqvae_decode" of LDM, "movq_decode" of Kandinsky 3)
     decoders = [name for name in components if name.startswith("vae_decoder") or name.endswith("_decode")]
-    on_engines = denoiser and components.get(denoiser) != "torch" and decoders and all(
+    # a pixel-space pipeline (DeepFloyd IF) has no VAE: its denoiser alone
+    on_engines = denoiser and components.get(denoiser) != "torch" and all(
         components[name] != "torch" for name in decoders)
     matched = all(run.get("psnr", 0) >= MIN_PSNR for run in runs.values())
     return "compiled" if on_engines and matched else "partly compiled" if matched else "differs"
@@ -180,9 +181,10 @@ def markdown(result: dict) -> str:
     backends = result["backends"]
     compiled = sum(row["status"] == "compiled" for row in result["rows"])
     deprecated = sum(row["status"] == "deprecated" for row in result["rows"])
+    dates = " and ".join(sorted({row.get("date", result["date"]) for row in result["rows"] if "backends" in row}))
     lines = [f"{compiled} of {len(result['rows']) - deprecated} text-to-image pipeline classes of diffusers "
              f"{result['versions']['diffusers']} compile with their denoiser and VAE on engines and match diffusers "
-             f"(tiny random pipelines, 2 steps; `python benchmarks/coverage.py`, {result['date']}, {result['cpu']}); "
+             f"(tiny random pipelines, 2 steps; `python benchmarks/coverage.py`, {dates}, {result['cpu']}); "
              f"{deprecated} more are deprecated in diffusers and listed without a run.",
              "", "| class | status | " + " | ".join(f"{b} dB" for b in backends) + " | where each component runs |",
              "|---|---|" + "---|" * len(backends) + "---|"]
@@ -215,16 +217,17 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--backends", default="onnxruntime,openvino")
     parser.add_argument("--families", default="",
-                        help="only these tiny families (default: every one); the other rows are kept from today's "
-                             "earlier run, if there is one")
+                        help="only these tiny families (default: every one); the other rows are kept from this "
+                             "machine's latest run, with its date")
     parser.add_argument("--cache", type=Path, default=Path("/tmp/kasoku-coverage-cache"))
     parser.add_argument("--readme", action="store_true", help="write the table into README.md too")
     args = parser.parse_args()
     only = [f for f in args.families.split(",") if f]
     result = run(args.backends.split(","), only, args.cache)
-    stem = RESULTS / f"{result['date']}-{result['host']}-coverage"
-    if only and stem.with_suffix(".json").exists():  # the other rows as today's earlier run measured them
-        earlier = {row["class"]: row for row in json.loads(stem.with_suffix(".json").read_text())["rows"]}
+    earlier_runs = sorted(RESULTS.glob(f"*-{result['host']}-coverage.json"))
+    if only and earlier_runs:  # the other rows as this machine's latest run measured them, with that run's date
+        latest = json.loads(earlier_runs[-1].read_text())
+        earlier = {row["class"]: {"date": latest["date"], **row} for row in latest["rows"]}
         result["rows"] = [earlier.get(row["class"], row) if row.get("reason") == NOT_MEASURED else row
                           for row in result["rows"]]
     return write_table(result, args.readme)

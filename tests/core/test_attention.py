@@ -228,3 +228,25 @@ def test_no_op_without_xformers(monkeypatch, caplog):
         assert xops.memory_efficient_attention is ORIGINAL
     assert "xFormers is not installed" in caplog.text
     assert "xformers" in sys.modules  # this test only hides it from the context manager
+
+
+class _SingleHead(torch.nn.Module):
+    def forward(self, query, key, value):
+        return torch.nn.functional.scaled_dot_product_attention(query, key, value)
+
+
+def test_torch_attention_on_three_dimensional_inputs_exports_to_onnx(tmp_path):
+    import onnxruntime as ort
+
+    query, key, value = (torch.randn(2, 12, 8, generator=torch.Generator().manual_seed(i)) for i in range(3))
+    with kasoku.exportable_attention(), torch.no_grad():
+        program = torch.onnx.export(_SingleHead(), (query, key, value), dynamo=True, verbose=False,
+                                    input_names=["query", "key", "value"])
+    program.save(str(tmp_path / "attention.onnx"))
+    from kasoku.core.attention import _SDPA
+
+    assert torch.nn.functional.scaled_dot_product_attention is _SDPA  # restored on exit
+    session = ort.InferenceSession(str(tmp_path / "attention.onnx"), providers=["CPUExecutionProvider"])
+    (out,) = session.run(None, {"query": query.numpy(), "key": key.numpy(), "value": value.numpy()})
+    expected = torch.nn.functional.scaled_dot_product_attention(query, key, value).numpy()
+    np.testing.assert_allclose(out, expected, atol=1e-5)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
+import json
 
 import numpy as np
 import pytest
@@ -27,8 +28,7 @@ from kasoku.tools.tiny_families import TINY_FAMILIES, tiny_family_pipeline
 
 # The families whose denoiser runs on an engine; the others' denoisers stay in torch, with the reason the
 # compile report gives (their text encoders and VAEs run on engines).
-DENOISER_IN_TORCH = ("qwen-image", "lumina2", "hunyuan-image", "kandinsky3", "hidream", "lumina", "bria-fibo",
-                     "bria-fibo2", "nucleus-moe-image", "kandinsky5", "z-image", "deepfloyd-if")
+DENOISER_IN_TORCH = ("lumina2", "hunyuan-image", "hidream", "lumina", "nucleus-moe-image")
 # the families whose pipeline fails when kasoku runs it to record its calls (diffusers' own error, in one line)
 CANNOT_RECORD = ("prx",)
 DENOISER_ON_ENGINES = tuple(name for name in TINY_FAMILIES if name not in DENOISER_IN_TORCH + CANNOT_RECORD)
@@ -160,6 +160,22 @@ def test_a_constant_that_changes_between_calls_is_refused():
         signatures(recordings, "transformer", max_tokens=300)
 
 
+def test_a_mask_given_as_booleans_and_as_integers_is_two_graphs(pixart_model):
+    recordings = [dataclasses.replace(r, calls=list(r.calls)) for r in pixart_model.family.record(pixart_model)]
+    call = next(c for c in recordings[0].calls if c.component == "transformer")
+    index = call.paths.index("encoder_attention_mask")
+    leaves = list(call.leaves)
+    leaves[index] = leaves[index].bool()
+    recordings[0].calls.append(dataclasses.replace(call, leaves=tuple(leaves)))
+    found = signatures(recordings, "transformer", max_tokens=300)
+    masks = {s.component: s.inputs[[slot.index for slot in s.inputs].index(index)].tensor.dtype for s in found}
+    assert masks == {"transformer": torch.int64, "transformer_2": torch.bool}
+    integers, booleans = found
+    # each graph refuses the other's call, in one line
+    assert "is a tensor of torch.bool where the engine takes torch.int64" in integers.difference(leaves)
+    assert booleans.difference(leaves) is None
+
+
 # ---- compiled against diffusers ------------------------------------------------------------------------------
 
 
@@ -238,6 +254,24 @@ def test_a_transformer_whose_dynamic_graph_fails_runs_an_engine_of_the_optimum_a
     assert "\n" not in str(error.value) and "transformer" not in fast.times.calls
 
 
+@pytest.mark.integration
+def test_a_failed_export_is_remembered_and_a_warm_compile_exports_nothing(generic_cache, monkeypatch):
+    from kasoku.build import compiler
+
+    pipe, first = compiled("chroma", "onnxruntime", generic_cache)
+    failed = json.loads((generic_cache / "failed-exports.json").read_text())
+    assert any(f["message"].startswith("exporting transformer with the dynamo exporter") for f in failed.values())
+
+    def exported(spec, *args, **kwargs):
+        raise AssertionError(f"{spec.name} was exported again")
+
+    monkeypatch.setattr(compiler, "export_graph", exported)
+    again = kasoku.compile(tiny_family_pipeline("chroma"), "onnxruntime", profile=_profile(pipe),
+                           cache_dir=generic_cache)
+    assert again.compile_report.backends == first.compile_report.backends
+    assert again.compile_report.notes == first.compile_report.notes
+
+
 @pytest.fixture(scope="module")
 def qwen_model():
     """Qwen-Image's tiny pipeline, recorded (its components' specs need no export)."""
@@ -245,12 +279,29 @@ def qwen_model():
 
 
 @pytest.mark.integration
-def test_a_graph_that_follows_the_prompt_has_no_one_shape_fallback(qwen_model):
-    specs = qwen_model.specs(_profile(qwen_model.pipe))
-    assert "transformer" not in specs and {"transformer_2", "transformer_3", "vae_decoder"} <= set(specs)
-    reason = qwen_model.family.in_torch(qwen_model)["transformer"]
-    # its call takes the image size as numbers (img_shapes): a graph of one shape, were its text not the prompt's own
-    assert reason.startswith("`encoder_hidden_states` follow the prompt's own length"), reason
+def test_a_graph_whose_text_follows_the_prompt_is_one_per_prompt_length(qwen_model):
+    dynamic = qwen_model.family.signatures(qwen_model)["transformer"][0]
+    assert dynamic.exact  # its call takes the image size as numbers (img_shapes): a graph of one image shape
+    found = qwen_model.family.signature_at(qwen_model, dynamic, _profile(qwen_model.pipe))
+    assert found.per_prompt_length  # whose text is as long as the prompt
+    text = {slot.tensor.name: slot.tensor.dims for slot in found.inputs}["encoder_hidden_states"]
+    assert text[1].is_free and all(isinstance(d, int) for d in found.at_prompt().inputs[1].tensor.dims)
+
+
+@pytest.mark.integration
+def test_an_engine_per_prompt_length_is_built_on_the_first_call_of_each_length(generic_cache):
+    pipe, fast = compiled("qwen-image", "onnxruntime", generic_cache)
+    report = fast.compile_report
+    assert report.backends["transformer"] == "onnxruntime" and "transformer" not in report.in_torch
+    assert any(n.startswith("transformer runs an engine per prompt length") for n in report.notes), report.notes
+    stand_in = fast._pipes["txt2img"].transformer
+    engines = []
+    for prompt in ("a red fox", "a red fox in the snow at night, lit by a lantern", "a red fox"):
+        call = _arguments(pipe, prompt=prompt, negative_prompt="blurry")  # true CFG: both prompts, both lengths
+        assert psnr(_images(pipe, **call), _images(fast, **call)) >= MIN_PSNR, prompt
+        engines.append(dict(stand_in._per_prompt))
+    assert len(engines[1]) > len(engines[0])  # the longer prompt's engine was built when it was first called
+    assert engines[2] == engines[1]  # and the first prompt's is served again, nothing built
 
 
 @pytest.mark.integration
@@ -372,8 +423,8 @@ def test_lora_with_run_time_weights_on_another_new_family(generic_cache, tmp_pat
 
 
 @pytest.mark.integration
-def test_lora_is_refused_where_diffusers_has_no_loader_or_the_module_is_several_graphs(generic_cache, qwen_model,
-                                                                                      tmp_path):
+def test_lora_is_refused_without_a_loader_or_for_a_module_of_several_graphs_or_per_prompt_length(
+        generic_cache, qwen_model, tmp_path):
     from kasoku.runtime.lora import LoraError
 
     pipe, pixart = compiled("pixart-sigma", "onnxruntime", generic_cache)
@@ -385,6 +436,10 @@ def test_lora_is_refused_where_diffusers_has_no_loader_or_the_module_is_several_
     a, _ = _two_adapters(qwen_model.pipe, tmp_path)
     with pytest.raises(kasoku.KasokuError, match=r"the transformer of this QwenImage pipeline runs as 3 graphs"):
         qwen_model.family.lora_state_dict(a, qwen_model)
+    # an engine per prompt length would keep the weights it was built with
+    _, qwen = compiled("qwen-image", "onnxruntime", generic_cache)
+    with pytest.raises(LoraError, match=r"the transformer of this QwenImage pipeline runs an engine per prompt length"):
+        qwen.load_lora_weights(a)
 
 
 # ---- kasoku's other tools on a new family's folder -------------------------------------------------------------
@@ -415,3 +470,22 @@ def test_verify_and_batch_run_on_a_new_familys_folder(pixart_dir, generic_cache,
     assert main(["batch", str(pixart_dir), str(jobs), "--out", str(out), "--backend", "onnxruntime", "--height",
                  "32:128", "--width", "32:128", "--cache-dir", str(generic_cache)]) == 0
     assert sorted(p.name for p in out.glob("*.png")) == ["000001.png", "000002.png"]
+
+
+@pytest.mark.slow(reason="starts a server for PixArt-Σ and builds its engines for the server's sizes; serve's own "
+                         "tests run in make test")
+def test_serve_answers_with_a_new_familys_images(pixart_dir, generic_cache, tmp_path):
+    from tests.serve.test_serve import PROMPT, Server, pixels
+
+    server = Server(tmp_path / "serve", pixart_dir, generic_cache, "--max-batch", "1", "--size", "64x64")
+    try:
+        answer = server.client(key=None).images.generate(prompt=PROMPT, n=1, size="64x64", response_format="b64_json",
+                                                         extra_body={"seed": 3, "steps": 2, "guidance": 4.5})
+        profile = ShapeProfile.from_dict(server.ready()["profile"])
+    finally:
+        assert server.stop() == 0, server.output()
+    reference = kasoku.KasokuPipeline.from_pretrained(pixart_dir, options=kasoku.CompileOptions(
+        backend="onnxruntime", cache_dir=generic_cache, profile=profile))
+    want = reference(PROMPT, generator=torch.Generator().manual_seed(3), num_inference_steps=2, guidance_scale=4.5,
+                     height=64, width=64).images[0]
+    assert pixels(answer.data[0].b64_json).tobytes() == np.asarray(want).tobytes()

@@ -119,6 +119,9 @@ class Signature:
     output_paths: tuple[str, ...] = ()
     # where every dimension is fixed (a graph of one shape): the call it was recorded at, for the messages
     one_shape: str = field(default="", compare=False)
+    # keyed leaves that follow the prompt, not the image size (a list of the prompts' token counts): in a graph of
+    # one shape they key an engine per prompt length, as the free axes do
+    prompted: tuple[int, ...] = ()
 
     @property
     def input_names(self) -> tuple[str, ...]:
@@ -129,6 +132,39 @@ class Signature:
         """Whether the graph serves one image size only (a constant follows the image size)."""
         return bool(self.keyed)
 
+    @property
+    def per_prompt_length(self) -> bool:
+        """A graph of one image shape whose text dimensions (or values) follow the prompt's own length: one engine
+        per length, built when a call first asks for it."""
+        return bool(self.one_shape) and (bool(self.prompted) or any(slot.tensor.dynamic_axes for slot in self.inputs))
+
+    def prompt_key(self, leaves: Sequence[Any] | None = None) -> tuple:
+        """What picks the engine of a graph per prompt length: each free axis's size and each prompted leaf, in
+        the call's `leaves` (None: as recorded)."""
+        sizes: dict[str, int] = {}
+        for slot in self.inputs:
+            for d, axis in slot.tensor.dynamic_axes.items():
+                sizes.setdefault(axis.name, int(axis.scale) if leaves is None else int(leaves[slot.index].shape[d]))
+        keyed = dict(self.keyed)
+        values = tuple(repr(keyed[i] if leaves is None else leaves[i]) for i in self.prompted)
+        return tuple(sorted(sizes.items())), values
+
+    def at_prompt(self, leaves: Sequence[Any] | None = None) -> Signature:
+        """This graph per prompt length at the call's: every free axis fixed at its size in `leaves`, every
+        prompted leaf at its value there (None: at the recorded prompt's)."""
+        sizes = dict(self.prompt_key(leaves)[0])
+
+        def fixed(tensor: TensorSpec) -> TensorSpec:
+            return dataclasses.replace(tensor, dims=tuple(sizes[d.name] if isinstance(d, Axis) else d
+                                                          for d in tensor.dims))
+
+        prompted = set(self.prompted)
+        return dataclasses.replace(
+            self, inputs=tuple(dataclasses.replace(slot, tensor=fixed(slot.tensor)) for slot in self.inputs),
+            outputs=tuple(dataclasses.replace(out, tensor=fixed(out.tensor)) for out in self.outputs),
+            keyed=tuple((i, leaves[i] if leaves is not None and i in prompted else v) for i, v in self.keyed),
+            prompted=())
+
     def described(self) -> dict[str, Any]:
         """What the graph is besides its module's config: part of its architecture key."""
         return {"version": RECORDED_GRAPH_VERSION, "method": self.method, "arguments": str(self.arguments),
@@ -138,9 +174,10 @@ class Signature:
 
     @property
     def pattern(self) -> tuple:
-        """What its calls share (the key recorded calls are grouped by): method, argument tree, tensor leaves."""
-        tensors = {slot.index for slot in self.inputs}
-        return self.method, str(self.arguments), tuple(i in tensors for i in range(len(self.paths)))
+        """What its calls share (the key recorded calls are grouped by): method, argument tree, the kind of each
+        tensor leaf."""
+        kinds = {slot.index: _kind(slot.tensor.dtype) for slot in self.inputs}
+        return self.method, str(self.arguments), tuple(kinds.get(i, "") for i in range(len(self.paths)))
 
     def digest(self) -> str:
         return hashlib.sha256(json.dumps(self.described(), sort_keys=True).encode()).hexdigest()[:16]
@@ -159,16 +196,27 @@ class Signature:
         if len(leaves) != len(self.paths):
             return f"{len(leaves)} argument values where {len(self.paths)} were recorded"
         for index, value in (*self.constants, *self.keyed):
+            if index in self.prompted and self.per_prompt_length:  # they pick the engine (prompt_key)
+                continue
             if isinstance(leaves[index], torch.Tensor) or not _same(leaves[index], value):
                 return f"`{self.paths[index]}` is {_shown(leaves[index])} but was {_shown(value)} when recorded"
+        sizes: dict[str, tuple[int, str]] = {}
         for slot in self.inputs:
             value = leaves[slot.index]
             if not isinstance(value, torch.Tensor):
                 return f"`{self.paths[slot.index]}` is {_shown(value)} but was a tensor when recorded"
+            if _kind(value.dtype) != _kind(slot.tensor.dtype):
+                return (f"`{self.paths[slot.index]}` is a tensor of {value.dtype} where the engine takes "
+                        f"{slot.tensor.dtype}")
             dims = slot.tensor.dims
             if value.ndim != len(dims) or any(isinstance(d, int) and d != n for d, n in zip(dims, value.shape)):
                 wanted = tuple(d if isinstance(d, int) else d.name for d in dims)
                 return f"`{self.paths[slot.index]}` has shape {tuple(value.shape)} where the engine takes {wanted}"
+            for d, axis in slot.tensor.dynamic_axes.items():
+                size, where = sizes.setdefault(axis.name, (int(value.shape[d]), self.paths[slot.index]))
+                if size != value.shape[d]:
+                    return (f"`{self.paths[slot.index]}` has {value.shape[d]} along {axis.name} where `{where}` has "
+                            f"{size}: one graph takes one size of it")
         return None
 
 
@@ -188,9 +236,15 @@ def _shown(value: Any) -> str:
 
 
 def _pattern(call: Call) -> tuple:
-    """What calls of one signature share: the method, the tree of the arguments, which leaves are tensors (as
-    :attr:`Signature.pattern`)."""
-    return (call.method, str(call.arguments), tuple(isinstance(leaf, torch.Tensor) for leaf in call.leaves))
+    """What calls of one signature share: the method, the tree of the arguments, the kind of each tensor leaf (as
+    :attr:`Signature.pattern`): a mask passed as booleans in one call and as integers in another is two graphs."""
+    return (call.method, str(call.arguments),
+            tuple(_kind(leaf.dtype) if isinstance(leaf, torch.Tensor) else "" for leaf in call.leaves))
+
+
+def _kind(dtype: torch.dtype) -> str:
+    """A tensor's kind, which picks its graph (its precision may change with the engine's; its kind does not)."""
+    return "float" if dtype.is_floating_point else "bool" if dtype == torch.bool else "int"
 
 
 def component_name(attribute: str, method: str) -> str:
@@ -238,7 +292,7 @@ def described_probe(probe: Probe) -> str:
 def _signature(name: str, attribute: str, observed: list[tuple[Probe, Call]], optimum: Probe,
                max_tokens: int) -> Signature:
     first = observed[0][1]
-    constants, keyed = _constants(name, first, observed, optimum)
+    constants, keyed, prompted = _constants(name, first, observed, optimum)
     axes = _AxisNamer(max_tokens)
     inputs = tuple(_input(first.paths[i], i, observed, axes) for i in first.tensor_indices)
     read = [any(call.outputs_read()[i] for _, call in observed) for i in range(len(first.output_leaves))]
@@ -249,7 +303,7 @@ def _signature(name: str, attribute: str, observed: list[tuple[Probe, Call]], op
     if not outputs:
         raise UncompilableCall(f"the pipeline read no tensor of {name}'s output when it was recorded.")
     return Signature(name, attribute, first.method, first.arguments, first.paths, constants, keyed, inputs, outputs,
-                     first.output, first.output_leaves, first.output_paths)
+                     first.output, first.output_leaves, first.output_paths, prompted=prompted)
 
 
 def _unique(name: str, taken: set[str]) -> str:
@@ -257,7 +311,9 @@ def _unique(name: str, taken: set[str]) -> str:
 
 
 def _constants(name: str, first: Call, observed: list[tuple[Probe, Call]], optimum: Probe):
-    constants, keyed = [], []
+    """The leaves the same in every call, those that follow the image size (keyed: their value at the optimum)
+    and, of those, the ones that differ between two prompts of one shape (they follow the prompt)."""
+    constants, keyed, prompted = [], [], []
     for index, value in enumerate(first.leaves):
         # a generator is passed along, not computed with (a VAE's decode takes one it does not use): the graph
         # runs without it
@@ -275,7 +331,11 @@ def _constants(name: str, first: Call, observed: list[tuple[Probe, Call]], optim
                     f"({_shown(per_probe[probe])}, then {_shown(v)}): a graph cannot take it as a constant.")
             per_probe[probe] = v
         keyed.append((index, per_probe.get(optimum, value)))
-    return tuple(constants), tuple(keyed)
+        shapes = {dataclasses.replace(probe, prompt=0) for probe in per_probe}
+        if len(shapes) < len(per_probe) and any(
+                not _same(v, per_probe.get(dataclasses.replace(probe, prompt=0), v)) for probe, v in per_probe.items()):
+            prompted.append(index)
+    return tuple(constants), tuple(keyed), tuple(prompted)
 
 
 class _AxisNamer:
@@ -474,7 +534,7 @@ class EngineRecorded(EngineModule):
     every other attribute is the module's own (its config, its VAE's scaling factors)."""
 
     def __init__(self, original: torch.nn.Module, engines: Mapping[str, Any], times, signatures: Iterable[Signature],
-                 *, torch_module: torch.nn.Module | None = None):
+                 *, torch_module: torch.nn.Module | None = None, grow: Callable[[Signature], Any] | None = None):
         found = tuple(signatures)
         super().__init__(original, engines, times, found[0].component)
         object.__setattr__(self, "_original", original)
@@ -482,6 +542,10 @@ class EngineRecorded(EngineModule):
         # call the pipeline made has one
         object.__setattr__(self, "_torch_module", torch_module)
         self._signatures = found
+        # a graph per prompt length: its engines by prompt key (the compiled one: the recorded prompt's), and what
+        # builds the engine of a length no call asked for yet (None: such a call is refused)
+        self._grow = grow
+        self._per_prompt: dict[tuple[str, tuple], Any] = {}
 
     def __getattr__(self, name: str):
         try:
@@ -524,9 +588,27 @@ class EngineRecorded(EngineModule):
         raise InvalidInput(f"{candidates[0].component} cannot serve this call: {reasons[0]}. Its engine was compiled "
                            "from the calls diffusers made when kasoku recorded the pipeline; call it as those did.")
 
+    def _engine_at_prompt(self, signature: Signature, leaves: list[Any]):
+        """The engine of a graph per prompt length for this call's prompt: the compiled one where the call's prompt
+        is as long as the recorded one, else one built now (once per length; kept in the cache)."""
+        key = (signature.component, signature.prompt_key(leaves))
+        if key not in self._per_prompt:
+            if signature.prompt_key(leaves) == signature.prompt_key():
+                self._per_prompt[key] = self._engines[signature.component]
+            elif self._grow is None:
+                raise InvalidInput(f"{signature.component} runs an engine per prompt length, and none was built for "
+                                   f"this call's ({_lengths(signature, leaves)}); call it from a pipeline kasoku "
+                                   "compiled, which builds it on the first call of that length.")
+            else:
+                self._per_prompt[key] = self._grow(signature.at_prompt(leaves))
+        return self._per_prompt[key]
+
     def _run_signature(self, signature: Signature, leaves: list[Any]):
         feeds = {slot.tensor.name: leaves[slot.index] for slot in signature.inputs}
-        outputs = self._run(signature.component, **feeds)
+        if signature.per_prompt_length:
+            outputs = self._run_engine(signature.component, self._engine_at_prompt(signature, leaves), feeds)
+        else:
+            outputs = self._run(signature.component, **feeds)
         out_leaves: list[Any] = []
         computed = {o.index: o for o in signature.outputs}
         for index, kind in enumerate(signature.output_template):
@@ -542,3 +624,9 @@ class EngineRecorded(EngineModule):
             else:
                 out_leaves.append(kind)
         return pytree.tree_unflatten(out_leaves, signature.output_tree)
+
+
+def _lengths(signature: Signature, leaves: Sequence[Any]) -> str:
+    sizes, values = signature.prompt_key(leaves)
+    shown = [f"{size} along {name}" for name, size in sizes] + list(values)
+    return ", ".join(shown)

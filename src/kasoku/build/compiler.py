@@ -56,7 +56,14 @@ from ..core.weights import (
     run_time_weights,
 )
 from ..model.pipeline_model import Model
-from .export import EXPORT_CODE_VERSION, check_onnx_parity, default_check_shapes, export_graph, module_weights
+from .export import (
+    EXPORT_CODE_VERSION,
+    ExportError,
+    check_onnx_parity,
+    default_check_shapes,
+    export_graph,
+    module_weights,
+)
 from .optimize import optimize
 
 ONNX_FILE = "model.onnx"
@@ -322,7 +329,17 @@ class Compiler:
             result = export_graph(spec, tmp / ONNX_FILE, exporter=self.options.exporter, opset=self.options.opset)
             return {"export_seconds": result.seconds, "weights": result.weights}
 
-        return self.stage(spec, "export", parts, build)
+        if spec.graph_kind != "recorded":
+            return self.stage(spec, "export", parts, build)
+        # a recorded graph whose export failed falls back (one shape, torch): the next compile does so at once
+        failed = self.cache.failed_export(parts)
+        if failed is not None:
+            raise ExportError(failed)
+        try:
+            return self.stage(spec, "export", parts, build)
+        except ExportError as error:
+            self.cache.remember_failed_export(parts, str(error))
+            raise
 
     def optimized(self, spec: ComponentSpec, parts: dict, source: CacheEntry) -> CacheEntry:
         precision = self.precision(spec)

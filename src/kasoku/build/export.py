@@ -183,6 +183,20 @@ def _within_suggested_ranges(spec: ComponentSpec, dynamic: dict, error: Exceptio
     return pytree.tree_map(within, dynamic)
 
 
+_FIXED_DIM = re.compile(r"^\s*(\w+) = (\d+)\s*$", re.M)
+
+
+def _specialized(error: Exception) -> Exception:
+    """torch.export's "Constraints violated" where the model's code fixed a dynamic axis at its traced size (Python
+    control flow on it: `len(tensor)`, a branch on a padding length), said so in one line; any other error as is."""
+    fixed = _FIXED_DIM.findall(str(error))
+    if not fixed:
+        return error
+    sizes = ", ".join(f"{name} at {size}" for name, size in fixed)
+    return ValueError(f"the model's code fixes {sizes}, the size it was traced at (it branches on it in Python), so "
+                      "no graph takes every size of it")
+
+
 def _export_graph_to_file(spec: ComponentSpec, path: Path, exporter: str, opset: int, weights: set[str]) -> None:
     """The graph with `weights` as named inputs. The dynamo exporter runs without its optimizer, which
     would fold weights into new, unnamed constants (transposed projections, reshaped norms); its optimizer
@@ -208,7 +222,7 @@ def _export_graph_to_file(spec: ComponentSpec, path: Path, exporter: str, opset:
                 except torch._dynamo.exc.UserError as error:
                     narrowed = _within_suggested_ranges(spec, dynamic, error)
                     if narrowed is None:
-                        raise
+                        raise _specialized(error) from error
                     program = torch.export.export(spec.module, args, dynamic_shapes=narrowed, strict=False)
                 return _without_noop_squeezes(program)
 

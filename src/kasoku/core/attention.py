@@ -275,6 +275,18 @@ def _patch_diffusers_dispatch(patches: _Patches) -> bool:
     return True
 
 
+_SDPA = torch.nn.functional.scaled_dot_product_attention
+
+
+def _sdpa_of_any_rank(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attn_mask=None, *args, **kwargs):
+    """torch's SDPA as exported: torch.onnx converts 4-D query, key and value only, so a 3-D call (a VAE's
+    single-head attention, HunyuanImage's) runs as one head of a 4-D one, the same numbers."""
+    if query.ndim != 3:
+        return _SDPA(query, key, value, attn_mask, *args, **kwargs)
+    mask = attn_mask.unsqueeze(1) if isinstance(attn_mask, torch.Tensor) and attn_mask.ndim == 3 else attn_mask
+    return _SDPA(query.unsqueeze(1), key.unsqueeze(1), value.unsqueeze(1), mask, *args, **kwargs).squeeze(1)
+
+
 @contextmanager
 def exportable_attention() -> Iterator[None]:
     """Make every route to xFormers' memory-efficient attention exportable, then restore it.
@@ -286,7 +298,8 @@ def exportable_attention() -> Iterator[None]:
     with their weights and per-module mapping untouched), and diffusers' "xformers" attention
     backend all compute :func:`memory_efficient_attention`. Everything is restored on exit,
     also when the block raises. Without xFormers installed it only patches diffusers'
-    backend registry (a no-op unless someone registered xformers there).
+    backend registry (a no-op unless someone registered xformers there). torch's own SDPA called on 3-D
+    tensors runs as 4-D (:func:`_sdpa_of_any_rank`), the only rank torch.onnx converts.
     """
     patches = _Patches()
     try:
@@ -297,6 +310,7 @@ def exportable_attention() -> Iterator[None]:
             count = _patch_xformers_functions(patches, xformers_ops)
             logger.debug("exportable_attention: replaced %d references to xFormers attention.", count)
         _patch_diffusers_dispatch(patches)
+        patches.set_attr(torch.nn.functional, "scaled_dot_product_attention", _sdpa_of_any_rank)
         yield
     finally:
         patches.restore()

@@ -46,6 +46,7 @@ MANIFEST = "kasoku-entry.json"
 ENTRIES = "entries"
 TMP_PREFIX = ".tmp-"
 MEMORY_STOPS = "memory-stops.json"  # builds stopped for memory: entry key -> the free memory then, and the message
+FAILED_EXPORTS = "failed-exports.json"  # exports of recorded graphs that failed: entry key -> the error
 FORMAT_VERSION = 1
 BUDGET_VARIABLE = "KASOKU_CACHE_MAX"
 _UNITS = {"": 1, "B": 1, "K": 1024, "M": 1024**2, "G": 1024**3, "T": 1024**4}
@@ -157,22 +158,36 @@ class Cache:
     def remember_memory_stop(self, parts: dict[str, Any], free_bytes: int, message: str) -> None:
         """Remember that building the entry of `parts` ran out of memory with `free_bytes` free, so that the next
         build of it on this machine can be refused before its work (a cache that cannot be written forgets)."""
-        stops = self._memory_stops()
-        stops[digest_key(parts)] = {"free_bytes": int(free_bytes), "message": message, "when": time.time()}
-        with contextlib.suppress(OSError):
-            self.root.mkdir(parents=True, exist_ok=True)
-            atomic_write_text(self.root / MEMORY_STOPS, json.dumps(stops, indent=1))
+        self._remember(MEMORY_STOPS, parts, {"free_bytes": int(free_bytes), "message": message, "when": time.time()})
 
     def memory_stop(self, parts: dict[str, Any]) -> dict[str, Any] | None:
         """What :meth:`remember_memory_stop` remembered for the entry of `parts` (None: it never stopped)."""
-        return self._memory_stops().get(digest_key(parts))
+        return self._remembered(MEMORY_STOPS).get(digest_key(parts))
 
-    def _memory_stops(self) -> dict[str, dict[str, Any]]:
+    def remember_failed_export(self, parts: dict[str, Any], message: str) -> None:
+        """Remember that the export of `parts` failed (a recorded graph torch.export cannot capture at these shapes),
+        so that the next compile falls back at once instead of exporting it again: its key holds the versions of
+        torch, diffusers and kasoku's export, so an upgrade tries again."""
+        self._remember(FAILED_EXPORTS, parts, {"message": message, "when": time.time()})
+
+    def failed_export(self, parts: dict[str, Any]) -> str | None:
+        """The error :meth:`remember_failed_export` remembered for `parts` (None: never failed)."""
+        failure = self._remembered(FAILED_EXPORTS).get(digest_key(parts))
+        return failure.get("message") if isinstance(failure, dict) else None
+
+    def _remember(self, name: str, parts: dict[str, Any], value: dict[str, Any]) -> None:
+        notes = self._remembered(name)
+        notes[digest_key(parts)] = value
+        with contextlib.suppress(OSError):
+            self.root.mkdir(parents=True, exist_ok=True)
+            atomic_write_text(self.root / name, json.dumps(notes, indent=1))
+
+    def _remembered(self, name: str) -> dict[str, dict[str, Any]]:
         try:
-            stops = json.loads((self.root / MEMORY_STOPS).read_text())
+            notes = json.loads((self.root / name).read_text())
         except (OSError, ValueError):
             return {}
-        return stops if isinstance(stops, dict) else {}
+        return notes if isinstance(notes, dict) else {}
 
     # ---- the one public way in -----------------------------------------------------------------
 
@@ -450,4 +465,5 @@ class Cache:
             for leftover in self.entries.glob(f"{TMP_PREFIX}*"):
                 shutil.rmtree(leftover, ignore_errors=True)
             (self.root / MEMORY_STOPS).unlink(missing_ok=True)  # what ran out of memory is forgotten with the rest
+            (self.root / FAILED_EXPORTS).unlink(missing_ok=True)
         return removed

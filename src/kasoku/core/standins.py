@@ -78,9 +78,12 @@ class EngineModule(torch.nn.Module):
             self._cache_branch = before
 
     def _run(self, component: str, **inputs: torch.Tensor) -> dict[str, torch.Tensor]:
+        return self._run_engine(component, self._engines[component], inputs)
+
+    def _run_engine(self, component: str, engine, inputs: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """`engine` (one of `component`'s) on `inputs`, timed as `component` and its outputs checked."""
         start = time.perf_counter()
-        engine = self._engines[component]
-        outputs = engine.run(inputs)
+        outputs = engine.run(dict(inputs))
         self._times.seconds[component] += time.perf_counter() - start
         self._times.calls[component] += 1
         check_outputs(component, getattr(engine, "precision", None), outputs)

@@ -438,6 +438,10 @@ class Family:
         family)."""
         return {}
 
+    def per_prompt_length(self, model: ModelView) -> tuple[str, ...]:
+        """The components of one shape whose engine is built per prompt length (none for a hand-written family)."""
+        return ()
+
     def stand_ins(self, model: ModelView, engines: Mapping[str, Any], times: EngineTimes) -> dict[str, Any]:
         """The pipeline attributes that engines replace: its torch modules, and what ran on their output."""
         pipe = model.pipe

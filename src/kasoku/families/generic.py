@@ -336,6 +336,9 @@ class GenericFamily(Family):
         """Component -> why its engine takes one shape (the call recorded at the profile's optimum)."""
         return dict(model.memo.get("one_shape", {}))
 
+    def per_prompt_length(self, model: ModelView) -> tuple[str, ...]:
+        return tuple(model.memo.get("grown_specs", {}))
+
     # ---- graphs of one shape -------------------------------------------------------------------------
 
     def optimum_probe(self, profile: ShapeProfile) -> Probe:
@@ -362,17 +365,20 @@ class GenericFamily(Family):
         return memo[probe]
 
     def signature_at(self, model: ModelView, signature: Signature, profile: ShapeProfile) -> Signature:
-        """`signature`'s graph of one shape: its call pattern as recorded at the profile's optimum, where no
-        dimension follows the prompt (a prompt's own length, which no graph of one shape serves)."""
+        """`signature`'s graph of one shape: its call pattern as recorded at the profile's optimum. Where its text
+        dimensions follow the prompt's own length (two prompts recorded at that shape differ there), it is a graph
+        per prompt length: :attr:`Signature.per_prompt_length`."""
         probe = self.optimum_probe(profile)
         recordings = self.recordings_at(model, probe)
         for found in recorded.signatures(recordings, signature.attribute, max_tokens=self.max_tokens()):
             if found.pattern != signature.pattern:
                 continue
-            prompted = [slot.tensor.name for slot in found.inputs if slot.tensor.dynamic_axes]
-            if prompted:
-                raise UncompilableCall(f"{', '.join(f'`{n}`' for n in prompted)} follow the prompt's own length: no "
-                                       "graph of one shape serves every prompt")
+            given = {axis.name for slot in found.inputs for axis in slot.tensor.dynamic_axes.values()}
+            unknown = [out.tensor.name for out in found.outputs
+                       if any(axis.name not in given for axis in out.tensor.dynamic_axes.values())]
+            if unknown:
+                raise UncompilableCall(f"{', '.join(f'`{n}`' for n in unknown)} change with the prompt along no "
+                                       "dimension of the inputs: no graph of one shape serves every prompt")
             model.memo.setdefault("signatures_at", {})[signature.component] = found
             return found
         raise UncompilableCall(f"the pipeline does not call {signature.component} as it did at the probes when it "
@@ -465,8 +471,13 @@ class GenericFamily(Family):
                                       one_shape=one_shape)
 
     def _spec_at_optimum(self, model: ModelView, signature: Signature, profile: ShapeProfile) -> ComponentSpec:
-        return recorded.recorded_spec(self.signature_at(model, signature, profile), model.ref(signature.attribute),
-                                      profile, takes_lora=self._takes_lora(signature))
+        found = self.signature_at(model, signature, profile)
+        ref = model.ref(signature.attribute)
+        grown = functools.partial(recorded.recorded_spec, ref=ref, profile=profile,
+                                  takes_lora=self._takes_lora(signature))
+        if found.per_prompt_length:  # the engine of another prompt length is built from the same spec
+            model.memo.setdefault("grown_specs", {})[signature.component] = grown
+        return grown(found.at_prompt())
 
     def _takes_lora(self, signature: Signature) -> bool:
         """Whether diffusers' LoRA loader of the class changes the module this graph calls forward on."""
@@ -522,10 +533,23 @@ class GenericFamily(Family):
                 torch_module = model.ref(attribute).load() if len(compiled) < len(every) or \
                     self._has_uncompiled_calls(model, attribute) else None
                 replaced[attribute] = EngineRecorded(getattr(model.pipe, attribute), engines, times, compiled,
-                                                     torch_module=torch_module)
+                                                     torch_module=torch_module, grow=self._grower(model))
             elif attribute in self._called(self.record(model)):
                 replaced[attribute] = model.ref(attribute).load()
         return replaced
+
+    @staticmethod
+    def _grower(model: ModelView) -> Callable[[Signature], Any] | None:
+        """What builds the engine of a graph per prompt length at a new length: its spec, built through the compile
+        that built the rest (its backend and precision, the cache); None where no compile is at hand."""
+        build, specs = model.memo.get("engine_builder"), model.memo.get("grown_specs", {})
+        if build is None:
+            return None
+
+        def grow(signature: Signature):
+            return build(specs[signature.component](signature))
+
+        return grow
 
     def _has_uncompiled_calls(self, model: ModelView, attribute: str) -> bool:
         """Whether some recorded call of the module has no graph (a signature kept in torch)."""
@@ -549,8 +573,12 @@ class GenericFamily(Family):
         pattern) would take an adapter in one of them only, and is refused."""
         if not self.lora_modules or not hasattr(self.cls, "lora_state_dict"):
             raise KasokuError(f"{self.cls.__name__} has no LoRA loader in diffusers: no adapter can be loaded into it.")
+        per_length = self.per_prompt_length(model)
         for attribute in self.lora_modules:
             graphs = [s.component for s in self.signatures(model).get(attribute, ()) if s.method == "forward"]
+            if any(name in per_length for name in graphs):
+                raise KasokuError(f"the {attribute} of this {self.title} pipeline runs an engine per prompt length; "
+                                  "kasoku loads LoRA into a module of one graph only so far.")
             if len(graphs) > 1:
                 raise KasokuError(f"the {attribute} of this {self.title} pipeline runs as {len(graphs)} graphs (one "
                                 f"per call pattern: {', '.join(graphs)}); kasoku loads LoRA into a module of one "

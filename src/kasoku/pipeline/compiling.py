@@ -9,6 +9,7 @@ builds or loads each engine, and torch weights kasoku loaded itself are released
 
 from __future__ import annotations
 
+import functools
 import time
 from pathlib import Path
 from typing import Any
@@ -17,8 +18,9 @@ from ..backends import Engine
 from ..build.compiler import Compiler, CompileReport, StageHook, _no_hook, requested_components
 from ..core.cache import Cache, default_cache_dir
 from ..core.components import ComponentSpec
+from ..core.errors import KasokuError
 from ..core.memory import GIB, MEMORY_CHECK_ENV, NotEnoughMemory, available_memory, checks_memory
-from ..core.options import FASTEST, CompileOptions, InvalidOptions
+from ..core.options import FASTEST, CompileOptions, InvalidOptions, Precision
 from ..core.weights import run_time_weights
 from ..model.pipeline_model import Model
 from ..policies import calibration
@@ -77,6 +79,7 @@ def compile_components(
 
     engines, chosen = compiler.compile(specs, on_done=release_unneeded)
     compiler.finish()
+    model.memo["engine_builder"] = functools.partial(_grown_engine, compiler, dict(chosen))
     model.family.keep_in_torch(model, compiler.in_torch)
     model.family.at_one_shape(model, compiler.one_shape)
     in_torch = model.family.in_torch(model)
@@ -91,11 +94,21 @@ def compile_components(
         family=model.family.name,
         precisions={name: compiler.precision(spec).value for name, spec in specs.items()},
         notes=notes + precision_notes(specs, options) + model.notes + in_torch_notes(in_torch) +
-        one_shape_notes(model.family.one_shape(model), specs),
+        one_shape_notes(model.family.one_shape(model), specs, model.family.per_prompt_length(model)),
         load_seconds=compiler.load_seconds,
         in_torch=in_torch,
     )
     return engines, report
+
+
+def _grown_engine(compiler: Compiler, chosen: dict[str, str], spec: ComponentSpec) -> Engine:
+    """The engine of a component's graph at a new shape (a graph per prompt length, at a prompt of another length),
+    built after the compile as it built the rest: the component's backend and precision, through the cache."""
+    if compiler.precision(spec) == Precision.INT8:
+        raise KasokuError(f"{spec.name} runs an int8 engine per prompt length, calibrated when it was compiled; "
+                          "a prompt of another length has none. Compile it in fp32 or bf16, which build the engine "
+                          "of a new length on its first call.")
+    return compiler.engine(spec, chosen[spec.name])
 
 
 # What building one component's engine holds at once, in units of its fp32 weights: the torch module and the
@@ -171,10 +184,18 @@ def _fastest(model: Model, specs: dict[str, ComponentSpec], options: CompileOpti
     return options.replace(precision=chosen), notes
 
 
-def one_shape_notes(one_shape: dict[str, str], specs: dict[str, ComponentSpec]) -> list[str]:
-    """One line per component whose engine takes one shape of the profile's several: the optimum's."""
-    return [f"{name} runs an engine of one shape, the profile's optimum, since {reason}" for name, reason in
-            one_shape.items() if name in specs and not specs[name].profile.is_static]
+def one_shape_notes(one_shape: dict[str, str], specs: dict[str, ComponentSpec],
+                    per_prompt_length: tuple[str, ...] = ()) -> list[str]:
+    """One line per component whose engine takes one shape of the profile's several: the optimum's (and, where its
+    text follows the prompt's own length, one engine per length)."""
+    def shape(name: str) -> str:
+        if name in per_prompt_length:
+            return ("an engine per prompt length at one image shape, the profile's optimum (the engine of a new "
+                    "length is built on its first call)")
+        return "an engine of one shape, the profile's optimum"
+
+    return [f"{name} runs {shape(name)}, since {reason}" for name, reason in one_shape.items()
+            if name in specs and (not specs[name].profile.is_static or name in per_prompt_length)]
 
 
 def in_torch_notes(in_torch: dict[str, str]) -> list[str]:

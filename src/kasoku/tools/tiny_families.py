@@ -549,11 +549,12 @@ def kandinsky3(seed: int):
         unet=lambda: d.Kandinsky3UNet(in_channels=4, time_embedding_dim=4, groups=2, attention_head_dim=4,
                                       layers_per_block=3, block_out_channels=(32, 64), cross_attention_dim=4,
                                       encoder_hid_dim=32),
-        movq=lambda: d.VQModel(block_out_channels=[32, 64], down_block_types=["DownEncoderBlock2D",
-                                                                              "AttnDownEncoderBlock2D"],
+        # four levels, a scale of 8 as the real MoVQ's: the txt2img pipeline sizes its latents for that scale
+        movq=lambda: d.VQModel(block_out_channels=[32, 32, 32, 64],
+                               down_block_types=["DownEncoderBlock2D"] * 3 + ["AttnDownEncoderBlock2D"],
                                in_channels=3, latent_channels=4, layers_per_block=1, norm_num_groups=8,
                                norm_type="spatial", num_vq_embeddings=12, out_channels=3,
-                               up_block_types=["AttnUpDecoderBlock2D", "UpDecoderBlock2D"], vq_embed_dim=4))))
+                               up_block_types=["AttnUpDecoderBlock2D"] + ["UpDecoderBlock2D"] * 3, vq_embed_dim=4))))
 
 
 def pixart_alpha(seed: int):
