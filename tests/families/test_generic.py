@@ -29,9 +29,7 @@ from kasoku.tools.tiny_families import TINY_FAMILIES, tiny_family_pipeline
 # The families whose denoiser runs on an engine; the others' denoisers stay in torch, with the reason the
 # compile report gives (their text encoders and VAEs run on engines).
 DENOISER_IN_TORCH = ("lumina2", "hunyuan-image", "hidream", "lumina", "nucleus-moe-image")
-# the families whose pipeline fails when kasoku runs it to record its calls (diffusers' own error, in one line)
-CANNOT_RECORD = ("prx",)
-DENOISER_ON_ENGINES = tuple(name for name in TINY_FAMILIES if name not in DENOISER_IN_TORCH + CANNOT_RECORD)
+DENOISER_ON_ENGINES = tuple(name for name in TINY_FAMILIES if name not in DENOISER_IN_TORCH)
 # the families `make test` compiles: dynamic graphs (PixArt-Σ), a transformer of one shape (Chroma's attention mask
 # is as long as its text and image tokens together), one kept in torch (Lumina 2's does not export)
 FAST = ("pixart-sigma", "chroma", "lumina2")
@@ -43,10 +41,12 @@ def _multiple(pipe) -> int:
     return model.family.pixel_multiple(model)
 
 
-def _profile(pipe) -> ShapeProfile:
+def _profile(pipe, max_batch: int | None = None) -> ShapeProfile:
     step = max(16, _multiple(pipe))
-    profile = ShapeProfile.from_ranges((1, 1, 2), (2 * step, 4 * step, 8 * step), (2 * step, 4 * step, 8 * step),
-                                       step)
+    if max_batch is None:  # PRX's pipeline makes one image per call (it fails in diffusers for two)
+        max_batch = 1 if type(pipe).__name__ == "PRXPipeline" else 2
+    profile = ShapeProfile.from_ranges((1, 1, max_batch), (2 * step, 4 * step, 8 * step),
+                                       (2 * step, 4 * step, 8 * step), step)
     return dataclasses.replace(profile, text_tokens=48)  # the calls' max_sequence_length (graphs of one shape)
 
 
@@ -209,19 +209,33 @@ def test_a_tiny_family_matches_diffusers_on_openvino(generic_cache):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("backend", ["onnxruntime", "openvino"])
-@pytest.mark.parametrize("family", [name for name in TINY_FAMILIES if name not in CANNOT_RECORD])
+@pytest.mark.parametrize("family", TINY_FAMILIES)
 def test_every_tiny_family_matches_diffusers(family, backend, generic_cache):
     _check_family(family, backend, generic_cache)
 
 
-@pytest.mark.slow(reason="records PRX's pipeline")
+@pytest.mark.integration
 def test_a_pipeline_that_fails_when_recorded_is_refused_in_one_line(generic_cache):
     from kasoku.families.generic import NotCompilable
 
-    pipe = tiny_family_pipeline("prx")
-    with pytest.raises(NotCompilable, match=r"PRX: its txt2img pipeline \(PRXPipeline\) failed when kasoku ran it "
-                                            r"to record its calls \(2 image\(s\) of 48x80\): RuntimeError") as error:
+    pipe = tiny_family_pipeline("pixart-sigma")
+    pipe.transformer.caption_projection.linear_1 = torch.nn.Linear(7, 8)  # takes no text encoder's states
+    with pytest.raises(NotCompilable, match=r"PixArtSigma: its txt2img pipeline \(PixArtSigmaPipeline\) failed when "
+                                            r"kasoku ran it to record its calls \(1 image\(s\) of 64x48\): "
+                                            r"RuntimeError: mat1 and mat2") as error:
         kasoku.compile(pipe, "onnxruntime", profile=_profile(pipe), cache_dir=generic_cache)
+    assert "\n" not in str(error.value)
+
+
+@pytest.mark.integration
+def test_a_pipeline_that_fails_in_diffusers_for_several_images_compiles_for_one():
+    from kasoku.core.components import InvalidProfile
+
+    model = Model.of(tiny_family_pipeline("prx"))  # PRX with guidance fails in diffusers for two prompts
+    assert model.default_profile().max.batch == 1
+    with pytest.raises(InvalidProfile, match=r"PRX makes one image per call: its pipeline fails in diffusers for 2 "
+                                             r"images per call \(RuntimeError: The size of tensor a") as error:
+        model.specs(_profile(model.pipe, max_batch=2))
     assert "\n" not in str(error.value)
 
 

@@ -25,7 +25,7 @@ import torch
 
 from ..architectures import recorded
 from ..architectures.recorded import EngineRecorded, Probe, Recording, Signature, UncompilableCall
-from ..core.components import ComponentSpec, ShapeProfile, default_profile
+from ..core.components import ComponentSpec, InvalidProfile, ShapeProfile, default_profile
 from ..core.errors import KasokuError, NotADiffusersPipeline
 from ..core.recording import recording
 from ..core.standins import EngineTimes
@@ -225,7 +225,15 @@ class GenericFamily(Family):
         for task in self.pipelines:
             pipeline = self.task_pipeline(model.pipe, task)
             for probe in probes_of(task):
-                found.append(Recording(probe, task, self._recorded_call(pipeline, task, probe, modules)))
+                try:
+                    found.append(Recording(probe, task, self._recorded_call(pipeline, task, probe, modules)))
+                except NotCompilable as error:
+                    if probe.batch == 1:
+                        raise
+                    # diffusers' own pipeline cannot make several images per call (PRX with guidance): kasoku
+                    # compiles it for the one image per call it makes
+                    model.memo.setdefault("one_image", f"its pipeline fails in diffusers for {probe.batch} images "
+                                                       f"per call ({_cause(error)})")
         return found
 
     def _recorded_call(self, pipeline, task: str, probe: Probe, modules: Mapping[str, torch.nn.Module]) -> list:
@@ -241,8 +249,7 @@ class GenericFamily(Family):
             return list(calls)
         raise NotCompilable(
             f"{self.title}: its {task} pipeline ({self.pipelines[task]}) failed when kasoku ran it to record its "
-            f"calls ({probe.batch} image(s) of {probe.height}x{probe.width}): {type(first_error).__name__}: "
-            f"{first_error}") from first_error
+            f"calls ({probe.batch} image(s) of {probe.height}x{probe.width}): {_cause(first_error)}") from first_error
 
     def _probe_calls(self, probe: Probe, task: str, pipeline) -> Iterator[dict[str, Any]]:
         """The call at `probe`, then for several images the other forms diffusers pipelines take them in: an image
@@ -432,6 +439,13 @@ class GenericFamily(Family):
 
     def specs(self, model: ModelView, profile: ShapeProfile, names: Iterable[str] | None,
               cache_branch: int = DEFAULT_BRANCH) -> dict[str, ComponentSpec]:
+        if self.one_image(model):
+            if profile.max.batch > 1:
+                raise InvalidProfile(f"{self.title} makes one image per call: {self.one_image(model)}. Compile for "
+                                     "one image (a profile's batch of 1, `--batch 1`).")
+            note = f"{self.title} makes one image per call: {self.one_image(model)}"
+            if note not in model.notes:
+                model.notes.append(note)
         builders = self.spec_builders(model, profile, cache_branch)
         names = list(builders if names is None else names)
         absent = [n for n in names if n not in builders]
@@ -505,7 +519,15 @@ class GenericFamily(Family):
         return 1024
 
     def default_profile(self, model: ModelView, max_batch: int = 4) -> ShapeProfile:
+        """The native size's range, for 1..`max_batch` images, or one where the pipeline makes one per call."""
+        if self.one_image(model):
+            max_batch = 1
         return default_profile(self.native_size(model), self.pixel_multiple(model), max_batch)
+
+    def one_image(self, model: ModelView) -> str | None:
+        """Why the pipeline makes one image per call (its recording failed in diffusers for several), or None."""
+        self.record(model)
+        return model.memo.get("one_image")
 
     # ---- pipelines on engines ------------------------------------------------------------------------
 
@@ -587,3 +609,10 @@ class GenericFamily(Family):
 
     def __repr__(self) -> str:
         return f"<generic family {self.title}>"
+
+
+def _cause(error: BaseException | None) -> str:
+    """An error as one line: its class and the first line of its message."""
+    cause = error.__cause__ if isinstance(error, NotCompilable) and error.__cause__ is not None else error
+    text = str(cause).strip().splitlines()[0] if str(cause).strip() else ""
+    return f"{type(cause).__name__}: {text}"
