@@ -128,10 +128,32 @@ def status(row: dict) -> str:
     # the VAE's decode: "vae_decoder", or another attribute's ("vqvae_decode" of LDM, "movq_decode" of Kandinsky 3)
     decoders = [name for name in components if name.startswith("vae_decoder") or name.endswith("_decode")]
     # a pixel-space pipeline (DeepFloyd IF) has no VAE: its denoiser alone
-    on_engines = denoiser and components.get(denoiser) != "torch" and all(
-        components[name] != "torch" for name in decoders)
+    on_engines = denoiser and (components.get(denoiser) != "torch" or blocks_on_engines(components, denoiser)) \
+        and all(components[name] != "torch" for name in decoders)
     matched = all(run.get("psnr", 0) >= MIN_PSNR for run in runs.values())
     return "compiled" if on_engines and matched else "partly compiled" if matched else "differs"
+
+
+def blocks_on_engines(components: dict, module: str) -> bool:
+    """Whether every block of `module` runs on an engine (its whole graph failed: its glue runs in torch)."""
+    blocks = [backend for name, backend in components.items() if name.startswith(f"{module}.")]
+    return bool(blocks) and "torch" not in blocks
+
+
+def where_components_run(components: dict) -> str:
+    """Each component and where it runs; a denoiser run by blocks as one entry: its blocks on engines (how many)
+    and its glue in torch."""
+    shown = []
+    for name, backend in components.items():
+        if "." in name:
+            continue
+        blocks = [b for n, b in components.items() if n.startswith(f"{name}.")]
+        if blocks:
+            on = sum(b != "torch" for b in blocks)
+            shown.append(f"{name}: {on} of {len(blocks)} blocks on engines, its glue in torch")
+        else:
+            shown.append(f"{name}: {'torch' if backend == 'torch' else 'engine'}")
+    return ", ".join(shown)
 
 
 def run(backends: list[str], only: list[str] | None, cache: Path) -> dict:
@@ -180,12 +202,20 @@ def versions() -> dict[str, str]:
 def markdown(result: dict) -> str:
     backends = result["backends"]
     compiled = sum(row["status"] == "compiled" for row in result["rows"])
+    by_blocks = sum(row["status"] == "compiled" and any(
+        blocks_on_engines(run.get("components", {}), name) for run in row["backends"].values()
+        for name in ("transformer", "unet")) for row in result["rows"])
     deprecated = sum(row["status"] == "deprecated" for row in result["rows"])
     dates = " and ".join(sorted({row.get("date", result["date"]) for row in result["rows"] if "backends" in row}))
+    blocked = sum(row["class"] in BLOCKED for row in result["rows"])
+    runnable = len(result["rows"]) - deprecated - blocked
     lines = [f"{compiled} of {len(result['rows']) - deprecated} text-to-image pipeline classes of diffusers "
              f"{result['versions']['diffusers']} compile with their denoiser and VAE on engines and match diffusers "
              f"(tiny random pipelines, 2 steps; `python benchmarks/coverage.py`, {dates}, {result['cpu']}); "
-             f"{deprecated} more are deprecated in diffusers and listed without a run.",
+             f"{deprecated} more are deprecated in diffusers and listed without a run. That is {compiled} of the "
+             f"{runnable} this machine can run ({100 * compiled / max(runnable, 1):.0f}%; {blocked} need packages "
+             f"it cannot load, named below). Of the compiled, {by_blocks} "
+             "run their denoiser's blocks on engines and its glue in torch (its whole graph does not export).",
              "", "| class | status | " + " | ".join(f"{b} dB" for b in backends) + " | where each component runs |",
              "|---|---|" + "---|" * len(backends) + "---|"]
     for row in result["rows"]:
@@ -196,7 +226,7 @@ def markdown(result: dict) -> str:
             cells.append(f"{run['psnr']:.1f}" if "psnr" in run else ("error" if "error" in run else ""))
         first = next(iter(runs.values()), {})
         if "components" in first:
-            where = ", ".join(f"{c}: {'torch' if b == 'torch' else 'engine'}" for c, b in first["components"].items())
+            where = where_components_run(first["components"])
             kept = "; ".join(f"{c} in torch: {r}" for c, r in first.get("in_torch", {}).items())
             where += f" ({kept})" if kept else ""
         else:

@@ -92,6 +92,12 @@ class RecordedInput:
     high: float
     distinct: int
     common: float  # the most common recorded value (a mask's)
+    # a complex tensor (a rotary table) crosses as its real view, (..., 2) floats: what ONNX inputs can be
+    complex: bool = False
+
+    @property
+    def kind(self) -> str:
+        return "complex" if self.complex else _kind(self.tensor.dtype)
 
 
 @dataclass(frozen=True)
@@ -176,7 +182,7 @@ class Signature:
     def pattern(self) -> tuple:
         """What its calls share (the key recorded calls are grouped by): method, argument tree, the kind of each
         tensor leaf."""
-        kinds = {slot.index: _kind(slot.tensor.dtype) for slot in self.inputs}
+        kinds = {slot.index: slot.kind for slot in self.inputs}
         return self.method, str(self.arguments), tuple(kinds.get(i, "") for i in range(len(self.paths)))
 
     def digest(self) -> str:
@@ -205,10 +211,10 @@ class Signature:
             value = leaves[slot.index]
             if not isinstance(value, torch.Tensor):
                 return f"`{self.paths[slot.index]}` is {_shown(value)} but was a tensor when recorded"
-            if _kind(value.dtype) != _kind(slot.tensor.dtype):
+            if _kind(value.dtype) != slot.kind:
                 return (f"`{self.paths[slot.index]}` is a tensor of {value.dtype} where the engine takes "
                         f"{slot.tensor.dtype}")
-            dims = slot.tensor.dims
+            dims = slot.tensor.dims[:-1] if slot.complex else slot.tensor.dims
             if value.ndim != len(dims) or any(isinstance(d, int) and d != n for d, n in zip(dims, value.shape)):
                 wanted = tuple(d if isinstance(d, int) else d.name for d in dims)
                 return f"`{self.paths[slot.index]}` has shape {tuple(value.shape)} where the engine takes {wanted}"
@@ -244,6 +250,8 @@ def _pattern(call: Call) -> tuple:
 
 def _kind(dtype: torch.dtype) -> str:
     """A tensor's kind, which picks its graph (its precision may change with the engine's; its kind does not)."""
+    if dtype.is_complex:
+        return "complex"
     return "float" if dtype.is_floating_point else "bool" if dtype == torch.bool else "int"
 
 
@@ -412,6 +420,9 @@ def _input(path: str, index: int, observed: list[tuple[Probe, Call]], axes: _Axi
         raise UncompilableCall(f"`{path}` changes its dtype or rank from call to call "
                                f"({', '.join(sorted(str(d) for d in dtypes))}).")
     dims = tuple(axes.fit([(probe, int(t.shape[d])) for probe, t in tensors]) for d in range(first.ndim))
+    if first.is_complex():  # its real view, in single precision as engines run: (real, imaginary) along a last 2
+        first = torch.view_as_real(first.to(torch.complex64))
+        dims = (*dims, 2)
     values = first.detach().reshape(-1)
     if values.numel() and not values.is_floating_point():
         values = values.to(torch.float64)
@@ -422,7 +433,8 @@ def _input(path: str, index: int, observed: list[tuple[Probe, Call]], axes: _Axi
     else:
         low = high = common = 0.0
         distinct = 0
-    return RecordedInput(index, TensorSpec(path, dims, first.dtype), low, high, distinct, common)
+    return RecordedInput(index, TensorSpec(path, dims, first.dtype), low, high, distinct, common,
+                         complex=tensors[0][1].is_complex())
 
 
 def _output(path: str, index: int, observed: list[tuple[Probe, Call]], axes: _AxisNamer) -> RecordedOutput:
@@ -450,6 +462,8 @@ class RecordedCallModule(torch.nn.Module):
         self.signature = signature
 
     def forward(self, *tensors):
+        tensors = [torch.view_as_complex(t.float()) if slot.complex else t
+                   for slot, t in zip(self.signature.inputs, tensors)]
         args, kwargs = pytree.tree_unflatten(self.signature.leaves(tensors), self.signature.arguments)
         call = self.module if self.signature.method == "forward" else getattr(self.module, self.signature.method)
         leaves = pytree.tree_flatten(call(*args, **kwargs), is_leaf=Distribution.holds)[0]
@@ -485,13 +499,22 @@ def recorded_spec(signature: Signature, ref: ModuleRef, profile: ShapeProfile, *
         profile=profile,
         load_module=lambda: RecordedCallModule(ref.load(), signature),
         weights=ref.digest,
-        config={**config_dict(ref.config), "_class": type(ref.module).__name__, "recorded": signature.described()},
+        config={**_configuration(ref.module), "_class": type(ref.module).__name__, "recorded": signature.described()},
         sample_input=_sample_input(signature),
         modules=(ref.path,),
         graph_kind="recorded",
         takes_lora=takes_lora,
         one_shape=one_shape,
     )
+
+
+def _configuration(module: torch.nn.Module) -> dict[str, Any]:
+    """What the module's graph depends on besides the call: its config, or for a module without one (a block of
+    a transformer) its structure: its layers as printed and the shape of every weight."""
+    if hasattr(module, "config"):
+        return config_dict(module.config)
+    return {"structure": repr(module), "weights": {name: list(tensor.shape) for name, tensor in
+                                                   itertools.chain(module.named_parameters(), module.named_buffers())}}
 
 
 class Uncompiled(torch.Tensor):
@@ -604,7 +627,8 @@ class EngineRecorded(EngineModule):
         return self._per_prompt[key]
 
     def _run_signature(self, signature: Signature, leaves: list[Any]):
-        feeds = {slot.tensor.name: leaves[slot.index] for slot in signature.inputs}
+        feeds = {slot.tensor.name: torch.view_as_real(leaves[slot.index].to(torch.complex64)) if slot.complex
+                 else leaves[slot.index] for slot in signature.inputs}
         if signature.per_prompt_length:
             outputs = self._run_engine(signature.component, self._engine_at_prompt(signature, leaves), feeds)
         else:

@@ -46,7 +46,7 @@ class EngineModule(torch.nn.Module):
 
     def __init__(self, original: torch.nn.Module, engines: Mapping[str, Any], times: EngineTimes, component: str):
         super().__init__()
-        self.config = original.config
+        self.config = getattr(original, "config", None)  # a block of a transformer has none
         self._engines = engines
         self._times = times
         self._component = component

@@ -438,6 +438,11 @@ class Family:
         family)."""
         return {}
 
+    def part_specs(self, model: ModelView, profile: ShapeProfile, kept: Iterable[str]) -> dict[str, ComponentSpec]:
+        """Specs of the parts of components the compile kept in torch (`kept`), compiled in their place (a
+        denoiser's blocks: only recorded families have them)."""
+        return {}
+
     def per_prompt_length(self, model: ModelView) -> tuple[str, ...]:
         """The components of one shape whose engine is built per prompt length (none for a hand-written family)."""
         return ()

@@ -218,9 +218,12 @@ class GenericFamily(Family):
                 self.pixel_multiple(model), takes_tokens, self.guided(model), tasks=task != "txt2img"))
         return memo["recordings"]
 
-    def _recordings(self, model: ModelView, probes_of: Callable[[str], Iterable[Probe]]) -> list[Recording]:
-        """The pipeline's calls at `probes_of(task)`, for every task it has a class for."""
-        modules = {name: model.ref(name).load() for name in self.modules(model)}
+    def _recordings(self, model: ModelView, probes_of: Callable[[str], Iterable[Probe]], *,
+                    blocks: bool = False) -> list[Recording]:
+        """The pipeline's calls at `probes_of(task)`, for every task it has a class for: of its components, or
+        (`blocks`) of the blocks of the components kept in torch (:meth:`block_paths`)."""
+        names = self.block_paths(model) if blocks else list(self.modules(model))
+        modules = {name: model.ref(name).load() for name in names}
         found: list[Recording] = []
         for task in self.pipelines:
             pipeline = self.task_pipeline(model.pipe, task)
@@ -363,12 +366,13 @@ class GenericFamily(Family):
         value = default.default if default is not None and "true_cfg_scale" not in self.parameters else None
         return isinstance(value, (int, float)) and value > 1
 
-    def recordings_at(self, model: ModelView, probe: Probe) -> list[Recording]:
+    def recordings_at(self, model: ModelView, probe: Probe, *, blocks: bool = False) -> list[Recording]:
         """The pipeline's calls at one probe, for every task, with two prompts of their own: what differs between
-        them follows the prompt, not the shape (kept on the model per probe)."""
-        memo = model.memo.setdefault("recordings_at", {})
+        them follows the prompt, not the shape (kept on the model per probe); of the blocks with `blocks`."""
+        memo = model.memo.setdefault("block_recordings_at" if blocks else "recordings_at", {})
         if probe not in memo:
-            memo[probe] = self._recordings(model, lambda task: (probe, dataclasses.replace(probe, prompt=1)))
+            memo[probe] = self._recordings(model, lambda task: (probe, dataclasses.replace(probe, prompt=1)),
+                                           blocks=blocks)
         return memo[probe]
 
     def signature_at(self, model: ModelView, signature: Signature, profile: ShapeProfile) -> Signature:
@@ -376,7 +380,7 @@ class GenericFamily(Family):
         dimensions follow the prompt's own length (two prompts recorded at that shape differ there), it is a graph
         per prompt length: :attr:`Signature.per_prompt_length`."""
         probe = self.optimum_probe(profile)
-        recordings = self.recordings_at(model, probe)
+        recordings = self.recordings_at(model, probe, blocks=signature.attribute in self.block_paths(model))
         for found in recorded.signatures(recordings, signature.attribute, max_tokens=self.max_tokens()):
             if found.pattern != signature.pattern:
                 continue
@@ -390,6 +394,60 @@ class GenericFamily(Family):
             return found
         raise UncompilableCall(f"the pipeline does not call {signature.component} as it did at the probes when it "
                                f"makes {recorded.described_probe(probe)}: no graph of that one shape.")
+
+    # ---- the blocks of a component kept in torch ------------------------------------------------------
+
+    def kept_denoisers(self, model: ModelView) -> tuple[str, ...]:
+        """The denoisers (the modules the pipeline calls each step) kept in torch whose blocks are compiled instead:
+        set by :meth:`part_specs` once the compile knows which stayed in torch."""
+        return tuple(model.memo.get("blocks_of", ()))
+
+    def block_paths(self, model: ModelView) -> list[str]:
+        """The blocks of :meth:`kept_denoisers`: every module of each of their block lists ("transformer.layers.0")."""
+        return [f"{attribute}.{name}.{i}" for attribute in self.kept_denoisers(model)
+                for name in block_lists(model.ref(attribute).module) for i in range(len(
+                    getattr(model.ref(attribute).module, name)))]
+
+    def part_specs(self, model: ModelView, profile: ShapeProfile, kept: Iterable[str]) -> dict[str, ComponentSpec]:
+        """Where every call of the denoiser stays in torch (`kept`), its blocks' specs (cache-dit's pattern: a
+        ModuleList of one class): its glue (the embeddings, masks, routing the whole graph failed on) stays in
+        torch, the blocks it loops over run on engines."""
+        kept = set(kept)
+        attribute = self.denoiser_attribute(model)
+        graphs = [s.component for s in self.signatures(model).get(attribute, ())]
+        every_call_kept = attribute in kept or (graphs and all(name in kept for name in graphs))
+        if not every_call_kept or not block_lists(model.ref(attribute).module):
+            return {}
+        model.memo["blocks_of"] = (attribute,)
+        return self.block_specs(model, profile)
+
+    def block_signatures(self, model: ModelView) -> dict[str, list[Signature]]:
+        """Block path -> the signatures of its calls, from the pipeline recorded at the probes with the blocks
+        wrapped; a block whose calls cannot become a graph stays in torch (`in_torch` says why)."""
+        memo = model.memo
+        if "block_signatures" not in memo:
+            takes_tokens = "max_sequence_length" in self.parameters
+            recordings = self._recordings(model, lambda task: probes(
+                self.pixel_multiple(model), takes_tokens, self.guided(model), tasks=task != "txt2img"), blocks=True)
+            found = {}
+            for path in self._called(recordings):
+                try:
+                    found[path] = recorded.signatures(recordings, path, max_tokens=self.max_tokens())
+                except UncompilableCall as error:
+                    self.keep_in_torch(model, {path: str(error)})
+            memo["block_signatures"] = found
+        return memo["block_signatures"]
+
+    def block_specs(self, model: ModelView, profile: ShapeProfile) -> dict[str, ComponentSpec]:
+        """The spec of every block call of :meth:`kept_denoisers` (as :meth:`specs` gives the components')."""
+        found = {}
+        for signatures in self.block_signatures(model).values():
+            for signature in signatures:
+                try:
+                    found[signature.component] = self._spec(model, signature, profile)
+                except UncompilableCall as error:
+                    self.keep_in_torch(model, {signature.component: str(error)})
+        return found
 
     @staticmethod
     def _called(recordings: Iterable[Recording]) -> list[str]:
@@ -556,9 +614,31 @@ class GenericFamily(Family):
                     self._has_uncompiled_calls(model, attribute) else None
                 replaced[attribute] = EngineRecorded(getattr(model.pipe, attribute), engines, times, compiled,
                                                      torch_module=torch_module, grow=self._grower(model))
+            elif attribute in self.kept_denoisers(model):
+                replaced[attribute] = self._with_engine_blocks(model, attribute, engines, times)
             elif attribute in self._called(self.record(model)):
                 replaced[attribute] = model.ref(attribute).load()
         return replaced
+
+    def _with_engine_blocks(self, model: ModelView, attribute: str, engines: Mapping[str, Any],
+                            times: EngineTimes) -> torch.nn.Module:
+        """The torch module at `attribute` (a copy: the pipeline's own is left as it is) whose blocks with engines
+        are :class:`EngineRecorded` stand-ins; its other modules, and its glue, run in torch."""
+        module = model.ref(attribute).load()
+        copy = object.__new__(type(module))
+        copy.__dict__.update(module.__dict__)
+        copy._modules = dict(module._modules)
+        at_one_shape = model.memo.get("signatures_at", {})
+        for name in block_lists(module):
+            blocks = []
+            for i, block in enumerate(getattr(module, name)):
+                every = self.block_signatures(model).get(f"{attribute}.{name}.{i}", ())
+                compiled = [at_one_shape.get(s.component, s) for s in every if s.component in engines]
+                blocks.append(EngineRecorded(block, engines, times, compiled, grow=self._grower(model),
+                                             torch_module=block if len(compiled) < len(every) else None)
+                              if compiled else block)
+            copy._modules[name] = torch.nn.ModuleList(blocks)
+        return copy
 
     @staticmethod
     def _grower(model: ModelView) -> Callable[[Signature], Any] | None:
@@ -616,3 +696,14 @@ def _cause(error: BaseException | None) -> str:
     cause = error.__cause__ if isinstance(error, NotCompilable) and error.__cause__ is not None else error
     text = str(cause).strip().splitlines()[0] if str(cause).strip() else ""
     return f"{type(cause).__name__}: {text}"
+
+
+def block_lists(module: torch.nn.Module) -> list[str]:
+    """The names of `module`'s block lists: its ModuleList children of modules of one class that attend (a
+    transformer's `transformer_blocks`, `single_transformer_blocks`, `layers`; not a list of projections)."""
+    return [name for name, child in module.named_children() if isinstance(child, torch.nn.ModuleList)
+            and len(child) and len({type(block) for block in child}) == 1 and _attends(child[0])]
+
+
+def _attends(block: torch.nn.Module) -> bool:
+    return any("Attention" in type(part).__name__ for part in block.modules())

@@ -78,6 +78,13 @@ def compile_components(
             model.release(attr)
 
     engines, chosen = compiler.compile(specs, on_done=release_unneeded)
+    parts = model.family.part_specs(model, next(iter(specs.values())).profile if specs else model.default_profile(),
+                                    {**model.family.in_torch(model), **compiler.in_torch})
+    if parts:  # a component kept in torch whose parts compile (a denoiser's blocks)
+        more, more_chosen = compiler.compile(parts)
+        engines.update(more)
+        chosen.update(more_chosen)
+        specs = {**specs, **parts}
     compiler.finish()
     model.memo["engine_builder"] = functools.partial(_grown_engine, compiler, dict(chosen))
     model.family.keep_in_torch(model, compiler.in_torch)
@@ -93,7 +100,7 @@ def compile_components(
         seconds=time.perf_counter() - start,
         family=model.family.name,
         precisions={name: compiler.precision(spec).value for name, spec in specs.items()},
-        notes=notes + precision_notes(specs, options) + model.notes + in_torch_notes(in_torch) +
+        notes=notes + precision_notes(specs, options) + model.notes + in_torch_notes(in_torch, chosen) +
         one_shape_notes(model.family.one_shape(model), specs, model.family.per_prompt_length(model)),
         load_seconds=compiler.load_seconds,
         in_torch=in_torch,
@@ -198,9 +205,17 @@ def one_shape_notes(one_shape: dict[str, str], specs: dict[str, ComponentSpec],
             if name in specs and (not specs[name].profile.is_static or name in per_prompt_length)]
 
 
-def in_torch_notes(in_torch: dict[str, str]) -> list[str]:
-    """One line per component that runs in torch instead of on an engine, with the reason."""
-    return [f"{name} stays in torch: {reason}" for name, reason in in_torch.items()]
+def in_torch_notes(in_torch: dict[str, str], chosen: dict[str, str] | None = None) -> list[str]:
+    """One line per component that runs in torch instead of on an engine, with the reason, and how many of its
+    blocks run on engines where its blocks were compiled in its place (`chosen`: the backend of each)."""
+    notes = []
+    for name, reason in in_torch.items():
+        blocks = [backend for part, backend in (chosen or {}).items() if part.startswith(f"{name}.")]
+        if "." in name and name.split(".")[0] in in_torch:
+            continue  # said with its module's line
+        ran = f"; {sum(b != 'torch' for b in blocks)} of its {len(blocks)} blocks run on engines" if blocks else ""
+        notes.append(f"{name} stays in torch: {reason}{ran}")
+    return notes
 
 
 def precision_notes(specs: dict[str, ComponentSpec], options: CompileOptions) -> list[str]:
