@@ -515,3 +515,13 @@ def test_serve_answers_with_a_new_familys_images(pixart_dir, generic_cache, tmp_
     want = reference(PROMPT, generator=torch.Generator().manual_seed(3), num_inference_steps=2, guidance_scale=4.5,
                      height=64, width=64).images[0]
     assert pixels(answer.data[0].b64_json).tobytes() == np.asarray(want).tobytes()
+
+
+@pytest.mark.slow(reason="compiles PixArt-Σ's three components with inductor (about 90 s on 2 cores)")
+def test_inductor_compiles_a_new_family_from_its_recorded_calls(generic_cache):
+    pipe = tiny_family_pipeline("pixart-sigma")
+    fast = kasoku.compile(pipe, "inductor", profile=_profile(pipe), cache_dir=generic_cache)
+    assert set(fast.compile_report.backends.values()) == {"inductor"}, fast.compile_report.backends
+    for guided in (True, False):
+        call = _arguments(pipe, guided=guided)
+        assert psnr(_images(pipe, **call), _images(fast, **call)) >= MIN_PSNR, guided
