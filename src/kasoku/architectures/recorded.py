@@ -125,9 +125,6 @@ class Signature:
     output_paths: tuple[str, ...] = ()
     # where every dimension is fixed (a graph of one shape): the call it was recorded at, for the messages
     one_shape: str = field(default="", compare=False)
-    # keyed leaves that follow the prompt, not the image size (a list of the prompts' token counts): in a graph of
-    # one shape they key an engine per prompt length, as the free axes do
-    prompted: tuple[int, ...] = ()
 
     @property
     def input_names(self) -> tuple[str, ...]:
@@ -139,37 +136,46 @@ class Signature:
         return bool(self.keyed)
 
     @property
-    def per_prompt_length(self) -> bool:
-        """A graph of one image shape whose text dimensions (or values) follow the prompt's own length: one engine
-        per length, built when a call first asks for it."""
-        return bool(self.one_shape) and (bool(self.prompted) or any(slot.tensor.dynamic_axes for slot in self.inputs))
+    def grows(self) -> bool:
+        """A graph of one shape: the engine of the recorded call is compiled, and a call of another shape (a prompt
+        of another length, another size, guidance or not) has its own built on its first call."""
+        return bool(self.one_shape)
 
-    def prompt_key(self, leaves: Sequence[Any] | None = None) -> tuple:
-        """What picks the engine of a graph per prompt length: each free axis's size and each prompted leaf, in
-        the call's `leaves` (None: as recorded)."""
-        sizes: dict[str, int] = {}
-        for slot in self.inputs:
+    def shape_key(self, leaves: Sequence[Any] | None = None) -> tuple:
+        """What picks the engine of a graph of one shape: the shape of each input and each value that follows the
+        image size, in the call's `leaves` (None: as recorded)."""
+        if leaves is None:
+            shapes = tuple(tuple(int(d.scale) if isinstance(d, Axis) else d for d in _call_dims(slot))
+                           for slot in self.inputs)
+            return shapes, tuple(repr(v) for _, v in self.keyed)
+        return (tuple(tuple(int(n) for n in leaves[slot.index].shape) for slot in self.inputs),
+                tuple(repr(leaves[i]) for i, _ in self.keyed))
+
+    def at_call(self, leaves: Sequence[Any] | None = None) -> Signature:
+        """This graph of one shape at the call's `leaves` (None: as recorded): every input's dimensions and every
+        value that follows the image size as there. The outputs' free dimensions take the size their axis has in
+        the inputs, else as recorded (a grown graph's are measured: :meth:`with_output_shapes`)."""
+        shapes, sizes = self.shape_key(leaves)[0], {}
+        for slot, shape in zip(self.inputs, shapes):
             for d, axis in slot.tensor.dynamic_axes.items():
-                sizes.setdefault(axis.name, int(axis.scale) if leaves is None else int(leaves[slot.index].shape[d]))
-        keyed = dict(self.keyed)
-        values = tuple(repr(keyed[i] if leaves is None else leaves[i]) for i in self.prompted)
-        return tuple(sorted(sizes.items())), values
+                sizes.setdefault(axis.name, shape[d])
 
-    def at_prompt(self, leaves: Sequence[Any] | None = None) -> Signature:
-        """This graph per prompt length at the call's: every free axis fixed at its size in `leaves`, every
-        prompted leaf at its value there (None: at the recorded prompt's)."""
-        sizes = dict(self.prompt_key(leaves)[0])
+        def fixed(tensor: TensorSpec, shape: Sequence[int] | None = None) -> TensorSpec:
+            dims = tuple(shape) if shape is not None else tuple(
+                sizes.get(d.name, int(d.scale)) if isinstance(d, Axis) else d for d in tensor.dims)
+            return dataclasses.replace(tensor, dims=dims + ((2,) if len(dims) < len(tensor.dims) else ()))
 
-        def fixed(tensor: TensorSpec) -> TensorSpec:
-            return dataclasses.replace(tensor, dims=tuple(sizes[d.name] if isinstance(d, Axis) else d
-                                                          for d in tensor.dims))
-
-        prompted = set(self.prompted)
+        keyed = self.keyed if leaves is None else tuple((i, leaves[i]) for i, _ in self.keyed)
         return dataclasses.replace(
-            self, inputs=tuple(dataclasses.replace(slot, tensor=fixed(slot.tensor)) for slot in self.inputs),
-            outputs=tuple(dataclasses.replace(out, tensor=fixed(out.tensor)) for out in self.outputs),
-            keyed=tuple((i, leaves[i] if leaves is not None and i in prompted else v) for i, v in self.keyed),
-            prompted=())
+            self, inputs=tuple(dataclasses.replace(slot, tensor=fixed(slot.tensor, shape))
+                               for slot, shape in zip(self.inputs, shapes)),
+            outputs=tuple(dataclasses.replace(out, tensor=fixed(out.tensor)) for out in self.outputs), keyed=keyed)
+
+    def with_output_shapes(self, shapes: Sequence[Sequence[int]]) -> Signature:
+        """This signature with its outputs of the given shapes (measured by running the module at the call)."""
+        return dataclasses.replace(self, outputs=tuple(
+            dataclasses.replace(out, tensor=dataclasses.replace(out.tensor, dims=tuple(int(n) for n in shape)))
+            for out, shape in zip(self.outputs, shapes)))
 
     def described(self) -> dict[str, Any]:
         """What the graph is besides its module's config: part of its architecture key."""
@@ -201,9 +207,8 @@ class Signature:
         """What differs between a call's argument leaves and this pattern (None: the call fits)."""
         if len(leaves) != len(self.paths):
             return f"{len(leaves)} argument values where {len(self.paths)} were recorded"
-        for index, value in (*self.constants, *self.keyed):
-            if index in self.prompted and self.per_prompt_length:  # they pick the engine (prompt_key)
-                continue
+        # a graph of one shape takes any shape and size-following values: they pick its engine (shape_key)
+        for index, value in (*self.constants, *(() if self.grows else self.keyed)):
             if isinstance(leaves[index], torch.Tensor) or not _same(leaves[index], value):
                 return f"`{self.paths[index]}` is {_shown(leaves[index])} but was {_shown(value)} when recorded"
         sizes: dict[str, tuple[int, str]] = {}
@@ -214,8 +219,9 @@ class Signature:
             if _kind(value.dtype) != slot.kind:
                 return (f"`{self.paths[slot.index]}` is a tensor of {value.dtype} where the engine takes "
                         f"{slot.tensor.dtype}")
-            dims = slot.tensor.dims[:-1] if slot.complex else slot.tensor.dims
-            if value.ndim != len(dims) or any(isinstance(d, int) and d != n for d, n in zip(dims, value.shape)):
+            dims = _call_dims(slot)
+            if value.ndim != len(dims) or not self.grows and any(
+                    isinstance(d, int) and d != n for d, n in zip(dims, value.shape)):
                 wanted = tuple(d if isinstance(d, int) else d.name for d in dims)
                 return f"`{self.paths[slot.index]}` has shape {tuple(value.shape)} where the engine takes {wanted}"
             for d, axis in slot.tensor.dynamic_axes.items():
@@ -248,6 +254,11 @@ def _pattern(call: Call) -> tuple:
             tuple(_kind(leaf.dtype) if isinstance(leaf, torch.Tensor) else "" for leaf in call.leaves))
 
 
+def _call_dims(slot: RecordedInput) -> tuple:
+    """The input's dimensions as the call passes it (a complex one without the real view's last 2)."""
+    return slot.tensor.dims[:-1] if slot.complex else slot.tensor.dims
+
+
 def _kind(dtype: torch.dtype) -> str:
     """A tensor's kind, which picks its graph (its precision may change with the engine's; its kind does not)."""
     if dtype.is_complex:
@@ -268,8 +279,8 @@ def component_name(attribute: str, method: str) -> str:
 def signatures(recordings: Sequence[Recording], attribute: str, *, max_tokens: int) -> list[Signature]:
     """The signatures of every method the pipeline called on the module at `attribute`, across `recordings`
     (the first is the optimum: its values seed the graph's samples). A second pattern of the same method is a
-    second engine, ``<name>_2``. `max_tokens` bounds the text-token axes. Recordings of one probe give graphs of
-    one shape (every dimension fixed)."""
+    second engine, ``<name>_2``. `max_tokens` bounds the text-token axes. A pattern seen at one probe's shape only
+    is a graph of one shape (:attr:`Signature.grows`)."""
     grouped: dict[tuple, list[tuple[Probe, Call]]] = {}
     for recording in recordings:
         for call in recording.calls:
@@ -283,10 +294,11 @@ def signatures(recordings: Sequence[Recording], attribute: str, *, max_tokens: i
         name = component_name(attribute, method)
         if per_method[method] > 1:
             name = f"{name}_{per_method[method]}"
-        found.append(_signature(name, attribute, observed, recordings[0].probe, max_tokens))
-    if len({dataclasses.replace(recording.probe, prompt=0) for recording in recordings}) == 1:
-        shown = described_probe(recordings[0].probe)
-        found = [dataclasses.replace(signature, one_shape=shown) for signature in found]
+        signature = _signature(name, attribute, observed, recordings[0].probe, max_tokens)
+        shapes = {dataclasses.replace(probe, prompt=0) for probe, _ in observed}
+        if len(shapes) == 1:  # seen at one shape only (the pipeline calls it so in one kind of call): one shape
+            signature = dataclasses.replace(signature, one_shape=described_probe(observed[0][0]))
+        found.append(signature)
     return found
 
 
@@ -300,7 +312,7 @@ def described_probe(probe: Probe) -> str:
 def _signature(name: str, attribute: str, observed: list[tuple[Probe, Call]], optimum: Probe,
                max_tokens: int) -> Signature:
     first = observed[0][1]
-    constants, keyed, prompted = _constants(name, first, observed, optimum)
+    constants, keyed = _constants(name, first, observed, optimum)
     axes = _AxisNamer(max_tokens)
     inputs = tuple(_input(first.paths[i], i, observed, axes) for i in first.tensor_indices)
     read = [any(call.outputs_read()[i] for _, call in observed) for i in range(len(first.output_leaves))]
@@ -311,7 +323,7 @@ def _signature(name: str, attribute: str, observed: list[tuple[Probe, Call]], op
     if not outputs:
         raise UncompilableCall(f"the pipeline read no tensor of {name}'s output when it was recorded.")
     return Signature(name, attribute, first.method, first.arguments, first.paths, constants, keyed, inputs, outputs,
-                     first.output, first.output_leaves, first.output_paths, prompted=prompted)
+                     first.output, first.output_leaves, first.output_paths)
 
 
 def _unique(name: str, taken: set[str]) -> str:
@@ -319,9 +331,9 @@ def _unique(name: str, taken: set[str]) -> str:
 
 
 def _constants(name: str, first: Call, observed: list[tuple[Probe, Call]], optimum: Probe):
-    """The leaves the same in every call, those that follow the image size (keyed: their value at the optimum)
-    and, of those, the ones that differ between two prompts of one shape (they follow the prompt)."""
-    constants, keyed, prompted = [], [], []
+    """The leaves the same in every call, and those that follow the image size (keyed: their value at the
+    optimum)."""
+    constants, keyed = [], []
     for index, value in enumerate(first.leaves):
         # a generator is passed along, not computed with (a VAE's decode takes one it does not use): the graph
         # runs without it
@@ -339,11 +351,7 @@ def _constants(name: str, first: Call, observed: list[tuple[Probe, Call]], optim
                     f"({_shown(per_probe[probe])}, then {_shown(v)}): a graph cannot take it as a constant.")
             per_probe[probe] = v
         keyed.append((index, per_probe.get(optimum, value)))
-        shapes = {dataclasses.replace(probe, prompt=0) for probe in per_probe}
-        if len(shapes) < len(per_probe) and any(
-                not _same(v, per_probe.get(dataclasses.replace(probe, prompt=0), v)) for probe, v in per_probe.items()):
-            prompted.append(index)
-    return tuple(constants), tuple(keyed), tuple(prompted)
+    return tuple(constants), tuple(keyed)
 
 
 class _AxisNamer:
@@ -565,10 +573,10 @@ class EngineRecorded(EngineModule):
         # call the pipeline made has one
         object.__setattr__(self, "_torch_module", torch_module)
         self._signatures = found
-        # a graph per prompt length: its engines by prompt key (the compiled one: the recorded prompt's), and what
-        # builds the engine of a length no call asked for yet (None: such a call is refused)
+        # graphs of one shape: their engines by shape key (the compiled one: the recorded call's), and what builds
+        # the engine of a shape no call asked for yet (None: such a call is refused)
         self._grow = grow
-        self._per_prompt: dict[tuple[str, tuple], Any] = {}
+        self._at_shape: dict[tuple[str, tuple], Any] = {}
 
     def __getattr__(self, name: str):
         try:
@@ -604,33 +612,34 @@ class EngineRecorded(EngineModule):
             if reason is None:
                 return self._run_signature(signature, leaves)
             reasons.append(reason)
-        if candidates[0].one_shape:
-            raise InvalidInput(f"{candidates[0].component} cannot serve this call: {reasons[0]}. Its engine takes one "
-                               f"shape, the call kasoku recorded ({candidates[0].one_shape}): call the pipeline at "
-                               "that shape, or compile for the shape you call (the profile's optimum).")
         raise InvalidInput(f"{candidates[0].component} cannot serve this call: {reasons[0]}. Its engine was compiled "
                            "from the calls diffusers made when kasoku recorded the pipeline; call it as those did.")
 
-    def _engine_at_prompt(self, signature: Signature, leaves: list[Any]):
-        """The engine of a graph per prompt length for this call's prompt: the compiled one where the call's prompt
-        is as long as the recorded one, else one built now (once per length; kept in the cache)."""
-        key = (signature.component, signature.prompt_key(leaves))
-        if key not in self._per_prompt:
-            if signature.prompt_key(leaves) == signature.prompt_key():
-                self._per_prompt[key] = self._engines[signature.component]
-            elif self._grow is None:
-                raise InvalidInput(f"{signature.component} runs an engine per prompt length, and none was built for "
-                                   f"this call's ({_lengths(signature, leaves)}); call it from a pipeline kasoku "
-                                   "compiled, which builds it on the first call of that length.")
-            else:
-                self._per_prompt[key] = self._grow(signature.at_prompt(leaves))
-        return self._per_prompt[key]
+    def _engine_at_shape(self, signature: Signature, leaves: list[Any]):
+        """The engine of a graph of one shape for this call: the compiled one at the recorded call's shape, else one
+        built now (once per shape; kept in the cache). One built before the compiled engine changed (LoRA weights
+        bound) would compute with the old weights: it is refused."""
+        compiled = self._engines[signature.component]
+        key = signature.shape_key(leaves)
+        if key == signature.shape_key():
+            return compiled
+        built = self._at_shape.get((signature.component, key))
+        if built is not None and built[0] == _weights_of(compiled):
+            return built[1]
+        if self._grow is None or built is not None:
+            why = "its weights changed since (LoRA adapters)" if built is not None else "no compile is at hand"
+            raise InvalidInput(f"{signature.component} runs engines of one shape, and this call's "
+                               f"({_shapes(signature, leaves)}) has none: {why}. Call it at the compiled shape "
+                               f"({signature.one_shape}), or compile for the shape you call.")
+        engine = self._grow(signature, leaves)
+        self._at_shape[signature.component, key] = (_weights_of(compiled), engine)
+        return engine
 
     def _run_signature(self, signature: Signature, leaves: list[Any]):
         feeds = {slot.tensor.name: torch.view_as_real(leaves[slot.index].to(torch.complex64)) if slot.complex
                  else leaves[slot.index] for slot in signature.inputs}
-        if signature.per_prompt_length:
-            outputs = self._run_engine(signature.component, self._engine_at_prompt(signature, leaves), feeds)
+        if signature.grows:
+            outputs = self._run_engine(signature.component, self._engine_at_shape(signature, leaves), feeds)
         else:
             outputs = self._run(signature.component, **feeds)
         out_leaves: list[Any] = []
@@ -650,7 +659,10 @@ class EngineRecorded(EngineModule):
         return pytree.tree_unflatten(out_leaves, signature.output_tree)
 
 
-def _lengths(signature: Signature, leaves: Sequence[Any]) -> str:
-    sizes, values = signature.prompt_key(leaves)
-    shown = [f"{size} along {name}" for name, size in sizes] + list(values)
-    return ", ".join(shown)
+def _weights_of(engine) -> tuple:
+    """What changes when an engine's weights do: the engine (LoRA fused: a new one), its run-time weights (bound)."""
+    return id(engine), tuple(id(tensor) for tensor in getattr(engine, "bound", {}).values())
+
+
+def _shapes(signature: Signature, leaves: Sequence[Any]) -> str:
+    return ", ".join(f"`{signature.paths[slot.index]}` {tuple(leaves[slot.index].shape)}" for slot in signature.inputs)

@@ -443,8 +443,9 @@ class Family:
         denoiser's blocks: only recorded families have them)."""
         return {}
 
-    def per_prompt_length(self, model: ModelView) -> tuple[str, ...]:
-        """The components of one shape whose engine is built per prompt length (none for a hand-written family)."""
+    def grows_by_shape(self, model: ModelView) -> tuple[str, ...]:
+        """The components of one shape whose engine of another call shape is built on its first call (none for a
+        hand-written family)."""
         return ()
 
     def stand_ins(self, model: ModelView, engines: Mapping[str, Any], times: EngineTimes) -> dict[str, Any]:

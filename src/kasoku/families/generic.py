@@ -346,7 +346,7 @@ class GenericFamily(Family):
         """Component -> why its engine takes one shape (the call recorded at the profile's optimum)."""
         return dict(model.memo.get("one_shape", {}))
 
-    def per_prompt_length(self, model: ModelView) -> tuple[str, ...]:
+    def grows_by_shape(self, model: ModelView) -> tuple[str, ...]:
         return tuple(model.memo.get("grown_specs", {}))
 
     # ---- graphs of one shape -------------------------------------------------------------------------
@@ -376,22 +376,20 @@ class GenericFamily(Family):
         return memo[probe]
 
     def signature_at(self, model: ModelView, signature: Signature, profile: ShapeProfile) -> Signature:
-        """`signature`'s graph of one shape: its call pattern as recorded at the profile's optimum. Where its text
-        dimensions follow the prompt's own length (two prompts recorded at that shape differ there), it is a graph
-        per prompt length: :attr:`Signature.per_prompt_length`."""
+        """`signature`'s graph of one shape: its call pattern as recorded at the profile's optimum (twice, with two
+        prompts: a dimension that follows the prompt's own length is a free axis, fixed per engine)."""
         probe = self.optimum_probe(profile)
-        recordings = self.recordings_at(model, probe, blocks=signature.attribute in self.block_paths(model))
-        for found in recorded.signatures(recordings, signature.attribute, max_tokens=self.max_tokens()):
-            if found.pattern != signature.pattern:
-                continue
-            given = {axis.name for slot in found.inputs for axis in slot.tensor.dynamic_axes.values()}
-            unknown = [out.tensor.name for out in found.outputs
-                       if any(axis.name not in given for axis in out.tensor.dynamic_axes.values())]
-            if unknown:
-                raise UncompilableCall(f"{', '.join(f'`{n}`' for n in unknown)} change with the prompt along no "
-                                       "dimension of the inputs: no graph of one shape serves every prompt")
-            model.memo.setdefault("signatures_at", {})[signature.component] = found
-            return found
+        blocks = signature.attribute in self.block_paths(model)
+        # the optimum as the profile calls it, then the other way where guidance is a choice (a call pattern of
+        # calls without guidance: Lumina-Next passes other attention arguments then)
+        shown = [probe] + ([dataclasses.replace(probe, guidance=not probe.guidance)]
+                           if self.guided(model) is not None and profile.guidance is None else [])
+        for at in shown:
+            recordings = self.recordings_at(model, at, blocks=blocks)
+            for found in recorded.signatures(recordings, signature.attribute, max_tokens=self.max_tokens()):
+                if found.pattern == signature.pattern:
+                    model.memo.setdefault("signatures_at", {})[signature.component] = found
+                    return found
         raise UncompilableCall(f"the pipeline does not call {signature.component} as it did at the probes when it "
                                f"makes {recorded.described_probe(probe)}: no graph of that one shape.")
 
@@ -532,6 +530,8 @@ class GenericFamily(Family):
         """A dynamic graph, which falls back to one of the profile's optimum; a graph of that one shape straight away
         where the profile has one shape, or where the call takes values that follow the image size as numbers."""
         ref = model.ref(signature.attribute)
+        if signature.grows:  # seen at one shape only (Kandinsky 3's calls without guidance): one shape already
+            return self._grown_spec(model, signature, profile)(signature.at_call())
         one_shape = functools.partial(self._spec_at_optimum, model, signature, profile)
         if signature.exact:
             self.at_one_shape(model, {signature.component: (
@@ -544,12 +544,16 @@ class GenericFamily(Family):
 
     def _spec_at_optimum(self, model: ModelView, signature: Signature, profile: ShapeProfile) -> ComponentSpec:
         found = self.signature_at(model, signature, profile)
-        ref = model.ref(signature.attribute)
-        grown = functools.partial(recorded.recorded_spec, ref=ref, profile=profile,
-                                  takes_lora=self._takes_lora(signature))
-        if found.per_prompt_length:  # the engine of another prompt length is built from the same spec
-            model.memo.setdefault("grown_specs", {})[signature.component] = grown
-        return grown(found.at_prompt())
+        return self._grown_spec(model, signature, profile)(found.at_call())
+
+    def _grown_spec(self, model: ModelView, signature: Signature, profile: ShapeProfile
+                    ) -> Callable[[Signature], ComponentSpec]:
+        """The spec of `signature`'s graph of one shape at any call's shape (the compiled one: the recorded call's),
+        kept on the model for the engines built later."""
+        spec_of = functools.partial(recorded.recorded_spec, ref=model.ref(signature.attribute), profile=profile,
+                                    takes_lora=self._takes_lora(signature))
+        model.memo.setdefault("grown_specs", {})[signature.component] = spec_of
+        return spec_of
 
     def _takes_lora(self, signature: Signature) -> bool:
         """Whether diffusers' LoRA loader of the class changes the module this graph calls forward on."""
@@ -648,8 +652,13 @@ class GenericFamily(Family):
         if build is None:
             return None
 
-        def grow(signature: Signature):
-            return build(specs[signature.component](signature))
+        def grow(signature: Signature, leaves: list[Any]):
+            fixed = signature.at_call(leaves)
+            spec = specs[signature.component](fixed)
+            with torch.no_grad():  # the outputs' shapes at this call: the module run once on its inputs
+                outputs = spec.module(*(torch.view_as_real(leaves[slot.index].to(torch.complex64)) if slot.complex
+                                        else leaves[slot.index] for slot in fixed.inputs))
+            return build(specs[signature.component](fixed.with_output_shapes([out.shape for out in outputs])))
 
         return grow
 
@@ -675,12 +684,8 @@ class GenericFamily(Family):
         pattern) would take an adapter in one of them only, and is refused."""
         if not self.lora_modules or not hasattr(self.cls, "lora_state_dict"):
             raise KasokuError(f"{self.cls.__name__} has no LoRA loader in diffusers: no adapter can be loaded into it.")
-        per_length = self.per_prompt_length(model)
         for attribute in self.lora_modules:
             graphs = [s.component for s in self.signatures(model).get(attribute, ()) if s.method == "forward"]
-            if any(name in per_length for name in graphs):
-                raise KasokuError(f"the {attribute} of this {self.title} pipeline runs an engine per prompt length; "
-                                  "kasoku loads LoRA into a module of one graph only so far.")
             if len(graphs) > 1:
                 raise KasokuError(f"the {attribute} of this {self.title} pipeline runs as {len(graphs)} graphs (one "
                                 f"per call pattern: {', '.join(graphs)}); kasoku loads LoRA into a module of one "

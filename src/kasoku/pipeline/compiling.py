@@ -101,7 +101,7 @@ def compile_components(
         family=model.family.name,
         precisions={name: compiler.precision(spec).value for name, spec in specs.items()},
         notes=notes + precision_notes(specs, options) + model.notes + in_torch_notes(in_torch, chosen) +
-        one_shape_notes(model.family.one_shape(model), specs, model.family.per_prompt_length(model)),
+        one_shape_notes(model.family.one_shape(model), specs, model.family.grows_by_shape(model)),
         load_seconds=compiler.load_seconds,
         in_torch=in_torch,
     )
@@ -109,12 +109,12 @@ def compile_components(
 
 
 def _grown_engine(compiler: Compiler, chosen: dict[str, str], spec: ComponentSpec) -> Engine:
-    """The engine of a component's graph at a new shape (a graph per prompt length, at a prompt of another length),
-    built after the compile as it built the rest: the component's backend and precision, through the cache."""
+    """The engine of a component's graph of one shape at a call's other shape, built after the compile as it built
+    the rest: the component's backend and precision, through the cache."""
     if compiler.precision(spec) == Precision.INT8:
-        raise KasokuError(f"{spec.name} runs an int8 engine per prompt length, calibrated when it was compiled; "
-                          "a prompt of another length has none. Compile it in fp32 or bf16, which build the engine "
-                          "of a new length on its first call.")
+        raise KasokuError(f"{spec.name} runs int8 engines of one shape, calibrated when compiled; a call of another "
+                          "shape has none. Call it at the compiled shape, or compile it in fp32 or bf16, which build "
+                          "the engine of a new shape on its first call.")
     return compiler.engine(spec, chosen[spec.name])
 
 
@@ -191,18 +191,18 @@ def _fastest(model: Model, specs: dict[str, ComponentSpec], options: CompileOpti
     return options.replace(precision=chosen), notes
 
 
-def one_shape_notes(one_shape: dict[str, str], specs: dict[str, ComponentSpec],
-                    per_prompt_length: tuple[str, ...] = ()) -> list[str]:
-    """One line per component whose engine takes one shape of the profile's several: the optimum's (and, where its
-    text follows the prompt's own length, one engine per length)."""
+def one_shape_notes(one_shape: dict[str, str], specs: dict[str, ComponentSpec], grows: tuple[str, ...] = ()
+                    ) -> list[str]:
+    """One line per component whose engine takes one shape of the profile's several: the optimum's (and, where it
+    `grows`, the engine of another call shape is built on that shape's first call)."""
     def shape(name: str) -> str:
-        if name in per_prompt_length:
-            return ("an engine per prompt length at one image shape, the profile's optimum (the engine of a new "
-                    "length is built on its first call)")
+        if name in grows:
+            return ("engines of one shape: the profile's optimum is compiled, and a call of another shape (a prompt of "
+                    "another length, another size, guidance or not) builds its own on its first call")
         return "an engine of one shape, the profile's optimum"
 
     return [f"{name} runs {shape(name)}, since {reason}" for name, reason in one_shape.items()
-            if name in specs and (not specs[name].profile.is_static or name in per_prompt_length)]
+            if name in specs and (not specs[name].profile.is_static or name in grows)]
 
 
 def in_torch_notes(in_torch: dict[str, str], chosen: dict[str, str] | None = None) -> list[str]:

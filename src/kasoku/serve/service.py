@@ -5,10 +5,12 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import inspect
 import io
 import os
 import socket
 import time
+from collections.abc import Callable
 from typing import Any
 
 from ..batch.jobs import call_arguments
@@ -118,17 +120,12 @@ class ImageService:
         """One engine call (on the engine thread): the shared call arguments of `kasoku batch`, plus
         what the task takes; it stops between steps once no image of it is awaited."""
 
-        def stop_when_unwanted(_pipe, _step, _timestep, callback_kwargs):
-            if not wanted():
-                raise CallAbandoned()
-            return callback_kwargs
-
         self.metrics.running.set(len(jobs))
         try:
             self.adapters.use(jobs[0].loras)  # a call shares one adapter set (its call key)
             prompt = self._image_prompt(jobs[0])
             return self.pipeline(**call_arguments(jobs), **task_arguments(jobs), **prompt,
-                                 callback_on_step_end=stop_when_unwanted).images
+                                 **_stopping_between_steps(self.pipeline, wanted)).images
         finally:
             self.metrics.running.set(0)
 
@@ -181,3 +178,19 @@ async def encode(images: list[Any]) -> list[str]:
 
 
 __all__ = ["EnginesNotCached", "ImageService", "encode", "png_base64"]
+
+
+def _stopping_between_steps(pipeline, wanted: Callable[[], bool]) -> dict[str, Any]:
+    """The step callback that stops a call once none of its images is awaited, in the form the pipeline takes:
+    `callback_on_step_end`, or the older `callback` with `callback_steps` (PixArt's); none where it has neither."""
+    def stop_when_unwanted(*args):
+        if not wanted():
+            raise CallAbandoned()
+        return args[-1] if len(args) == 4 else None  # the new form hands back its callback kwargs
+
+    parameters = inspect.signature(pipeline).parameters
+    if "callback_on_step_end" in parameters:
+        return {"callback_on_step_end": stop_when_unwanted}
+    if "callback" in parameters and "callback_steps" in parameters:
+        return {"callback": stop_when_unwanted, "callback_steps": 1}
+    return {}
