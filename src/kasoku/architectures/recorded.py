@@ -99,6 +99,10 @@ class RecordedInput:
     def kind(self) -> str:
         return "complex" if self.complex else _kind(self.tensor.dtype)
 
+    def fed(self, value: torch.Tensor) -> torch.Tensor:
+        """The call's tensor as the engine takes it (a complex one as its real view)."""
+        return _real_view(value) if self.complex else value
+
 
 @dataclass(frozen=True)
 class RecordedOutput:
@@ -160,16 +164,18 @@ class Signature:
             for d, axis in slot.tensor.dynamic_axes.items():
                 sizes.setdefault(axis.name, shape[d])
 
-        def fixed(tensor: TensorSpec, shape: Sequence[int] | None = None) -> TensorSpec:
-            dims = tuple(shape) if shape is not None else tuple(
-                sizes.get(d.name, int(d.scale)) if isinstance(d, Axis) else d for d in tensor.dims)
-            return dataclasses.replace(tensor, dims=dims + ((2,) if len(dims) < len(tensor.dims) else ()))
+        def input_at(slot: RecordedInput, shape: tuple[int, ...]) -> RecordedInput:
+            dims = (*shape, 2) if slot.complex else shape
+            return dataclasses.replace(slot, tensor=dataclasses.replace(slot.tensor, dims=dims))
+
+        def output_at(out: RecordedOutput) -> RecordedOutput:
+            dims = tuple(sizes.get(d.name, int(d.scale)) if isinstance(d, Axis) else d for d in out.tensor.dims)
+            return dataclasses.replace(out, tensor=dataclasses.replace(out.tensor, dims=dims))
 
         keyed = self.keyed if leaves is None else tuple((i, leaves[i]) for i, _ in self.keyed)
-        return dataclasses.replace(
-            self, inputs=tuple(dataclasses.replace(slot, tensor=fixed(slot.tensor, shape))
-                               for slot, shape in zip(self.inputs, shapes)),
-            outputs=tuple(dataclasses.replace(out, tensor=fixed(out.tensor)) for out in self.outputs), keyed=keyed)
+        inputs = tuple(input_at(slot, shape) for slot, shape in zip(self.inputs, shapes))
+        return dataclasses.replace(self, inputs=inputs, outputs=tuple(output_at(out) for out in self.outputs),
+                                   keyed=keyed)
 
     def with_output_shapes(self, shapes: Sequence[Sequence[int]]) -> Signature:
         """This signature with its outputs of the given shapes (measured by running the module at the call)."""
@@ -252,6 +258,11 @@ def _pattern(call: Call) -> tuple:
     :attr:`Signature.pattern`): a mask passed as booleans in one call and as integers in another is two graphs."""
     return (call.method, str(call.arguments),
             tuple(_kind(leaf.dtype) if isinstance(leaf, torch.Tensor) else "" for leaf in call.leaves))
+
+
+def _real_view(tensor: torch.Tensor) -> torch.Tensor:
+    """A complex tensor as engines take it: in single precision, (real, imaginary) along a last dimension of 2."""
+    return torch.view_as_real(tensor.to(torch.complex64))
 
 
 def _call_dims(slot: RecordedInput) -> tuple:
@@ -428,8 +439,8 @@ def _input(path: str, index: int, observed: list[tuple[Probe, Call]], axes: _Axi
         raise UncompilableCall(f"`{path}` changes its dtype or rank from call to call "
                                f"({', '.join(sorted(str(d) for d in dtypes))}).")
     dims = tuple(axes.fit([(probe, int(t.shape[d])) for probe, t in tensors]) for d in range(first.ndim))
-    if first.is_complex():  # its real view, in single precision as engines run: (real, imaginary) along a last 2
-        first = torch.view_as_real(first.to(torch.complex64))
+    if first.is_complex():
+        first = _real_view(first)
         dims = (*dims, 2)
     values = first.detach().reshape(-1)
     if values.numel() and not values.is_floating_point():
@@ -565,7 +576,8 @@ class EngineRecorded(EngineModule):
     every other attribute is the module's own (its config, its VAE's scaling factors)."""
 
     def __init__(self, original: torch.nn.Module, engines: Mapping[str, Any], times, signatures: Iterable[Signature],
-                 *, torch_module: torch.nn.Module | None = None, grow: Callable[[Signature], Any] | None = None):
+                 *, torch_module: torch.nn.Module | None = None,
+                 grow: Callable[[Signature, list[Any]], Any] | None = None):
         found = tuple(signatures)
         super().__init__(original, engines, times, found[0].component)
         object.__setattr__(self, "_original", original)
@@ -636,8 +648,7 @@ class EngineRecorded(EngineModule):
         return engine
 
     def _run_signature(self, signature: Signature, leaves: list[Any]):
-        feeds = {slot.tensor.name: torch.view_as_real(leaves[slot.index].to(torch.complex64)) if slot.complex
-                 else leaves[slot.index] for slot in signature.inputs}
+        feeds = {slot.tensor.name: slot.fed(leaves[slot.index]) for slot in signature.inputs}
         if signature.grows:
             outputs = self._run_engine(signature.component, self._engine_at_shape(signature, leaves), feeds)
         else:

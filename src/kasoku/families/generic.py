@@ -15,6 +15,7 @@ or build, stays in torch: one line says which and why, and the rest of the pipel
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import functools
 import inspect
@@ -402,9 +403,9 @@ class GenericFamily(Family):
 
     def block_paths(self, model: ModelView) -> list[str]:
         """The blocks of :meth:`kept_denoisers`: every module of each of their block lists ("transformer.layers.0")."""
-        return [f"{attribute}.{name}.{i}" for attribute in self.kept_denoisers(model)
-                for name in block_lists(model.ref(attribute).module) for i in range(len(
-                    getattr(model.ref(attribute).module, name)))]
+        modules = {attribute: model.ref(attribute).module for attribute in self.kept_denoisers(model)}
+        return [f"{attribute}.{name}.{i}" for attribute, module in modules.items() for name in block_lists(module)
+                for i in range(len(getattr(module, name)))]
 
     def part_specs(self, model: ModelView, profile: ShapeProfile, kept: Iterable[str]) -> dict[str, ComponentSpec]:
         """Where every call of the denoiser stays in torch (`kept`), its blocks' specs (cache-dit's pattern: a
@@ -629,9 +630,8 @@ class GenericFamily(Family):
         """The torch module at `attribute` (a copy: the pipeline's own is left as it is) whose blocks with engines
         are :class:`EngineRecorded` stand-ins; its other modules, and its glue, run in torch."""
         module = model.ref(attribute).load()
-        copy = object.__new__(type(module))
-        copy.__dict__.update(module.__dict__)
-        copy._modules = dict(module._modules)
+        running = copy.copy(module)
+        running._modules = dict(module._modules)  # its own children: its block lists are replaced below
         at_one_shape = model.memo.get("signatures_at", {})
         for name in block_lists(module):
             blocks = []
@@ -641,23 +641,22 @@ class GenericFamily(Family):
                 blocks.append(EngineRecorded(block, engines, times, compiled, grow=self._grower(model),
                                              torch_module=block if len(compiled) < len(every) else None)
                               if compiled else block)
-            copy._modules[name] = torch.nn.ModuleList(blocks)
-        return copy
+            running._modules[name] = torch.nn.ModuleList(blocks)
+        return running
 
     @staticmethod
-    def _grower(model: ModelView) -> Callable[[Signature], Any] | None:
-        """What builds the engine of a graph per prompt length at a new length: its spec, built through the compile
-        that built the rest (its backend and precision, the cache); None where no compile is at hand."""
+    def _grower(model: ModelView) -> Callable[[Signature, list[Any]], Any] | None:
+        """What builds the engine of a graph of one shape at a call's other shape: its spec at the call, built through
+        the compile that built the rest (its backend and precision, the cache); None where no compile is at hand."""
         build, specs = model.memo.get("engine_builder"), model.memo.get("grown_specs", {})
         if build is None:
             return None
 
         def grow(signature: Signature, leaves: list[Any]):
             fixed = signature.at_call(leaves)
-            spec = specs[signature.component](fixed)
+            module = recorded.RecordedCallModule(model.ref(signature.attribute).load(), fixed)
             with torch.no_grad():  # the outputs' shapes at this call: the module run once on its inputs
-                outputs = spec.module(*(torch.view_as_real(leaves[slot.index].to(torch.complex64)) if slot.complex
-                                        else leaves[slot.index] for slot in fixed.inputs))
+                outputs = module(*(slot.fed(leaves[slot.index]) for slot in fixed.inputs))
             return build(specs[signature.component](fixed.with_output_shapes([out.shape for out in outputs])))
 
         return grow
