@@ -379,6 +379,61 @@ def test_a_component_that_does_not_export_stays_in_torch_in_one_line_and_its_blo
     assert fast.times.calls["transformer.layers.0"] > 0 and fast.times.calls["transformer.noise_refiner.1"] > 0
 
 
+# ---- step caching ---------------------------------------------------------------------------------------------
+
+CACHED_STEPS = 8  # warm-up 3, then one step in 2 computed: steps 0, 1, 2, 4, 6; 3, 5, 7 forecast
+
+
+def _computed_steps(interval: int, warmup: int = 3) -> int:
+    return sum(s < warmup or (s - warmup - 1) % interval == 0 for s in range(CACHED_STEPS))
+
+
+@pytest.mark.integration
+@pytest.mark.parametrize("interval,order", [(2, 1), (3, 2)])
+def test_taylorseer_on_a_new_family_is_diffusers_taylorseer(interval, order, generic_cache):
+    """`cache_interval` on a recorded transformer forecasts its output as diffusers' TaylorSeerCacheConfig forecasts
+    the output projection (lite mode; factors in fp32): the same steps computed, the same image."""
+    from diffusers import TaylorSeerCacheConfig
+    from diffusers.hooks import apply_taylorseer_cache
+    from diffusers.hooks.hooks import CacheContext, _set_cache_context
+
+    pipe, fast = compiled("pixart-sigma", "onnxruntime", generic_cache)
+    call = _arguments(pipe, num_inference_steps=CACHED_STEPS)
+    reference = tiny_family_pipeline("pixart-sigma")
+    apply_taylorseer_cache(reference.transformer, TaylorSeerCacheConfig(
+        cache_interval=interval, max_order=order, taylor_factors_dtype=torch.float32, cache_identifiers=["^proj_out$"]))
+    _set_cache_context(reference.transformer, CacheContext("cond"))  # PixArt's pipeline names none
+    fast.times.reset()
+    images = _images(fast, cache_interval=interval, cache_order=order, **call)
+    assert fast.times.calls["transformer"] == _computed_steps(interval) == CACHED_STEPS - fast.last_step_cache.forecasts
+    assert psnr(_images(reference, **call), images) >= MIN_PSNR  # measured 138 dB
+    assert psnr(_images(fast, **call), images) < 100  # and the forecast is not the computed image
+
+
+@pytest.mark.integration
+@pytest.mark.parametrize("family,component", [("chroma", "transformer"), ("lumina2", "transformer.layers.0")])
+def test_taylorseer_keeps_a_forecast_per_call_of_a_step(family, component, generic_cache):
+    """Chroma and Lumina 2 run guidance as two transformer calls a step without naming them to diffusers' hooks:
+    each keeps its own forecast (both calls compute the same steps). On Lumina 2 the blocks' engines are skipped."""
+    pipe, fast = compiled(family, "onnxruntime", generic_cache)
+    call = _arguments(pipe, guided=True, num_inference_steps=CACHED_STEPS)
+    plain = _images(fast, **call)
+    fast.times.reset()
+    images = _images(fast, cache_interval=2, **call)
+    assert fast.times.calls[component] == 2 * _computed_steps(2)
+    assert fast.last_step_cache.forecasts == 2 * (CACHED_STEPS - _computed_steps(2))
+    assert 25.0 <= psnr(plain, images) < 100  # tiny random weights, 8 steps: measured 39 and 30 dB
+
+
+@pytest.mark.integration
+def test_a_first_block_cache_on_a_new_family_is_refused_first(generic_cache):
+    pipe, fast = compiled("pixart-sigma", "onnxruntime", generic_cache)
+    fast.times.reset()
+    with pytest.raises(InvalidInput, match="this denoiser runs taylorseer"):
+        fast(**_arguments(pipe), cache_threshold=0.1)
+    assert not fast.times.calls
+
+
 def _check_precision(family: str, precision: str, cache) -> None:
     """bf16 and int8 (weights) on OpenVINO, against the fp32 engines within kasoku's contract for them."""
     from kasoku.core.components import Precision

@@ -25,11 +25,12 @@ called the module (arguments, output structure, `config`, `dtype`, `device`, any
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import hashlib
 import itertools
 import json
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from fractions import Fraction
 from typing import Any
@@ -677,3 +678,45 @@ def _weights_of(engine) -> tuple:
 
 def _shapes(signature: Signature, leaves: Sequence[Any]) -> str:
     return ", ".join(f"`{signature.paths[slot.index]}` {tuple(leaves[slot.index].shape)}" for slot in signature.inputs)
+
+
+class StepCachedForward:
+    """A denoiser's `forward` (an :class:`EngineRecorded`'s, or a torch module's whose blocks run on engines) that
+    runs one pipeline call's step caching while it is set (:meth:`step_cache`; TaylorSeer, kasoku.core.step_cache).
+
+    Each call of a step keeps its own state, found by its place in the step: a pipeline that runs its guidance as
+    two calls a step (Chroma, Kandinsky 5, Lumina 2) names them to diffusers' hooks only sometimes (`cache_context`),
+    but always passes both the same latents. A call whose first tensor equals the last call's is the next call of
+    the same step."""
+
+    def __init__(self, forward: Callable[..., Any]):
+        self._forward = forward
+        self._run = None
+        self._last: torch.Tensor | None = None
+        self._place = 0
+
+    def __call__(self, *args, **kwargs):
+        if self._run is None:
+            return self._forward(*args, **kwargs)
+        first = next((leaf for leaf in pytree.tree_leaves((args, kwargs)) if isinstance(leaf, torch.Tensor)), None)
+        same_step = first is not None and self._last is not None and first.shape == self._last.shape and \
+            bool(torch.equal(first, self._last))
+        self._place = self._place + 1 if same_step else 0
+        self._last = None if first is None else first.detach().clone()  # the pipeline may change it in place
+        return self._run.step(self._place, lambda: self._forward(*args, **kwargs))
+
+    @contextlib.contextmanager
+    def step_cache(self, run) -> Iterator[None]:
+        """`run` for one pipeline call (None: none), its state gone after it."""
+        self._run, self._last, self._place = run, None, 0
+        try:
+            yield
+        finally:
+            self._run, self._last = None, None
+
+
+def with_step_cache(module: torch.nn.Module) -> torch.nn.Module:
+    """`module` with a :class:`StepCachedForward` as its forward (`module.forward.step_cache(run)` sets a call's
+    run); `module` is the pipeline's stand-in, never the user's torch module."""
+    module.forward = StepCachedForward(module.forward)
+    return module

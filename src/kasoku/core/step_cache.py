@@ -290,26 +290,39 @@ class EngineRunner(Protocol):
 @dataclass
 class _Forecast:
     """One branch's TaylorSeer state: its step, and the Taylor factors (the output, then its divided differences)
-    of the last computed step."""
+    of the last computed step. An output is any tree of tensors (a denoiser's `ModelOutput`, a tuple): each of its
+    floating tensors is forecast, its other leaves are the last computed step's."""
 
     step: int = -1
     updated: int | None = None
-    factors: list[torch.Tensor] = field(default_factory=list)
+    factors: list[list[Any]] = field(default_factory=list)  # per order, the output's leaves
+    tree: Any = None
 
-    def update(self, output: torch.Tensor, order: int) -> None:
-        new = [output]
+    def update(self, output: Any, order: int) -> None:
+        from torch.utils import _pytree as pytree
+
+        leaves, self.tree = pytree.tree_flatten(output)
+        new = [leaves]
         if self.updated is not None:
             delta = self.step - self.updated
             for previous in self.factors[:order]:
-                new.append((new[-1] - previous) / delta)
+                new.append([(now - before) / delta if _forecast(now) else now
+                            for now, before in zip(new[-1], previous)])
         self.factors, self.updated = new, self.step
 
-    def predict(self) -> torch.Tensor:
+    def predict(self) -> Any:
+        from torch.utils import _pytree as pytree
+
         offset = self.step - self.updated
-        out = self.factors[0]
-        for order, factor in enumerate(self.factors[1:], start=1):
-            out = out + factor * (offset**order / math.factorial(order))
-        return out
+        out = list(self.factors[0])
+        for order, factors in enumerate(self.factors[1:], start=1):
+            weight = offset**order / math.factorial(order)
+            out = [value + factor * weight if _forecast(value) else value for value, factor in zip(out, factors)]
+        return pytree.tree_unflatten(out, self.tree)
+
+
+def _forecast(leaf: Any) -> bool:
+    return hasattr(leaf, "is_floating_point") and leaf.is_floating_point()
 
 
 @dataclass
@@ -323,7 +336,7 @@ class TaylorSeerRun:
     order: int = DEFAULT_ORDER
     warmup: int = DEFAULT_WARMUP
     forecasts: int = 0
-    _states: dict[str | None, _Forecast] = field(default_factory=dict, repr=False)
+    _states: dict[Any, _Forecast] = field(default_factory=dict, repr=False)
 
     def computes(self, step: int) -> bool:
         return step < self.warmup or (step - self.warmup - 1) % self.interval == 0
@@ -334,10 +347,16 @@ class TaylorSeerRun:
         return state is not None and state.updated is not None and not self.computes(state.step + 1)
 
     def denoise(self, stand_in: EngineRunner, inputs: dict[str, torch.Tensor]) -> torch.Tensor:
-        state = self._states.setdefault(stand_in._cache_branch, _Forecast())
+        return self.step(stand_in._cache_branch,
+                         lambda: stand_in._run(stand_in._component, **inputs)["out_sample"])
+
+    def step(self, branch: Any, compute: Callable[[], Any]) -> Any:
+        """The next step of `branch`: `compute()` (the denoiser's output, any tree of tensors) on a computed step,
+        else its forecast."""
+        state = self._states.setdefault(branch, _Forecast())
         state.step += 1
         if state.updated is None or self.computes(state.step):
-            out = stand_in._run(stand_in._component, **inputs)["out_sample"]
+            out = compute()
             state.update(out, self.order)
             return out
         self.forecasts += 1

@@ -466,7 +466,7 @@ class Family:
     def denoiser_stand_ins(self, model: ModelView, engines: Mapping[str, Any], times: EngineTimes) -> dict[str, Any]:
         raise NotImplementedError
 
-    def step_cache_target(self, stand_ins: Mapping[str, Any]):
+    def step_cache_target(self, stand_ins: Mapping[str, Any], model: ModelView):
         """The stand-in that runs a call's step caching (see kasoku.core.step_cache; None without the capability): the
         denoiser, and its ControlNets (they skip the steps the run does not compute in full)."""
         if not self.cache_methods:

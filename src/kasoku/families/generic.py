@@ -30,7 +30,7 @@ from ..core.components import ComponentSpec, InvalidProfile, ShapeProfile, defau
 from ..core.errors import KasokuError, NotADiffusersPipeline
 from ..core.recording import recording
 from ..core.standins import EngineTimes
-from ..core.step_cache import DEFAULT_BRANCH
+from ..core.step_cache import DEFAULT_BRANCH, TAYLORSEER
 from .base import TASKS, Family, ModelView, TextEncoderSlot
 
 __all__ = ["GenericFamily", "NotCompilable", "generic_family", "is_diffusers_pipeline", "pipeline_classes", "probes"]
@@ -623,6 +623,11 @@ class GenericFamily(Family):
                 replaced[attribute] = self._with_engine_blocks(model, attribute, engines, times)
             elif attribute in self._called(self.record(model)):
                 replaced[attribute] = model.ref(attribute).load()
+        denoiser = self.denoiser_attribute(model)
+        if denoiser in replaced:  # the user's own module (kept in torch) is left as it is: a copy runs the cache
+            running = replaced[denoiser]
+            replaced[denoiser] = recorded.with_step_cache(
+                copy.copy(running) if running is getattr(model.pipe, denoiser) else running)
         return replaced
 
     def _with_engine_blocks(self, model: ModelView, attribute: str, engines: Mapping[str, Any],
@@ -670,8 +675,14 @@ class GenericFamily(Family):
     def denoiser_stand_ins(self, model: ModelView, engines: Mapping[str, Any], times: EngineTimes) -> dict[str, Any]:
         return {}
 
-    def step_cache_target(self, stand_ins: Mapping[str, Any]):
-        return None
+    # every denoiser forecasts its output (TaylorSeer); its graphs stay as they are
+    cache_methods = (TAYLORSEER,)
+
+    def step_cache_target(self, stand_ins: Mapping[str, Any], model: ModelView):
+        """The denoiser's step-cached forward (see :func:`recorded.with_step_cache`), on an engine or on its blocks'."""
+        denoiser = stand_ins.get(self.denoiser_attribute(model))
+        forward = getattr(denoiser, "forward", None)
+        return forward if isinstance(forward, recorded.StepCachedForward) else None
 
     @property
     def lora_modules(self) -> tuple[str, ...]:

@@ -38,7 +38,7 @@ class EnginePipelines:
         self.stand_ins = model.family.stand_ins(model, engines, self.times)
         self.pipes = {task: model.task_pipeline(task, **self.stand_ins)
                       for task in (model.pipeline_tasks if tasks is None else tasks)}
-        self._step_cache_target = model.family.step_cache_target(self.stand_ins)
+        self._step_cache_target = model.family.step_cache_target(self.stand_ins, model)
 
     def __call__(self, task: str, *, step_cache=None, **kwargs: Any):
         """diffusers' call of the `task` pipeline (its own arguments), with `step_cache` for this call only."""
