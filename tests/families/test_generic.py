@@ -28,7 +28,7 @@ from kasoku.tools.tiny_families import TINY_FAMILIES, tiny_family_pipeline
 
 # The families whose denoiser runs on an engine; the others' denoisers stay in torch, with the reason the
 # compile report gives (their text encoders and VAEs run on engines).
-DENOISER_IN_TORCH = ("lumina2", "hunyuan-image", "hidream", "nucleus-moe-image")
+DENOISER_IN_TORCH = ("lumina2", "hunyuan-image")
 # of those, the ones whose every block runs on an engine (their glue, where the whole graph failed, in torch)
 BLOCKS_ON_ENGINES = ("lumina2", "hunyuan-image")
 DENOISER_ON_ENGINES = tuple(name for name in TINY_FAMILIES if name not in DENOISER_IN_TORCH)

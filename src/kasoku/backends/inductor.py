@@ -32,6 +32,7 @@ from typing import Any
 import torch
 
 from ..core.attention import exportable_attention
+from ..core.exportable_ops import exportable_ops
 from ..core.components import ComponentSpec, Precision, torch_dynamic_shapes
 from .base import Availability, Backend, Engine, Source, UnsupportedPrecision, cpu_flags, cpu_name, gpu_identity
 
@@ -91,7 +92,7 @@ def export_program(spec: ComponentSpec, device: torch.device, dtype: torch.dtype
         module = copy.deepcopy(module).to(device=device, dtype=dtype)
     example = spec.sample_inputs(spec.trace_shape())
     args = tuple(compute_input(t, example[t.name], dtype).to(device) for t in spec.inputs)
-    with exportable_attention(), torch.no_grad():
+    with exportable_attention(), exportable_ops(), torch.no_grad():
         return torch.export.export(module, args, dynamic_shapes=torch_dynamic_shapes(spec))
 
 

@@ -624,7 +624,8 @@ class Compiler:
             engine = engine or self.engine(fixed, choice)
         except Exception as second:
             _raise_refusal(second)
-            self.in_torch[spec.name] = _first_line(f"{_first_line(error)}; at one shape: {_first_line(second)}")
+            # both reasons, each in its own room: the second says why no graph at all could be had
+            self.in_torch[spec.name] = f"{_first_line(error, 160)}; at one shape: {_first_line(second, 200)}"
             return None
         self.one_shape[spec.name] = _first_line(error)
         return choice, engine
@@ -643,9 +644,9 @@ def _stays_in_torch(spec: ComponentSpec) -> tuple[type[BaseException], ...]:
     return (Exception,) if spec.graph_kind == "recorded" else ()
 
 
-def _first_line(error: BaseException) -> str:
+def _first_line(error: BaseException, limit: int = 200) -> str:
     text = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
-    return text if len(text) <= 200 else text[:197] + "..."
+    return text if len(text) <= limit else text[:limit - 3] + "..."
 
 
 def _builds(backend: str, precision: Precision) -> bool:

@@ -26,6 +26,7 @@ from torch.utils import _pytree as pytree
 
 from .. import __version__
 from ..core.attention import exportable_attention
+from ..core.exportable_ops import exportable_ops
 from ..core.components import (
     ComponentSpec,
     ImageShape,
@@ -57,7 +58,9 @@ logger = logging.getLogger(__name__)
 
 # Bump when a change here changes the exported graphs: it is part of every export's cache key.
 # 3: graphs without weights (weights are named inputs), keyed by architecture.
-EXPORT_CODE_VERSION = 3
+# 4: traced under exportable_ops (einsum's operands promoted, MoE layers routed in the graph): an export that failed
+#    before is tried again.
+EXPORT_CODE_VERSION = 4
 # A protobuf cannot exceed 2 GiB, so larger models keep their weights in a side file.
 EXTERNAL_DATA_THRESHOLD = PROTO_LIMIT
 
@@ -204,7 +207,7 @@ def _export_graph_to_file(spec: ComponentSpec, path: Path, exporter: str, opset:
     example = spec.sample_inputs(spec.trace_shape())
     args = tuple(example[name] for name in spec.input_names)
     common = dict(input_names=list(spec.input_names), output_names=list(spec.output_names), opset_version=opset)
-    with exportable_attention(), torch.no_grad(), _quiet_exporter():
+    with exportable_attention(), exportable_ops(), torch.no_grad(), _quiet_exporter():
         if exporter == "dynamo":
             dynamic = torch_dynamic_shapes(spec)
 
