@@ -426,13 +426,79 @@ def test_taylorseer_keeps_a_forecast_per_call_of_a_step(family, component, gener
 
 
 @pytest.mark.integration
-def test_a_first_block_cache_on_a_new_family_is_refused_first(generic_cache):
-    pipe, fast = compiled("pixart-sigma", "onnxruntime", generic_cache)
-    fast.times.reset()
-    with pytest.raises(InvalidInput, match="this denoiser runs taylorseer"):
-        fast(**_arguments(pipe), cache_threshold=0.1)
-    assert not fast.times.calls
+@pytest.mark.parametrize("threshold", [0.0, 0.2, 1.0])
+def test_first_block_cache_on_a_new_family_is_diffusers_first_block_cache(threshold, generic_cache):
+    """`cache_threshold` on a recorded transformer builds its blocks' engines on the first cached call and runs
+    diffusers' first-block cache over them: the same steps skipped as diffusers' FirstBlockCacheConfig on its torch
+    module, the same image."""
+    from diffusers import FirstBlockCacheConfig
+    from diffusers.hooks import apply_first_block_cache
+    from diffusers.hooks.hooks import CacheContext, _set_cache_context
 
+    pipe, fast = compiled("pixart-sigma", "onnxruntime", generic_cache)
+    call = _arguments(pipe, guided=True, num_inference_steps=CACHED_STEPS)
+    reference = tiny_family_pipeline("pixart-sigma")
+    apply_first_block_cache(reference.transformer, FirstBlockCacheConfig(threshold=threshold))
+    _set_cache_context(reference.transformer, CacheContext("cond"))
+    fast.times.reset()
+    images = _images(fast, cache_threshold=threshold, **call)
+    run = fast.last_step_cache
+    skipped = sum(change <= threshold for change in run.changes)
+    assert len(run.changes) == CACHED_STEPS and run.changes[0] == float("inf") and run.skipped == skipped
+    assert (threshold == 0.0) == (skipped == 0)
+    calls = fast.times.calls
+    assert "transformer" not in calls  # the blocks' engines ran, not the whole graph's
+    assert calls["transformer.transformer_blocks.0"] == CACHED_STEPS
+    assert calls["transformer.transformer_blocks.1"] == CACHED_STEPS - skipped
+    assert psnr(_images(reference, **call), images) >= MIN_PSNR  # measured 140 dB
+
+
+@pytest.mark.integration
+def test_a_compile_with_step_cache_builds_the_blocks_first(generic_cache):
+    """`step_cache=True` (`--step-cache`, what serve and batch pass) builds the blocks' engines with the rest, so that
+    the first cached call builds nothing."""
+    pipe = tiny_family_pipeline("pixart-sigma")
+    fast = kasoku.compile(pipe, "onnxruntime", profile=_profile(pipe), cache_dir=generic_cache, step_cache=True)
+    report = fast.compile_report
+    assert report.backends["transformer"] == "onnxruntime"
+    assert report.backends["transformer.transformer_blocks.1"] == "onnxruntime"
+    stages = len(report.stages)
+    fast(**_arguments(pipe), cache_threshold=0.1)
+    assert len(fast.compile_report.stages) == stages
+
+
+@pytest.mark.integration
+def test_first_block_cache_on_blocks_already_on_engines_keeps_a_cache_per_call_of_a_step(generic_cache):
+    """Lumina 2's blocks run on engines (its glue in torch) and its guidance is two calls a step: each has its own
+    first step, its refiners run on every step, and only the `layers` after the first are skipped."""
+    pipe, fast = compiled("lumina2", "onnxruntime", generic_cache)
+    call = _arguments(pipe, guided=True, num_inference_steps=CACHED_STEPS)
+    plain = _images(fast, **call)
+    fast.times.reset()
+    images = _images(fast, cache_threshold=1.0, **call)
+    run, calls = fast.last_step_cache, fast.times.calls
+    assert run.changes.count(float("inf")) == 2 and run.skipped > 0
+    assert calls["transformer.noise_refiner.0"] == calls["transformer.layers.0"] == 2 * CACHED_STEPS
+    assert calls["transformer.layers.1"] == 2 * CACHED_STEPS - run.skipped
+    assert 15.0 <= psnr(plain, images) < 100  # threshold 1.0 skips nearly every step: measured 22 dB
+
+
+@pytest.mark.integration
+def test_a_first_block_cache_with_no_block_to_skip_is_refused_in_one_line(generic_cache):
+    """Tiny Chroma has one double-stream block; its single-stream block works on the joined text and image tokens,
+    so no block after the first hands on the first's image tokens."""
+    pipe, fast = compiled("chroma", "onnxruntime", generic_cache)
+    with pytest.raises(InvalidInput, match="found no block after the first") as error:
+        fast(**_arguments(pipe), cache_threshold=0.1)
+    assert "\n" not in str(error.value)
+
+
+def test_a_first_block_cache_without_block_lists_is_refused_before_any_engine():
+    from kasoku.core.step_cache import FIRST_BLOCK, StepCaching
+
+    model = Model.of(tiny_family_pipeline("kandinsky3"))  # a U-Net: its up blocks are no transformer blocks
+    with pytest.raises(InvalidInput, match="has 0 block"):
+        model.family.step_cache_graphs(model, StepCaching(method=FIRST_BLOCK))
 
 def _check_precision(family: str, precision: str, cache) -> None:
     """bf16 and int8 (weights) on OpenVINO, against the fp32 engines within kasoku's contract for them."""

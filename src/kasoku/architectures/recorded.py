@@ -42,6 +42,7 @@ from ..core.components import Axis, ComponentSpec, ShapeProfile, TensorSpec
 from ..core.errors import KasokuError
 from ..core.recording import Call, Distribution, Opaque, canonical_call
 from ..core.standins import EngineModule, InvalidInput
+from ..core.step_cache import FirstBlockRun
 from .base import ModuleRef, config_dict
 
 __all__ = ["EngineRecorded", "Probe", "Recording", "Signature", "UncompilableCall", "recorded_spec", "signatures"]
@@ -682,15 +683,18 @@ def _shapes(signature: Signature, leaves: Sequence[Any]) -> str:
 
 class StepCachedForward:
     """A denoiser's `forward` (an :class:`EngineRecorded`'s, or a torch module's whose blocks run on engines) that
-    runs one pipeline call's step caching while it is set (:meth:`step_cache`; TaylorSeer, kasoku.core.step_cache).
+    runs one pipeline call's step caching while it is set (:meth:`step_cache`; kasoku.core.step_cache): TaylorSeer
+    on its whole output, or the first-block cache on its blocks (:class:`FirstBlockLoop`; `blocks` gives the
+    module whose blocks it runs: this one, or a copy whose blocks run on engines).
 
     Each call of a step keeps its own state, found by its place in the step: a pipeline that runs its guidance as
     two calls a step (Chroma, Kandinsky 5, Lumina 2) names them to diffusers' hooks only sometimes (`cache_context`),
     but always passes both the same latents. A call whose first tensor equals the last call's is the next call of
     the same step."""
 
-    def __init__(self, forward: Callable[..., Any]):
+    def __init__(self, forward: Callable[..., Any], blocks: Callable[[], FirstBlockLoop] | None = None):
         self._forward = forward
+        self._blocks = blocks
         self._run = None
         self._last: torch.Tensor | None = None
         self._place = 0
@@ -703,7 +707,18 @@ class StepCachedForward:
             bool(torch.equal(first, self._last))
         self._place = self._place + 1 if same_step else 0
         self._last = None if first is None else first.detach().clone()  # the pipeline may change it in place
+        if isinstance(self._run, FirstBlockRun):
+            return self.first_block_loop().step(self._run, self._place, args, kwargs)
         return self._run.step(self._place, lambda: self._forward(*args, **kwargs))
+
+    def first_block_loop(self) -> FirstBlockLoop:
+        """The block loop the first-block cache runs (built on its first use: its blocks' engines are built by then)."""
+        if self._blocks is None:
+            raise InvalidInput("this denoiser has no block list kasoku can split: call it without `cache_threshold` "
+                               "(cache_interval=N runs TaylorSeer on its whole output).")
+        if not isinstance(self._blocks, FirstBlockLoop):
+            self._blocks = self._blocks()
+        return self._blocks
 
     @contextlib.contextmanager
     def step_cache(self, run) -> Iterator[None]:
@@ -715,8 +730,181 @@ class StepCachedForward:
             self._run, self._last = None, None
 
 
-def with_step_cache(module: torch.nn.Module) -> torch.nn.Module:
+def with_step_cache(module: torch.nn.Module,
+                    blocks: Callable[[], FirstBlockLoop] | None = None) -> torch.nn.Module:
     """`module` with a :class:`StepCachedForward` as its forward (`module.forward.step_cache(run)` sets a call's
     run); `module` is the pipeline's stand-in, never the user's torch module."""
-    module.forward = StepCachedForward(module.forward)
+    module.forward = StepCachedForward(module.forward, blocks)
     return module
+
+
+# ---- the first-block cache on a denoiser's own blocks ------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Carry:
+    """Where a block returns the tokens it carries to the next: the image tokens (`hidden_states`) at `hidden` of
+    its output tuple (None: the output is them), the text tokens (`encoder_hidden_states`) at `encoder` (None: not
+    returned). diffusers' TransformerBlockRegistry says it for the blocks its cache hooks know; for the others it is
+    read from a computed call, by shape."""
+
+    hidden: int | None
+    encoder: int | None = None
+    length: int = 1
+    arguments: tuple[str, str] = ("hidden_states", "encoder_hidden_states")  # the block's names for them (Z-Image: x)
+
+    NAMES = ("hidden_states", "encoder_hidden_states")
+
+    def given(self, named: Mapping[str, Any]) -> dict[str, torch.Tensor]:
+        """The carried tokens among a call's arguments (by name), under the names :meth:`carried` gives them."""
+        return {name: named[argument] for name, argument in zip(self.NAMES, self.arguments)
+                if isinstance(named.get(argument), torch.Tensor)}
+
+    def carried(self, output: Any) -> dict[str, torch.Tensor]:
+        if self.hidden is None:
+            return {"hidden_states": output}
+        found = {"hidden_states": output[self.hidden]}
+        encoder = None if self.encoder is None else output[self.encoder]
+        if isinstance(encoder, torch.Tensor) and not isinstance(encoder, Uncompiled):  # the last block's is not
+            found["encoder_hidden_states"] = encoder                                    # read: not compiled
+        return found
+
+    def output(self, carried: Mapping[str, torch.Tensor]) -> Any:
+        """An output of this block holding `carried` (its other places None, as diffusers' hooks return)."""
+        if self.hidden is None:
+            return carried["hidden_states"]
+        out: list[Any] = [None] * self.length
+        out[self.hidden] = carried["hidden_states"]
+        if self.encoder is not None:
+            out[self.encoder] = carried["encoder_hidden_states"]
+        return tuple(out)
+
+
+def carry_of(block: torch.nn.Module, arguments: Mapping[str, Any], output: Any) -> Carry:
+    """The :class:`Carry` of `block` (a torch block or its engine stand-in) from one computed call."""
+    from diffusers.hooks._helpers import TransformerBlockRegistry
+
+    cls = type(getattr(block, "_original", block))
+    try:
+        known = TransformerBlockRegistry.get(cls)
+    except ValueError:
+        known = None
+    length = len(output) if isinstance(output, (tuple, list)) else 1
+    if known is not None and known.hidden_states_argument_name in arguments:
+        return Carry(known.return_hidden_states_index if isinstance(output, (tuple, list)) else None,
+                     known.return_encoder_hidden_states_index, length,
+                     (known.hidden_states_argument_name, known.encoder_hidden_states_argument_name))
+    if isinstance(output, torch.Tensor):  # the one argument of its shape (Z-Image names it x)
+        same = [name for name, value in arguments.items()
+                if isinstance(value, torch.Tensor) and value.shape == output.shape]
+        if "hidden_states" in same or len(same) == 1:
+            return Carry(None, arguments=("hidden_states" if "hidden_states" in same else same[0],
+                                          "encoder_hidden_states"))
+    places = {}
+    for name in Carry.NAMES if isinstance(output, (tuple, list)) else ():
+        given = arguments.get(name)
+        matching = [i for i, out in enumerate(output) if isinstance(out, torch.Tensor) and isinstance(given, torch.Tensor)
+                    and out.shape == given.shape]
+        if len(matching) == 1:
+            places[name] = matching[0]
+    if "hidden_states" not in places or len(set(places.values())) < len(places):
+        raise InvalidInput(f"the first-block cache cannot tell which output of {cls.__name__} carries the image tokens "
+                           "to the next block; call without `cache_threshold` (cache_interval=N runs TaylorSeer).")
+    return Carry(places["hidden_states"], places.get("encoder_hidden_states"), length)
+
+
+def loop_lists(module: torch.nn.Module) -> list[str]:
+    """The block lists of `module` a first-block cache runs over, in order: those diffusers' cache hooks name
+    (`transformer_blocks`, `single_transformer_blocks`, `layers`, ...; not a refiner's)."""
+    from diffusers.hooks._common import _ALL_TRANSFORMER_BLOCK_IDENTIFIERS
+
+    return [name for name, child in module.named_children() if name in _ALL_TRANSFORMER_BLOCK_IDENTIFIERS and
+            isinstance(child, torch.nn.ModuleList) and len(child)]
+
+
+def check_loop(module: torch.nn.Module) -> None:
+    """Refuse a first-block cache on `module` when its block lists hold fewer than two blocks."""
+    count = sum(len(getattr(module, name)) for name in loop_lists(module))
+    if count < 2:
+        raise InvalidInput(f"{type(module).__name__} has {count} block(s) in the lists a first-block cache splits "
+                           "(transformer_blocks, layers, ...); call without `cache_threshold` (cache_interval=N runs "
+                           "TaylorSeer on its whole output).")
+
+
+class _LoopBlock(torch.nn.Module):
+    """One block of a :class:`FirstBlockLoop`, as the denoiser's code calls it."""
+
+    def __init__(self, block: torch.nn.Module, loop: FirstBlockLoop, index: int):
+        super().__init__()
+        self.block = block
+        self._loop = loop
+        self._index = index
+
+    def forward(self, *args, **kwargs):
+        return self._loop.call(self._index, self.block, args, kwargs)
+
+
+class FirstBlockLoop:
+    """The first-block cache (diffusers' `FirstBlockCacheConfig`, ParaAttention's) on a denoiser's block loop: the
+    blocks of its lists diffusers' cache hooks name (`transformer_blocks`, `single_transformer_blocks`, `layers`,
+    ...; a refiner list runs every step), in order. The first block always runs; when its residual changed by no
+    more than the threshold since the last step that ran every block, the other blocks hand on their inputs and the
+    first block's output gets what they added on that step instead. `module` is the stand-in's own module (a copy:
+    its block lists are replaced by wrapped ones)."""
+
+    def __init__(self, module: torch.nn.Module, forward: Callable[..., Any]):
+        check_loop(module)
+        self._forward = forward
+        self.blocks: list[torch.nn.Module] = []
+        for name in loop_lists(module):
+            wrapped = []
+            for block in getattr(module, name):
+                wrapped.append(_LoopBlock(block, self, len(self.blocks)))
+                self.blocks.append(block)
+            module._modules[name] = torch.nn.ModuleList(wrapped)
+        self._carries: dict[int, Carry] = {}
+        self._run: FirstBlockRun | None = None
+        self._place: Any = None
+        self._computes = True
+        self._head: dict[str, torch.Tensor] = {}
+        self._span = 0  # the last block a skipped step hands on (learnt on the first step, which runs every block)
+
+    def step(self, run: FirstBlockRun, place: Any, args: tuple, kwargs: dict):
+        """One denoiser call of a step under `run`: the module's forward, its blocks through :meth:`call`."""
+        self._run, self._place, self._computes = run, place, True
+        try:
+            output = self._forward(*args, **kwargs)
+        finally:
+            self._run = None
+        if not self._span:
+            raise InvalidInput(f"the first-block cache found no block after the first that returns image tokens of "
+                               f"its shape (of {len(self.blocks)}: a list after it works on joined text and image "
+                               "tokens); call without `cache_threshold` (cache_interval=N runs TaylorSeer).")
+        return output
+
+    def call(self, index: int, block: torch.nn.Module, args: tuple, kwargs: dict):
+        """Block `index` of the loop: the first decides; up to the last block whose image tokens have the first's
+        shape (the span a skipped step hands on), the others run or hand on their inputs; the blocks after that span
+        (a list working on joined text and image tokens: Chroma's single blocks) always run."""
+        if self._run is None:
+            return block(*args, **kwargs)
+        named = canonical_call(getattr(block, "_original", block).forward, args, kwargs)[1]
+        if 0 < index <= self._span and not self._computes:
+            return self._carries[index].output(self._carries[index].given(named))
+        output = block(*args, **kwargs)
+        carry = self._carries.setdefault(index, carry_of(block, named, output))
+        carried = carry.carried(output)
+        if index == 0:
+            given = carry.given(named)["hidden_states"]
+            self._computes = self._run.computes_rest(self._place, carried["hidden_states"] - given)
+            if self._computes:
+                self._head = carried
+                return output
+            tail = self._run.tail(self._place)
+            return carry.output({name: value + tail[name] if name in tail else value for name, value in carried.items()})
+        if self._computes and carried["hidden_states"].shape == self._head["hidden_states"].shape and \
+                index >= self._span:
+            self._span = index  # the last block of the span so far: what it added since the first is the tail
+            self._run.keep_tail(self._place, {name: carried[name] - start for name, start in self._head.items()
+                                              if name in carried and carried[name].shape == start.shape})
+        return output

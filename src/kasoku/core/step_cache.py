@@ -373,7 +373,7 @@ class _BlockCache:
     """One branch's first-block cache: the first block's residual and the other blocks' of the last full step."""
 
     head: torch.Tensor | None = None
-    tail: torch.Tensor | None = None
+    tail: Any = None  # a tensor (the graphs' residual), or the residual per carried tensor (blocks on their own)
 
 
 @dataclass
@@ -386,7 +386,7 @@ class FirstBlockRun:
     threshold: float
     skipped: int = 0
     changes: list[float] = field(default_factory=list)  # each step's measured change (inf: none measured)
-    _states: dict[str | None, _BlockCache] = field(default_factory=dict, repr=False)
+    _states: dict[Any, _BlockCache] = field(default_factory=dict, repr=False)
 
     def skips_next(self, _branch: str | None = None) -> bool:
         """Never known ahead: the first block decides, on the step itself."""
@@ -401,17 +401,34 @@ class FirstBlockRun:
             shapes = {name: tuple(value.shape) for name, value in inputs.items()}
             tail = torch.zeros(stand_in._engines[FIRST].spec.output_shapes(shapes)[FIRST_HIDDEN])
         first = stand_in._run(FIRST, **inputs, **{CACHED_RESIDUAL: tail})
-        change = math.inf if state.head is None else relative_change(first[FIRST_RESIDUAL], state.head)
-        self.changes.append(change)
-        if change <= self.threshold:  # diffusers runs the other blocks when the change is above the threshold
-            self.skipped += 1
+        if not self.computes_rest(stand_in._cache_branch, first[FIRST_RESIDUAL]):
             return first["out_sample"]
         conditioning = {name: value for name, value in inputs.items()
                         if name not in ("hidden_states", "encoder_hidden_states")}
         rest = stand_in._run(REST, **{FIRST_HIDDEN: first[FIRST_HIDDEN], FIRST_ENCODER: first[FIRST_ENCODER]},
                              **conditioning)
-        state.head, state.tail = first[FIRST_RESIDUAL], rest[REST_RESIDUAL]
+        state.tail = rest[REST_RESIDUAL]
         return rest["out_sample"]
+
+    def computes_rest(self, branch: Any, first_residual: torch.Tensor) -> bool:
+        """Whether this step of `branch` runs the other blocks: its first block's residual changed by more than the
+        threshold since the last step that did (diffusers' rule; always on a branch's first step). A step that
+        does keeps that residual; one that does not is counted in `skipped`."""
+        state = self._states.setdefault(branch, _BlockCache())
+        change = math.inf if state.head is None else relative_change(first_residual, state.head)
+        self.changes.append(change)
+        if change <= self.threshold:
+            self.skipped += 1
+            return False
+        state.head = first_residual
+        return True
+
+    def tail(self, branch: Any) -> Any:
+        """What the other blocks added on `branch`'s last step that ran them (None before one did)."""
+        return self._states.setdefault(branch, _BlockCache()).tail
+
+    def keep_tail(self, branch: Any, residual: Any) -> None:
+        self._states.setdefault(branch, _BlockCache()).tail = residual
 
 
 def run_for(caching: StepCaching, loop_length: Callable[[], int]):

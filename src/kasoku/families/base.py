@@ -438,9 +438,10 @@ class Family:
         family)."""
         return {}
 
-    def part_specs(self, model: ModelView, profile: ShapeProfile, kept: Iterable[str]) -> dict[str, ComponentSpec]:
-        """Specs of the parts of components the compile kept in torch (`kept`), compiled in their place (a
-        denoiser's blocks: only recorded families have them)."""
+    def part_specs(self, model: ModelView, profile: ShapeProfile, kept: Iterable[str],
+                   step_cache: bool = False) -> dict[str, ComponentSpec]:
+        """Specs of the parts of components the compile kept in torch (`kept`), compiled in their place, or (with
+        `step_cache`) that a step cache runs (a denoiser's blocks: only recorded families have them)."""
         return {}
 
     def grows_by_shape(self, model: ModelView) -> tuple[str, ...]:
@@ -465,6 +466,17 @@ class Family:
 
     def denoiser_stand_ins(self, model: ModelView, engines: Mapping[str, Any], times: EngineTimes) -> dict[str, Any]:
         raise NotImplementedError
+
+    def step_cache_graphs(self, model: ModelView, caching) -> tuple[str, ...]:
+        """The engines a call's step caching (a :class:`kasoku.core.step_cache.StepCaching`) runs besides the plain
+        denoiser's: its method's graphs (a recorded family's first-block cache runs its denoiser's blocks)."""
+        return caching.graphs
+
+    def step_cache_specs(self, model: ModelView, profile: ShapeProfile | None,
+                         names: Iterable[str]) -> dict[str, ComponentSpec] | None:
+        """The specs of step-cache graphs `names` where they are not components the family's `specs` gives (None:
+        they are)."""
+        return None
 
     def step_cache_target(self, stand_ins: Mapping[str, Any], model: ModelView):
         """The stand-in that runs a call's step caching (see kasoku.core.step_cache; None without the capability): the

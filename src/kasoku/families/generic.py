@@ -30,7 +30,7 @@ from ..core.components import ComponentSpec, InvalidProfile, ShapeProfile, defau
 from ..core.errors import KasokuError, NotADiffusersPipeline
 from ..core.recording import recording
 from ..core.standins import EngineTimes
-from ..core.step_cache import DEFAULT_BRANCH, TAYLORSEER
+from ..core.step_cache import DEFAULT_BRANCH, FIRST_BLOCK, TAYLORSEER
 from .base import TASKS, Family, ModelView, TextEncoderSlot
 
 __all__ = ["GenericFamily", "NotCompilable", "generic_family", "is_diffusers_pipeline", "pipeline_classes", "probes"]
@@ -407,15 +407,19 @@ class GenericFamily(Family):
         return [f"{attribute}.{name}.{i}" for attribute, module in modules.items() for name in block_lists(module)
                 for i in range(len(getattr(module, name)))]
 
-    def part_specs(self, model: ModelView, profile: ShapeProfile, kept: Iterable[str]) -> dict[str, ComponentSpec]:
+    def part_specs(self, model: ModelView, profile: ShapeProfile, kept: Iterable[str],
+                   step_cache: bool = False) -> dict[str, ComponentSpec]:
         """Where every call of the denoiser stays in torch (`kept`), its blocks' specs (cache-dit's pattern: a
         ModuleList of one class): its glue (the embeddings, masks, routing the whole graph failed on) stays in
-        torch, the blocks it loops over run on engines."""
+        torch, the blocks it loops over run on engines. With `step_cache`, the blocks the first-block cache runs
+        are built too (otherwise its first cached call builds them)."""
         kept = set(kept)
         attribute = self.denoiser_attribute(model)
         graphs = [s.component for s in self.signatures(model).get(attribute, ())]
         every_call_kept = attribute in kept or (graphs and all(name in kept for name in graphs))
-        if not every_call_kept or not block_lists(model.ref(attribute).module):
+        module = model.ref(attribute).module
+        cached = step_cache and sum(len(getattr(module, name)) for name in recorded.loop_lists(module)) >= 2
+        if not (every_call_kept or cached) or not block_lists(module):
             return {}
         model.memo["blocks_of"] = (attribute,)
         return self.block_specs(model, profile)
@@ -627,8 +631,38 @@ class GenericFamily(Family):
         if denoiser in replaced:  # the user's own module (kept in torch) is left as it is: a copy runs the cache
             running = replaced[denoiser]
             replaced[denoiser] = recorded.with_step_cache(
-                copy.copy(running) if running is getattr(model.pipe, denoiser) else running)
+                copy.copy(running) if running is getattr(model.pipe, denoiser) else running,
+                blocks=self._first_block_loop(model, denoiser, engines, times))
         return replaced
+
+    def _first_block_loop(self, model: ModelView, attribute: str, engines: Mapping[str, Any],
+                          times: EngineTimes) -> Callable[[], recorded.FirstBlockLoop] | None:
+        """What builds the first-block cache's loop over the denoiser's blocks, on the engines its blocks have by
+        then (:meth:`step_cache_specs` builds them); None where it has no block list."""
+        if not block_lists(model.ref(attribute).module):
+            return None
+
+        def build() -> recorded.FirstBlockLoop:
+            running = self._with_engine_blocks(model, attribute, engines, times)
+            return recorded.FirstBlockLoop(running, type(running).forward.__get__(running))
+
+        return build
+
+    def step_cache_graphs(self, model: ModelView, caching) -> tuple[str, ...]:
+        """The first-block cache runs the denoiser's blocks on engines: their graphs (TaylorSeer needs none). A
+        denoiser that is one engine has its blocks recorded for this only."""
+        if caching.method != FIRST_BLOCK:
+            return ()
+        recorded.check_loop(model.ref(self.denoiser_attribute(model)).module)  # before any engine runs
+        model.memo.setdefault("blocks_of", (self.denoiser_attribute(model),))
+        kept = self.in_torch(model)
+        return tuple(s.component for signatures in self.block_signatures(model).values() for s in signatures
+                     if s.component not in kept)
+
+    def step_cache_specs(self, model: ModelView, profile: ShapeProfile | None,
+                         names: Iterable[str]) -> dict[str, ComponentSpec] | None:
+        specs = self.block_specs(model, profile or model.default_profile())
+        return {name: specs[name] for name in names if name in specs}
 
     def _with_engine_blocks(self, model: ModelView, attribute: str, engines: Mapping[str, Any],
                             times: EngineTimes) -> torch.nn.Module:
@@ -675,8 +709,9 @@ class GenericFamily(Family):
     def denoiser_stand_ins(self, model: ModelView, engines: Mapping[str, Any], times: EngineTimes) -> dict[str, Any]:
         return {}
 
-    # every denoiser forecasts its output (TaylorSeer); its graphs stay as they are
-    cache_methods = (TAYLORSEER,)
+    # every denoiser forecasts its output (TaylorSeer); one with a block list also runs the first-block cache on its
+    # blocks' engines
+    cache_methods = (TAYLORSEER, FIRST_BLOCK)
 
     def step_cache_target(self, stand_ins: Mapping[str, Any], model: ModelView):
         """The denoiser's step-cached forward (see :func:`recorded.with_step_cache`), on an engine or on its blocks'."""

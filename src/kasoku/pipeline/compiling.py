@@ -79,7 +79,7 @@ def compile_components(
 
     engines, chosen = compiler.compile(specs, on_done=release_unneeded)
     parts = model.family.part_specs(model, next(iter(specs.values())).profile if specs else model.default_profile(),
-                                    {**model.family.in_torch(model), **compiler.in_torch})
+                                    {**model.family.in_torch(model), **compiler.in_torch}, options.step_cache)
     if parts:  # a component kept in torch whose parts compile (a denoiser's blocks)
         more, more_chosen = compiler.compile(parts)
         engines.update(more)

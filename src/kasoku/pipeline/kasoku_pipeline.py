@@ -171,7 +171,7 @@ class KasokuPipeline:
             caching = self.checks.step_caching(self.recipe.call_arguments)
         run = None
         if caching.active:
-            self.enable_step_cache(caching.graphs)
+            self.enable_step_cache(self.family.step_cache_graphs(self.model, caching))
             run = self._runtime.step_cache_run(task, caching)
         self.last_step_cache = run
         return self._runtime(task, step_cache=run, prompt=prompt, **kwargs)
@@ -212,14 +212,25 @@ class KasokuPipeline:
         if self._options is None:
             raise InvalidInput(f"step caching needs the {' and '.join(names)} engines; compile with "
                                "step_cache=True (kasoku.compile(..., step_cache=True)).")
-        denoiser = self.engines[self.family.denoiser]
+        denoiser = self._denoiser_engine()
         options = self._options.replace(components=tuple(missing), step_cache=False, backend=denoiser.backend,
                                         precision=denoiser.precision)
-        engines, report = compile_components(self.model, options, cache=self._cache, label=self._label,
+        specs = self.family.step_cache_specs(self.model, self._options.profile, missing)  # a recorded family's blocks
+        engines, report = compile_components(self.model, options, cache=self._cache, label=self._label, specs=specs,
                                              **({"on_stage": on_stage} if on_stage else {}))
         self.engines.update(engines)
         if self.compile_report is not None:
             self.compile_report.merge(report)
+
+    def _denoiser_engine(self):
+        """An engine of the denoiser (its backend and precision are the step-cache graphs'): the family's denoiser
+        component, or for a recorded family any graph of its denoiser's module (a call pattern, a block)."""
+        name = self.family.denoiser
+        if name in self.engines or not self.family.generic:
+            return self.engines[name]
+        attribute = self.family.denoiser_attribute(self.model)
+        return next(engine for component, engine in self.engines.items()
+                    if component == attribute or component.startswith((f"{attribute}.", f"{attribute}_")))
 
     # ---- checks first --------------------------------------------------------------------------
 
