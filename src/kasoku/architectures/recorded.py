@@ -526,6 +526,7 @@ def recorded_spec(signature: Signature, ref: ModuleRef, profile: ShapeProfile, *
         graph_kind="recorded",
         takes_lora=takes_lora,
         one_shape=one_shape,
+        interleaved="." in ref.path,  # a block: the glue around it runs in torch
     )
 
 

@@ -306,6 +306,8 @@ class OnnxRuntimeBackend(Backend):
         self._require_provider(ort)
         options = ort.SessionOptions()
         options.log_severity_level = 3
+        if spec.interleaved:  # spinning threads would take the cores from the torch work between its calls
+            options.add_session_config_entry("session.intra_op.allow_spinning", "0")
         if self.options.threads:
             options.intra_op_num_threads = self.options.threads
         model: str | bytes = str(path)

@@ -292,6 +292,9 @@ class ComponentSpec:
     # The same component as a graph of one shape (the profile's optimum), which a graph compiled from recorded calls
     # falls back to where its dynamic graph does not export or build (a dimension that is a sum of two axes).
     one_shape: Callable[[], ComponentSpec] | None = field(default=None, repr=False, compare=False)
+    # Its calls alternate with torch work on the same cores (a block whose module's glue runs in torch): an engine's
+    # threads must not spin between them (ONNX Runtime's do by default, and slow the torch work down).
+    interleaved: bool = field(default=False, compare=False)
 
     @property
     def graph_id(self) -> str:
