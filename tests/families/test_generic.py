@@ -600,6 +600,26 @@ def pixart_dir(tmp_path_factory):
 
 
 @pytest.mark.integration
+def test_compile_with_shape_flags_records_the_pipeline_once(pixart_dir, generic_cache, monkeypatch):
+    """`kasoku compile DIR --height ...` reads the default profile from the same Model it compiles: the recorded
+    pipeline runs its probes once, not once for the profile and again for the compile."""
+    from kasoku.cli import main
+
+    recorded = []
+    record = GenericFamily.record
+
+    def counted(self, model):
+        if "recordings" not in model.memo:
+            recorded.append(model)
+        return record(self, model)
+
+    monkeypatch.setattr(GenericFamily, "record", counted)
+    assert main(["compile", str(pixart_dir), "--backend", "onnxruntime", "--height", "64:128", "--width",
+                 "64:128", "--batch", "1:2", "--cache-dir", str(generic_cache)]) == 0
+    assert len(recorded) == 1
+
+
+@pytest.mark.integration
 def test_verify_and_batch_run_on_a_new_familys_folder(pixart_dir, generic_cache, tmp_path):
     import json
 

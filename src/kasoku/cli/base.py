@@ -423,8 +423,9 @@ def check_backend(options, *, cuda_graph: bool = False) -> None:
                 backend.check_run_time_weights(precision)
 
 
-def profile_from_args(args: argparse.Namespace):
-    """A ShapeProfile from --batch/--height/--width, the model's defaults for the rest (None: defaults)."""
+def profile_from_args(args: argparse.Namespace, model=None):
+    """A ShapeProfile from --batch/--height/--width, the model's defaults for the rest (None: defaults). `model` is
+    the command's own Model where it has one: a recorded family's default profile records its pipeline, once."""
     text_tokens = getattr(args, "text_tokens", None)
     if not (getattr(args, "batch", None) or getattr(args, "height", None) or getattr(args, "width", None)
             or text_tokens):
@@ -434,7 +435,7 @@ def profile_from_args(args: argparse.Namespace):
     from ..core.components import profile_with_ranges
     from ..model.pipeline_model import Model
 
-    base = replace(Model.load(args.model, lazy=True).default_profile(), text_tokens=text_tokens)
+    base = replace((model or Model.load(args.model, lazy=True)).default_profile(), text_tokens=text_tokens)
     return profile_with_ranges(base, getattr(args, "batch", None), getattr(args, "height", None),
                                getattr(args, "width", None))
 

@@ -158,13 +158,12 @@ class Compile(Command):
     def run(self, args: argparse.Namespace) -> int:
         from ..core.cache import default_cache_dir
         from ..core.console import console, table, write_json
-        from ..families import FAMILIES
         from ..model.pipeline_model import Model
         from ..pipeline.compiling import compile_components
 
-        options = options_from_args(args, profile_from_args(args))
         model = Model.load(args.model, lazy=True, controlnet=controlnets_from_args(args),
                            tiny_vae=tiny_vae_from_args(args), label=str(args.model))
+        options = options_from_args(args, profile_from_args(args, model))
         chosen = None
         if options.recipe:
             from ..policies.recipes import with_recipe
@@ -174,7 +173,7 @@ class Compile(Command):
         if chosen is not None:
             report.notes.insert(0, chosen.note)
         rows = [[s.component, s.stage, s.status, f"{s.seconds:.1f} s", s.key[:12]] for s in report.stages]
-        console.print(table(f"compile {report.model} ({FAMILIES[report.family].title}, {report.precision})",
+        console.print(table(f"compile {report.model} ({model.family.title}, {report.precision})",
                             ["component", "stage", "cache", "time", "entry"], rows))
         for note in report.notes:
             console.print(f"note: {note}", markup=False)
