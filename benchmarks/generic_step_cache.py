@@ -29,12 +29,12 @@ def main() -> None:
     warnings.filterwarnings("ignore")
     sys.path.insert(0, str(ROOT))
     import torch
+    from tests.families.test_generic import _arguments, _images, _profile
 
     import kasoku
     from kasoku.backends.base import cpu_flags, cpu_name
     from kasoku.core.parity import psnr
     from kasoku.tools.tiny_families import tiny_family_pipeline
-    from tests.families.test_generic import _arguments, _images, _profile
 
     print(f"cpu: {cpu_name()}; flags: {' '.join(f for f in cpu_flags() if f.startswith(('avx', 'amx')))}; "
           f"torch threads {torch.get_num_threads()}")

@@ -693,7 +693,7 @@ class StepCachedForward:
     but always passes both the same latents. A call whose first tensor equals the last call's is the next call of
     the same step."""
 
-    def __init__(self, forward: Callable[..., Any], blocks: Callable[[], FirstBlockLoop] | None = None):
+    def __init__(self, forward: Callable[..., Any], blocks: Callable[[], FirstBlockLoop]):
         self._forward = forward
         self._blocks = blocks
         self._run = None
@@ -714,9 +714,6 @@ class StepCachedForward:
 
     def first_block_loop(self) -> FirstBlockLoop:
         """The block loop the first-block cache runs (built on its first use: its blocks' engines are built by then)."""
-        if self._blocks is None:
-            raise InvalidInput("this denoiser has no block list kasoku can split: call it without `cache_threshold` "
-                               "(cache_interval=N runs TaylorSeer on its whole output).")
         if not isinstance(self._blocks, FirstBlockLoop):
             self._blocks = self._blocks()
         return self._blocks
@@ -731,8 +728,7 @@ class StepCachedForward:
             self._run, self._last = None, None
 
 
-def with_step_cache(module: torch.nn.Module,
-                    blocks: Callable[[], FirstBlockLoop] | None = None) -> torch.nn.Module:
+def with_step_cache(module: torch.nn.Module, blocks: Callable[[], FirstBlockLoop]) -> torch.nn.Module:
     """`module` with a :class:`StepCachedForward` as its forward (`module.forward.step_cache(run)` sets a call's
     run); `module` is the pipeline's stand-in, never the user's torch module."""
     module.forward = StepCachedForward(module.forward, blocks)
@@ -804,14 +800,19 @@ def carry_of(block: torch.nn.Module, arguments: Mapping[str, Any], output: Any) 
     places = {}
     for name in Carry.NAMES if isinstance(output, (tuple, list)) else ():
         given = arguments.get(name)
-        matching = [i for i, out in enumerate(output) if isinstance(out, torch.Tensor) and isinstance(given, torch.Tensor)
-                    and out.shape == given.shape]
+        matching = [i for i, out in enumerate(output) if isinstance(out, torch.Tensor)
+                    and isinstance(given, torch.Tensor) and out.shape == given.shape]
         if len(matching) == 1:
             places[name] = matching[0]
     if "hidden_states" not in places or len(set(places.values())) < len(places):
         raise InvalidInput(f"the first-block cache cannot tell which output of {cls.__name__} carries the image tokens "
                            "to the next block; call without `cache_threshold` (cache_interval=N runs TaylorSeer).")
     return Carry(places["hidden_states"], places.get("encoder_hidden_states"), length)
+
+
+def _named(block: torch.nn.Module, args: tuple, kwargs: dict) -> dict[str, Any]:
+    """A block call's arguments by name (its torch module's parameters: an engine stand-in takes *args)."""
+    return canonical_call(getattr(block, "_original", block).forward, args, kwargs)[1]
 
 
 def loop_lists(module: torch.nn.Module) -> list[str]:
@@ -823,9 +824,14 @@ def loop_lists(module: torch.nn.Module) -> list[str]:
             isinstance(child, torch.nn.ModuleList) and len(child)]
 
 
+def loop_size(module: torch.nn.Module) -> int:
+    """How many blocks a first-block cache on `module` runs over."""
+    return sum(len(getattr(module, name)) for name in loop_lists(module))
+
+
 def check_loop(module: torch.nn.Module) -> None:
     """Refuse a first-block cache on `module` when its block lists hold fewer than two blocks."""
-    count = sum(len(getattr(module, name)) for name in loop_lists(module))
+    count = loop_size(module)
     if count < 2:
         raise InvalidInput(f"{type(module).__name__} has {count} block(s) in the lists a first-block cache splits "
                            "(transformer_blocks, layers, ...); call without `cache_threshold` (cache_interval=N runs "
@@ -889,20 +895,22 @@ class FirstBlockLoop:
         (a list working on joined text and image tokens: Chroma's single blocks) always run."""
         if self._run is None:
             return block(*args, **kwargs)
-        named = canonical_call(getattr(block, "_original", block).forward, args, kwargs)[1]
         if 0 < index <= self._span and not self._computes:
-            return self._carries[index].output(self._carries[index].given(named))
+            return self._carries[index].output(self._carries[index].given(_named(block, args, kwargs)))
         output = block(*args, **kwargs)
-        carry = self._carries.setdefault(index, carry_of(block, named, output))
+        if index not in self._carries:
+            self._carries[index] = carry_of(block, _named(block, args, kwargs), output)
+        carry = self._carries[index]
         carried = carry.carried(output)
         if index == 0:
-            given = carry.given(named)["hidden_states"]
+            given = carry.given(_named(block, args, kwargs))["hidden_states"]
             self._computes = self._run.computes_rest(self._place, carried["hidden_states"] - given)
             if self._computes:
                 self._head = carried
                 return output
             tail = self._run.tail(self._place)
-            return carry.output({name: value + tail[name] if name in tail else value for name, value in carried.items()})
+            return carry.output({name: value + tail[name] if name in tail else value
+                                 for name, value in carried.items()})
         if self._computes and carried["hidden_states"].shape == self._head["hidden_states"].shape and \
                 index >= self._span:
             self._span = index  # the last block of the span so far: what it added since the first is the tail

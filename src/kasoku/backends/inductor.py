@@ -32,8 +32,8 @@ from typing import Any
 import torch
 
 from ..core.attention import exportable_attention
-from ..core.exportable_ops import exportable_ops
 from ..core.components import ComponentSpec, Precision, torch_dynamic_shapes
+from ..core.exportable_ops import exportable_ops
 from .base import Availability, Backend, Engine, Source, UnsupportedPrecision, cpu_flags, cpu_name, gpu_identity
 
 PACKAGE_FILE = "model.pt2"

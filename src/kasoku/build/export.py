@@ -26,7 +26,6 @@ from torch.utils import _pytree as pytree
 
 from .. import __version__
 from ..core.attention import exportable_attention
-from ..core.exportable_ops import exportable_ops
 from ..core.components import (
     ComponentSpec,
     ImageShape,
@@ -37,6 +36,7 @@ from ..core.components import (
 )
 from ..core.console import to_json
 from ..core.errors import KasokuError
+from ..core.exportable_ops import exportable_ops
 from ..core.extras import import_onnxruntime
 from ..core.options import DEFAULT_EXPORTER, DEFAULT_OPSET, EXPORTERS
 from ..core.parity import OutputParity, parity_against_torch, raise_on_failure

@@ -418,7 +418,7 @@ class GenericFamily(Family):
         graphs = [s.component for s in self.signatures(model).get(attribute, ())]
         every_call_kept = attribute in kept or (graphs and all(name in kept for name in graphs))
         module = model.ref(attribute).module
-        cached = step_cache and sum(len(getattr(module, name)) for name in recorded.loop_lists(module)) >= 2
+        cached = step_cache and recorded.loop_size(module) >= 2
         if not (every_call_kept or cached) or not block_lists(module):
             return {}
         model.memo["blocks_of"] = (attribute,)
@@ -636,11 +636,9 @@ class GenericFamily(Family):
         return replaced
 
     def _first_block_loop(self, model: ModelView, attribute: str, engines: Mapping[str, Any],
-                          times: EngineTimes) -> Callable[[], recorded.FirstBlockLoop] | None:
+                          times: EngineTimes) -> Callable[[], recorded.FirstBlockLoop]:
         """What builds the first-block cache's loop over the denoiser's blocks, on the engines its blocks have by
-        then (:meth:`step_cache_specs` builds them); None where it has no block list."""
-        if not block_lists(model.ref(attribute).module):
-            return None
+        then (:meth:`step_cache_specs` builds them; a denoiser without two blocks to loop over was refused first)."""
 
         def build() -> recorded.FirstBlockLoop:
             running = self._with_engine_blocks(model, attribute, engines, times)
