@@ -63,7 +63,7 @@ def test_generate_txt2img_img2img_inpaint(tiny_dir, tiny_cache, tiny_compiled, t
 @pytest.mark.parametrize(
     "extra, message",
     [
-        (["--height", "60"], "have to be divisible by 8 but are 60 and 64"),
+        (["--height", "60"], "must be multiples of 16 for this model"),
         (["--image", "missing.png"], "--image missing.png does not exist"),
         (["--strength", "2", "--image", "IMG"], "argument --strength: expected a number in [0, 1], got '2'"),
     ],

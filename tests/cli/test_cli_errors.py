@@ -9,6 +9,7 @@ import json
 import shutil
 import time
 
+import numpy as np
 import pytest
 import torch
 
@@ -80,6 +81,9 @@ BAD = {
         ["generate", "{model}", "a cat", "-o", "{out}", "--lora-targets", "nonsense"],
         ["generate", "{partial}", "a cat", "-o", "{out}"],  # a component folder missing
         ["generate", "{damaged}", "a cat", "-o", "{out}"],  # a truncated weights file
+        ["generate", "{unweighted}", "a cat", "-o", "{out}"],  # the VAE's weights file missing
+        ["generate", "{model}", "a cat", "-o", "{out}", "--prompt-3", "a dog"],  # SD3's argument, said before any work
+        ["generate", "{model}", "a cat", "-o", "{out}", "--true-cfg", "2"],  # Flux's
         ["generate", "{model}", "a cat", "-o", "{out}", "--scheduler", "flow-euler"],  # another kind of noise
         ["generate", "{model}", "a cat", "-o", "{out}", "--prompt-3", "a long prompt"],  # SD3's, not SD 1.x's
     ],
@@ -140,6 +144,11 @@ BAD = {
         ["cache", "frobnicate"],
         ["cache", "ls", "{model}"],
         ["cache", "ls", "--repair"],
+        ["cache", "clear", "{missing}"],  # no such folder: said, not "removed 0 entries"
+        ["cache", "clear", "{model}"],  # a model with no entries
+        ["cache", "ls", "--cache-dir", "{file}"],  # KASOKU_CACHE or --cache-dir naming a file
+        ["cache", "clear", "--cache-dir", "{file}"],
+        ["cache", "check", "--cache-dir", "{file}"],
     ],
     "verify": [
         ["verify", "{model}", "--backend", "torch", "--precision", "fp16"],
@@ -192,9 +201,12 @@ def places(tmp_path, tiny_dir, controlnet_folder):
     (tmp_path / "bad_method.jsonl").write_text('{"prompt": "a cat", "cache_threshold": 0.1}\n')
     (tmp_path / "huge.jsonl").write_text('{"prompt": "a cat", "height": 64, "width": 100000}\n')
     (tmp_path / "truncated.png").write_bytes((tmp_path / "in.png").read_bytes()[:60])
-    partial, damaged = tmp_path / "partial", tmp_path / "damaged"
+    partial, damaged, unweighted = tmp_path / "partial", tmp_path / "damaged", tmp_path / "unweighted"
     shutil.copytree(tiny_dir, partial)
     shutil.rmtree(partial / "vae")
+    shutil.copytree(tiny_dir, unweighted)
+    for weights in (unweighted / "vae").glob("*.safetensors"):
+        weights.unlink()
     shutil.copytree(tiny_dir, damaged)
     weights = next((damaged / "unet").glob("*.safetensors"))
     weights.write_bytes(weights.read_bytes()[:1000])
@@ -207,7 +219,7 @@ def places(tmp_path, tiny_dir, controlnet_folder):
             "small": str(tmp_path / "small.png"),
             "control_jobs": str(tmp_path / "control.jsonl"), "lora_jobs": str(tmp_path / "lora.jsonl"),
             "noext": str(tmp_path / "out"), "truncated": str(tmp_path / "truncated.png"),
-            "partial": str(partial), "damaged": str(damaged), "huge_jobs": str(tmp_path / "huge.jsonl")}
+            "partial": str(partial), "damaged": str(damaged), "unweighted": str(unweighted), "huge_jobs": str(tmp_path / "huge.jsonl")}
 
 
 def _tree(path):
@@ -250,7 +262,7 @@ def torch_pipeline(tiny_pipe, tmp_path_factory):
     ({"num_inference_steps": 1000}, "must be at most 999 for this scheduler"),  # PNDM's offset overruns at 1000
     ({"height": 0}, "`height` must be a positive int but is 0"),
     ({"width": -64}, "`width` must be a positive int but is -64"),
-    ({"height": 60}, "have to be divisible by 8 but are 60 and 64"),
+    ({"height": 60}, "must be multiples of 16 for this model"),
     ({"num_images_per_prompt": 0}, "`num_images_per_prompt` must be a positive int"),
     ({"guidance_scale": float("nan")}, "`guidance_scale` must be a finite number"),
     ({"prompt_2": "a dog"}, "`prompt_2`: only Stable Diffusion XL, Stable Diffusion 3 and Flux.1 pipelines take this "
@@ -273,6 +285,25 @@ def test_python_api_refuses_the_same_values(torch_pipeline, kwargs, message):
     with pytest.raises(InvalidInput, match=message.replace("(", r"\(").replace(")", r"\)")):
         torch_pipeline("a cat", generator=torch.Generator().manual_seed(0), **kwargs)
     assert dict(torch_pipeline.times.calls) == calls_before  # no engine ran
+
+
+@pytest.mark.parametrize("call, message", [
+    ({"prompt": b"a \xff cat"}, r"`prompt` must be a str or a list of str but holds bytes; decode them first"),
+    ({"prompt": 5}, r"`prompt` must be a str or a list of str but holds 5 \(int\)"),
+    ({"prompt": "a \udcff cat"}, r"`prompt` holds '\\udcff' at 2, which is not text \(a lone surrogate"),
+    ({"prompt": "a cat", "negative_prompt": ["x", 3]}, r"`negative_prompt` must be a str or a list of str but holds 3"),
+    ({"prompt": "a cat", "latents": torch.zeros(1, 4, 4, 4)},
+     r"`latents` has shape \(1, 4, 4, 4\) but this call \(1 image\(s\) of 64x64\) takes \(1, 4, "),
+    ({"prompt": "a cat", "image": np.full((64, 64, 3), np.nan, np.float32), "strength": 0.5},
+     r"`image` holds NaN or infinite values"),
+])
+def test_python_api_refuses_inputs_diffusers_cannot_take_in_one_line(torch_pipeline, call, message):
+    """Each is refused before anything runs, in one line: not a tokenizer's TypeError, nor advice to widen the
+    profile, nor a broken engine output."""
+    calls_before = dict(torch_pipeline.times.calls)
+    with pytest.raises(InvalidInput, match=message) as refused:
+        torch_pipeline(generator=torch.Generator().manual_seed(0), num_inference_steps=2, **call)
+    assert "\n" not in str(refused.value) and dict(torch_pipeline.times.calls) == calls_before
 
 
 def test_img2img_with_no_denoising_step_is_refused(torch_pipeline):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import multiprocessing
 import os
@@ -188,10 +189,26 @@ def test_clear_names_a_model_by_its_folder_not_by_its_name(tmp_path, monkeypatch
         cache.clear("tiny-sd")
 
 
-@pytest.mark.integration  # a generation in a fresh interpreter, as another user
-def test_a_warm_read_only_cache_serves_without_writing(tiny_dir, tiny_cache, tiny_compiled):
-    """A baked container image or a shared NFS cache: the engines are there and nothing may be written. The cache
-    copy is made read-only, and the generation runs as a user other than its owner (root bypasses file modes)."""
+def reaching_the_interpreter(as_user: list[str]) -> list[str]:
+    """What the other user needs to run this interpreter and the checkout's code: nothing where they are readable by
+    all, else (a checkout in a private folder: under /root, or made by mktemp -d) the capability to read and search
+    any folder (CAP_DAC_READ_SEARCH), which grants no write: the cache stays read-only to it. That files the cache
+    writes are readable by others is asserted apart (test_cache_files_are_readable_by_whom_the_cache_folder_is)."""
+    probe = [sys.executable, "-c", "import kasoku.cli"]
+    if subprocess.run([*as_user, *probe], capture_output=True).returncode == 0:
+        return []
+    caps = ["--inh-caps=+dac_read_search", "--ambient-caps=+dac_read_search"]
+    if subprocess.run([*as_user, *caps, *probe], capture_output=True).returncode != 0:
+        pytest.skip("the checkout's interpreter is in a private folder, and setpriv cannot grant another user "
+                    "CAP_DAC_READ_SEARCH here")
+    return caps
+
+
+@contextlib.contextmanager
+def read_only_copy(tiny_dir, cache_root, prepare=None):
+    """A baked container image or a shared NFS cache: a copy of the model and of the cache (after `prepare(model,
+    cache)`), the cache made read-only, and a runner of `python -m kasoku.cli` as a user other than its owner (root
+    bypasses file modes); yields (run, model, cache, out)."""
     import shutil
     import tempfile
     from pathlib import Path
@@ -201,28 +218,118 @@ def test_a_warm_read_only_cache_serves_without_writing(tiny_dir, tiny_cache, tin
         if shutil.which("setpriv") is None:
             pytest.skip("running as root without setpriv: no other user to run the read-only generation as")
         as_user = ["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups"]  # nobody
+        as_user += reaching_the_interpreter(as_user)
     root = Path(tempfile.mkdtemp(prefix="kasoku-read-only-"))
     try:
         os.chmod(root, 0o755)
         model, cache, out = root / "model", root / "cache", root / "out"
         shutil.copytree(tiny_dir, model)
-        shutil.copytree(tiny_cache.root, cache, ignore=shutil.ignore_patterns(".*.lock"))
+        shutil.copytree(cache_root, cache, ignore=shutil.ignore_patterns(".*.lock"))
+        if prepare is not None:
+            prepare(model, cache)
         out.mkdir(mode=0o777)
         os.chmod(out, 0o777)
         for path in (*cache.rglob("*"), cache):
             os.chmod(path, 0o555 if path.is_dir() else 0o444)
         for path in (*model.rglob("*"), model):
             os.chmod(path, 0o755 if path.is_dir() else 0o644)
-        before = _tree(cache)
         env = {**os.environ, "HOME": str(out), "HF_HUB_OFFLINE": "1"}
-        result = subprocess.run([*as_user, sys.executable, "-m", "kasoku.cli", "generate", str(model), "a cat",
-                                 "--backend", "onnxruntime", "--steps", "2", "--cache-dir", str(cache),
-                                 "-o", str(out / "cat.png")], env=env, capture_output=True, text=True, timeout=600)
-        assert result.returncode == 0, result.stdout + result.stderr
-        assert (out / "cat.png").stat().st_size > 0
-        assert _tree(cache) == before  # not a lock file, not a touched manifest
+
+        def run(*arguments: str):
+            return subprocess.run([*as_user, sys.executable, "-m", "kasoku.cli", *arguments], env=env,
+                                  capture_output=True, text=True, timeout=600)
+
+        yield run, model, cache, out
     finally:
         for path in (root, *root.rglob("*")):
             if path.is_dir():
                 os.chmod(path, 0o755)  # so that rmtree can empty it, whoever runs the tests
         shutil.rmtree(root, ignore_errors=True)
+
+
+@pytest.mark.integration  # a generation in a fresh interpreter, as another user
+def test_a_warm_read_only_cache_serves_without_writing(tiny_dir, tiny_cache, tiny_compiled):
+    with read_only_copy(tiny_dir, tiny_cache.root) as (run, model, cache, out):
+        before = _tree(cache)
+        result = run("generate", str(model), "a cat", "--backend", "onnxruntime", "--steps", "2", "--cache-dir",
+                     str(cache), "-o", str(out / "cat.png"))
+        assert result.returncode == 0, result.stdout + result.stderr
+        assert (out / "cat.png").stat().st_size > 0
+        assert _tree(cache) == before  # not a lock file, not a touched manifest
+
+
+@pytest.mark.integration  # kasoku compile, then generate and batch with default options as another user
+def test_generate_and_batch_with_default_options_use_what_kasoku_compile_built(tiny_dir, tiny_cache, tiny_compiled):
+    """`kasoku compile --backend onnxruntime` at build time; `generate` and `batch` with their default options
+    (`auto` backend, the call's own shape) on the read-only copy take the engines the cache holds."""
+    from kasoku.cli import main
+
+    def compile_into(model, cache):
+        assert main(["compile", str(model), "--backend", "onnxruntime", "--cache-dir", str(cache)]) == 0
+
+    with read_only_copy(tiny_dir, tiny_cache.root, compile_into) as (run, model, cache, out):
+        before = _tree(cache)
+        result = run("generate", str(model), "a cat", "--steps", "2", "--cache-dir", str(cache),
+                     "-o", str(out / "cat.png"))
+        assert result.returncode == 0, result.stdout + result.stderr
+        assert (out / "cat.png").stat().st_size > 0
+        jobs = out / "jobs.jsonl"
+        jobs.write_text('{"prompt": "a cat", "steps": 2}\n{"prompt": "a dog", "steps": 2}\n')
+        result = run("batch", str(model), str(jobs), "--out", str(out / "batch"), "--cache-dir", str(cache))
+        assert result.returncode == 0, result.stdout + result.stderr
+        assert len(list((out / "batch").glob("*.png"))) == 2
+        assert _tree(cache) == before
+
+
+def _private_blob(tmp):
+    """What OpenVINO does with its compiled blob: a file written with mode 0640."""
+    write_files(tmp)
+    os.chmod(tmp / "a.bin", 0o640)
+
+
+@pytest.mark.parametrize("root_mode, readable", [(0o755, True), (0o700, False)])
+def test_cache_files_are_readable_by_whom_the_cache_folder_is(tmp_path, root_mode, readable):
+    root = tmp_path / "cache"
+    root.mkdir(mode=root_mode)
+    os.chmod(root, root_mode)
+    entry = Cache(root).get_or_build({"kind": "e"}, _private_blob)
+    if readable:
+        assert all(p.stat().st_mode & 0o004 for p in (entry.path, *entry.path.rglob("*")))
+    else:  # a private cache: nothing is widened (its folder keeps other users out anyway)
+        assert (entry.path / "a.bin").stat().st_mode & 0o777 == 0o640
+
+
+def _look_up_as_another_user(root, parts, answers):
+    if os.geteuid() == 0:  # root reads every file: the lookup runs as nobody
+        os.setgid(65534)
+        os.setuid(65534)
+    try:
+        Cache(root).lookup(parts)
+        answers.put("served")
+    except Exception as error:  # noqa: BLE001 - the answer is what the test reads
+        answers.put(f"{type(error).__name__}: {error}")
+
+
+def test_an_unreadable_cache_file_is_named_as_unreadable_not_damaged():
+    """A forked process (the modules already loaded) of another user, or a file of mode 0 for a user who is not
+    root, reads an entry whose file it may not read: the file is named, with its owner and mode."""
+    import shutil
+    import tempfile
+    from pathlib import Path
+
+    folder = Path(tempfile.mkdtemp(prefix="kasoku-unreadable-"))
+    try:
+        os.chmod(folder, 0o755)
+        entry = Cache(folder / "cache").get_or_build({"kind": "e"}, write_files)
+        os.chmod(entry.path / "a.bin", 0o600 if os.geteuid() == 0 else 0o000)
+        context = multiprocessing.get_context("fork")
+        answers = context.Queue()
+        child = context.Process(target=_look_up_as_another_user, args=(folder / "cache", {"kind": "e"}, answers))
+        child.start()
+        answer = answers.get(timeout=60)
+        child.join(timeout=60)
+        assert answer.startswith("CacheError: cache file ") and "a.bin (owner " in answer, answer
+        assert "is unreadable by this user" in answer and "chmod -R a+rX" in answer and "damaged" not in answer
+    finally:
+        os.chmod(folder, 0o755)
+        shutil.rmtree(folder, ignore_errors=True)

@@ -168,7 +168,7 @@ def test_a_max_sequence_length_the_engines_do_not_serve_is_refused_first(compile
     fast = compiled[("sd3", "onnxruntime")]
     fast.times.reset()
     with pytest.raises(InvalidInput, match=r"`max_sequence_length` is 64 but the engines were compiled for 256 T5 "
-                                           r"tokens.*text_tokens=64.*--text-tokens 64"):
+                                           r"tokens.*text_tokens=64.*leave out `profile=`"):
         call(fast, "txt2img", max_sequence_length=64)
     assert not fast.times.calls  # refused before any engine ran
     assert fast.fixed_arguments == {"max_sequence_length": 256}

@@ -198,9 +198,13 @@ def test_a_pipeline_without_text_encoders_runs_on_prompt_embeddings(family, tmp_
             fast(**half, **call)
 
 
-def test_compile_refuses_what_is_not_a_live_pipeline(tiny_dir):
-    with pytest.raises(kasoku.KasokuError, match="kasoku compiles diffusers pipelines; None is a NoneType"):
+def test_compile_refuses_what_is_not_a_live_pipeline(tiny_dir, tiny_pipe):
+    with pytest.raises(kasoku.KasokuError, match=r"this is a NoneType \(not a pipeline\)"):
         kasoku.compile(None)
+    with pytest.raises(kasoku.KasokuError) as refused:
+        kasoku.compile(tiny_pipe.unet)
+    assert len(str(refused.value)) < 400 and "one component of a pipeline" in str(refused.value)  # no module repr
+    assert "`kasoku.compile(pipe)`, not `pipe.unet`" in str(refused.value)
     with pytest.raises(kasoku.KasokuError, match=r"for the folder or hub id .* use "
                                                  r"kasoku.KasokuPipeline.from_pretrained\(PATH\)"):
         kasoku.compile(str(tiny_dir))

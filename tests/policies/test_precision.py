@@ -112,6 +112,21 @@ def test_onnxruntime_refuses_bf16_and_int8_with_a_reason(tiny_dir, tmp_path, cap
     assert "onnxruntime backend cannot build bf16" in out and not (tmp_path / "c").exists()
 
 
+def test_the_bf16_advice_names_a_backend_only_where_it_builds_bf16():
+    from kasoku.backends.openvino import native_bf16
+
+    with pytest.raises(UnsupportedPrecision) as refused:
+        get_backend("onnxruntime").check_precision("bf16")
+    advice = str(refused.value)
+    assert ("use --backend openvino for bf16" in advice) == native_bf16()
+    if native_bf16():
+        get_backend("openvino").check_precision("bf16")  # what the advice names builds it
+    else:
+        assert "choose --precision fp32 or int8" in advice
+        with pytest.raises(UnsupportedPrecision):
+            get_backend("openvino").check_precision("bf16")
+
+
 def test_bf16_on_a_cpu_without_it_is_an_error_not_an_fp32_run(monkeypatch, tiny_pipe, tmp_path):
     import kasoku.backends.openvino as ov_backend
 

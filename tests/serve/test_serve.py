@@ -299,8 +299,14 @@ def test_bad_requests_are_400_saying_what_is_wrong_and_the_server_goes_on(server
         assert message in caught.value.message, (kwargs, caught.value.message)
     status, body = server.get("/nowhere")
     assert status == 404 and "error" in json.loads(body)
+    plain = urllib.request.Request(server.url + "/v1/images/generations", data=b'{"prompt": "a cat"}', method="POST",
+                                   headers={"Content-Type": "text/plain", "Authorization": f"Bearer {KEY}"})
+    with pytest.raises(urllib.error.HTTPError) as refused:
+        urllib.request.urlopen(plain, timeout=10)
+    answer = json.loads(refused.value.read())
+    assert refused.value.code == 400 and "`Content-Type: application/json`" in answer["error"]["message"]
     after = server.metrics()["kasoku_serve_errors_total{status=400}"]
-    assert after - before == len(BAD_GENERATIONS) + len(bad_edits)
+    assert after - before == len(BAD_GENERATIONS) + len(bad_edits) + 1
     answer = client.images.generate(prompt=PROMPT, extra_body={"seed": 1, "steps": STEPS})
     assert answer.data[0].seed == 1 and pixels(answer.data[0].b64_json).shape == (64, 64, 3)
 

@@ -48,8 +48,10 @@ def test_a_generation_becomes_one_job_per_image_each_with_its_seed():
 
 
 @pytest.mark.parametrize("body, message", [
-    ({}, "`prompt` must be a non-empty string but is null"),
-    ({"prompt": "  "}, "`prompt` must be a non-empty string"),
+    ({}, "`prompt` must be a string but is null"),
+    ({"prompt": 5}, "`prompt` must be a string but is 5"),
+    ({"prompt": "x", "size": "13x13"}, "Start `kasoku serve` with --size WxH to serve another (width and height "
+                                       "multiples of"),  # not a --size the server would refuse
     ({"prompt": "x", "size": "64x96"}, "`size` must be one of the sizes this server's engines serve (64x64, 96x64"),
     ({"prompt": "x", "n": 9}, "`n` must be an integer in 1..8"),  # --max-queue 8 holds at most 8
     ({"prompt": "x", "n": True}, "`n` must be an integer in 1..8 but is true"),
@@ -78,6 +80,10 @@ def test_bad_generation_fields_say_what_is_wrong(body, message):
         parse_generation(body, CONFIG)
     assert message in str(caught.value)
     assert caught.value.status == 400 and caught.value.body()["error"]["type"] == "invalid_request_error"
+
+
+def test_an_empty_prompt_is_a_prompt_as_in_diffusers_the_cli_and_python():
+    assert parse_generation({"prompt": ""}, CONFIG).prompt == ""
 
 
 def test_an_edit_reads_its_form_text_and_resizes_image_and_mask_to_the_size():

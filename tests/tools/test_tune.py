@@ -88,6 +88,27 @@ def test_winner_meets_min_psnr_on_fresh_prompts(tuned, tiny_pipe, tiny_cache):
 
 
 @A_TUNE
+def test_a_tuned_recipe_serves_other_shapes_within_its_bound(tuned, tiny_pipe, tiny_cache):
+    """Tuned at one shape (exact-shape engines), the recipe serves two prompts and another size: its engines grow,
+    and its precision and step caching still apply, within its bound of diffusers' fp32 image."""
+    from kasoku.pipeline.kasoku_pipeline import EnginesGrow
+
+    fast = kasoku.compile(tiny_pipe, "openvino", recipe="fastest", min_psnr=MIN_PSNR, cache_dir=tiny_cache.root)
+    assert fast.profile.is_static
+    calls = [dict(prompt=["a red car", "a blue boat"]), dict(prompt="a red car", height=SIZE // 2, width=SIZE // 2)]
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for call in calls:
+            kwargs = dict(num_inference_steps=STEPS, output_type="np", generator=torch.Generator().manual_seed(0))
+            image = fast(**call, **kwargs).images
+            assert (fast.last_step_cache is not None) == bool(tuned.winner.recipe.caching)
+            expected = tiny_pipe(**call, **{**kwargs, "generator": torch.Generator().manual_seed(0)}).images
+            assert psnr(expected, image) >= MIN_PSNR, call
+    assert [w for w in caught if issubclass(w.category, EnginesGrow)]
+    assert fast.compile_report.precisions["unet"] == tuned.winner.recipe.precision
+
+
+@A_TUNE
 def test_a_stricter_bound_picks_a_slower_closer_recipe(tuned):
     loose, strict = tuned.record.winner(MIN_PSNR), tuned.record.winner(math.inf)
     assert strict.recipe.is_reference

@@ -34,7 +34,17 @@ import torch
 from ..core.components import ComponentSpec, Precision
 from ..core.extras import ORT_CHOICE, MissingOnnxRuntime, import_onnxruntime, installed_ort_distributions, ort_conflict
 from ..core.weights import PROTO_LIMIT, as_numpy, onnx_files, save_with_weights, with_initializers
-from .base import Availability, Backend, BackendUnavailable, Engine, cpu_name, gpu_identity, load_bound, save_bound
+from .base import (
+    Availability,
+    Backend,
+    BackendUnavailable,
+    Engine,
+    UnsupportedPrecision,
+    cpu_name,
+    gpu_identity,
+    load_bound,
+    save_bound,
+)
 from .tensorrt import installed_trt_version, trt_precision_plan
 
 PROVIDERS = {
@@ -216,7 +226,7 @@ class OnnxRuntimeEngine(Engine):
 
 
 NO_BF16 = ("ONNX Runtime's CPU execution provider has no bfloat16 kernels (bf16 Conv and MatMul fail with "
-           "NOT_IMPLEMENTED; its only bf16 GEMM mode is ARM64-only); use --backend openvino for bf16")
+           "NOT_IMPLEMENTED; its only bf16 GEMM mode is ARM64-only)")
 
 
 class OnnxRuntimeBackend(Backend):
@@ -227,6 +237,15 @@ class OnnxRuntimeBackend(Backend):
     refused = {Precision.BF16: NO_BF16,
                Precision.INT8: "kasoku's int8 is NNCF's (the OpenVINO toolkit's quantizer), built on OpenVINO; "
                                "ONNX Runtime's own QDQ quantization is not driven by kasoku; use --backend openvino"}
+
+    def check_precision(self, precision: Precision | str) -> None:
+        if Precision(precision) == Precision.BF16:  # the advice depends on what this CPU runs
+            from .openvino import native_bf16
+
+            where = "use --backend openvino for bf16 (this CPU has native bf16)" if native_bf16() else \
+                "this CPU has no native bf16 either (AVX512-BF16 or AMX): choose --precision fp32 or int8"
+            raise UnsupportedPrecision(f"the {self.name} backend cannot build bf16: {NO_BF16}; {where}.")
+        super().check_precision(precision)
 
     def __init__(self, options=None, shared_dir=None, provider: str = "cpu"):
         super().__init__(options, shared_dir)

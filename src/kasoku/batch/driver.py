@@ -66,9 +66,31 @@ def prepare(model, jobs: list[Job], out_dir: str | Path, *, batch_size: int = DE
         options = options.replace(step_cache=True)
     out = check_output_dir(out_dir)
     cache = (options.cache_dir or default_cache_dir()).absolute()
-    recipe = PipelineRecipe(model=model, options=options.replace(cache_dir=cache, profile=profile),
-                            controlnets=controlnets)
+    options = options.replace(cache_dir=cache, profile=profile)
+    if height is None and width is None:  # engines the cache holds that serve every job come first
+        options = _cached_engines(reference, options, jobs, batch_size) or options
+    recipe = PipelineRecipe(model=model, options=options, controlnets=controlnets)
     return BatchPlan(jobs=jobs, out_dir=out, recipe=recipe, batch_size=batch_size, reference=reference)
+
+
+def _cached_engines(reference, options: CompileOptions, jobs: list[Job], batch_size: int) -> CompileOptions | None:
+    """The options of engines already in the cache that serve every job at `batch_size` (for the jobs' own profile,
+    else the model's default one; with the `auto` backend, those any backend built): what `kasoku compile` built
+    serves the batch, and a read-only cache is never asked to build."""
+    from dataclasses import replace
+
+    from ..build.compiler import cached_options
+    from ..core.components import ShapeOutOfProfile
+
+    base = reference.default_profile()
+    candidates = [options.profile]
+    for profile in (base, replace(base, guidance=options.profile.guidance)):
+        try:
+            check_jobs(jobs, profile, batch_size)
+        except (InvalidJobs, ShapeOutOfProfile):
+            continue
+        candidates.append(profile)
+    return cached_options(reference, options, list(dict.fromkeys(candidates)))
 
 
 def _needs_step_cache_graphs(jobs: list[Job], methods: tuple[str, ...]) -> bool:

@@ -291,6 +291,10 @@ class Compiler:
     # ---- stages ------------------------------------------------------------------------------
 
     def _record(self, spec: ComponentSpec, stage: str, status: str, entry: CacheEntry, seconds: float) -> None:
+        """One stage's record; an entry this compile built and then reads again (the export `auto` measures the
+        backends on, then builds the engine from) is its one `built` record, not a second `reused` one."""
+        if any(r.key == entry.key and r.component == spec.name and r.stage == stage for r in self.records):
+            return
         self.records.append(StageRecord(spec.name, stage, status, entry.key, seconds, entry.meta))
 
     def stage(self, spec: ComponentSpec, stage: str, parts: dict, build) -> CacheEntry:
@@ -687,6 +691,16 @@ def cached_profile(model, options: CompileOptions, profiles, *, cache: Cache | N
     """The first of `profiles` whose engines (every component `options` asks for) are all in the
     cache, or None; builds and measures nothing. `kasoku generate` asks this before it compiles a new
     exact-shape engine set: engines already built for a wider profile that serves the call are used."""
+    found = cached_options(model, options, profiles, cache=cache, other_backends=False)
+    return found.profile if found is not None else None
+
+
+def cached_options(model, options: CompileOptions, profiles, *, cache: Cache | None = None,
+                   other_backends: bool = True) -> CompileOptions | None:
+    """`options` with the profile, and for the `auto` backend the backend, of the first engine set the cache holds
+    for them (every component they ask for), or None; builds and measures nothing. For each of `profiles` in turn:
+    the backend asked (`auto`: what it chose before); then, where it is `auto` and `other_backends`, each CPU backend
+    that runs here, so that engines `kasoku compile --backend X` built serve a later command with default options."""
     if options.precision == FASTEST:
         return None
     model = Model.load(model, lazy=True)
@@ -695,11 +709,18 @@ def cached_profile(model, options: CompileOptions, profiles, *, cache: Cache | N
         return None
     cache = cache or Cache(root)
     model.remember_digests_under(root)
+    backends = [options.backend]
+    if options.backend == "auto" and other_backends:
+        from ..backends import cpu_candidates
+
+        backends += cpu_candidates()
     for profile in profiles:
         specs = model.specs(profile, requested_components(model, options), cache_branch=options.cache_branch)
-        compiler = Compiler(cache, options.replace(profile=profile))
-        if all(compiler.cached(spec) for spec in specs.values()):
-            return profile
+        for backend in backends:
+            candidate = options.replace(profile=profile, backend=backend)
+            compiler = Compiler(cache, candidate)
+            if all(compiler.cached(spec) for spec in specs.values()):
+                return candidate
     return None
 
 

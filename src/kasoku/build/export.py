@@ -105,10 +105,17 @@ def _torchscript_dynamic_axes(spec: ComponentSpec) -> dict[str, dict[int, str]]:
 
 @contextlib.contextmanager
 def _quiet_exporter():
-    """The exporters print progress and warnings meant for their developers, not our users."""
-    with warnings.catch_warnings(), contextlib.redirect_stdout(io.StringIO()):
-        warnings.simplefilter("ignore")
-        yield
+    """The exporters print progress and warnings meant for their developers, not our users: among them four lines per
+    export that torchvision's optional operators are skipped (kasoku exports none)."""
+    registration = logging.getLogger("torch.onnx._internal.exporter._registration")
+    level = registration.level
+    registration.setLevel(logging.ERROR)
+    try:
+        with warnings.catch_warnings(), contextlib.redirect_stdout(io.StringIO()):
+            warnings.simplefilter("ignore")
+            yield
+    finally:
+        registration.setLevel(level)
 
 
 def _weights_to_inputs(graph, names: set[str]) -> None:

@@ -39,6 +39,13 @@ class CacheCommand(Command):
         budget = parse_size(args.max_size) if args.max_size is not None else None
         cache = Cache(args.cache_dir)
         if args.action == "clear":
+            if args.model and not cache.entries_of(args.model):
+                from pathlib import Path
+
+                what = "" if Path(args.model).expanduser().exists() or not cache.list() else \
+                    f" ({args.model} is neither a folder here nor a model the cache lists)"
+                raise KasokuError(f"the cache {cache.root} holds no entries of {args.model}{what}; `kasoku cache ls` "
+                                  "lists the models it holds.")
             removed = cache.clear(args.model)
             console.print(f"removed {removed} entr{'y' if removed == 1 else 'ies'} from {cache.root}")
             return 0

@@ -51,9 +51,8 @@ class Verify(Command):
         add_json(p)
 
     def run(self, args: argparse.Namespace) -> int:
-        from rich.markdown import Markdown
 
-        from ..core.console import console, stage, write_json
+        from ..core.console import console, show_markdown, stage, write_json
         from ..tools.verification import markdown, verify
 
         options = options_from_args(args, profile_from_args(args)).replace(onnx_dir=args.onnx)
@@ -62,7 +61,7 @@ class Verify(Command):
                             options=options,
                             image=not args.no_image, on_stage=show_stage, ip_adapter=ip_adapter_files(args),
                             **step_caching_from_args(args))
-        console.print(Markdown(markdown(report)))
+        show_markdown(markdown(report))
         for line in (c.line() for c in report.components if not c.passed):
             console.print(line, markup=False)
         if args.json:
@@ -96,9 +95,8 @@ class Bench(Command):
         add_engine_arguments(p)
 
     def run(self, args: argparse.Namespace) -> int:
-        from rich.markdown import Markdown
 
-        from ..core.console import console, stage, write_json
+        from ..core.console import console, progress_line, show_markdown, stage, write_json
         from ..core.errors import KasokuError
         from ..tools.benchmark import bench, check_contenders, markdown, plot
 
@@ -112,8 +110,8 @@ class Bench(Command):
             report = bench(args.model, contenders, controlnet=controlnet, steps=args.steps, repeats=args.repeats,
                            profile=profile_from_args(args), components=args.components, cache_dir=args.cache_dir,
                            threads=args.threads, end_to_end=not args.components_only,
-                           log=lambda message: console.log(message), ip_adapter=ip_adapter_files(args))
-        console.print(Markdown(markdown(report)))
+                           log=progress_line, ip_adapter=ip_adapter_files(args))
+        show_markdown(markdown(report))
         if args.json:
             write_json(args.json, report)
         if args.plot:
@@ -166,9 +164,8 @@ class Tune(Command):
         add_json(p)
 
     def run(self, args: argparse.Namespace) -> int:
-        from rich.markdown import Markdown
 
-        from ..core.console import console, steps_bar, write_json
+        from ..core.console import console, show_markdown, steps_bar, write_json
         from ..core.errors import KasokuError
         from ..core.options import DEFAULT_MIN_PSNR
         from ..tools.tune import markdown, plot, tune
@@ -193,7 +190,7 @@ class Tune(Command):
                           precisions=[p for p in args.precisions.split(",") if p.strip()],
                           range_engines=args.range_engines, cache_dir=args.cache_dir, threads=args.threads,
                           restart=args.restart, on_trial=on_trial, on_stage=show_stage)
-        console.print(Markdown(markdown(report)))
+        show_markdown(markdown(report))
         if report.resumed:
             console.print(f"resumed: {report.resumed} trial(s) were measured by an earlier run", markup=False)
         console.print(f"record: {report.path}", markup=False)

@@ -80,9 +80,13 @@ class Generate(Command):
         p.add_argument("--seed", type=seed, default=0, help="generator seed, 0..2**63-1 (default 0)")
         p.add_argument("--num-images", type=positive_int, default=1, help="images per prompt (default 1)")
         p.add_argument("--height", type=positive_int, default=None,
-                       help="image height in pixels, a multiple of 8 (default: the model's native)")
+                       help="image height in pixels, a multiple of the model's size step (8 x 2^levels for a "
+                            "U-Net: 16 for the tiny SD, 64 for SD 1.5; 16 for SD3 and Flux; default: the model's "
+                            "native)")
         p.add_argument("--width", type=positive_int, default=None,
-                       help="image width in pixels, a multiple of 8 (default: the model's native)")
+                       help="image width in pixels, a multiple of the model's size step (8 x 2^levels for a "
+                            "U-Net: 16 for the tiny SD, 64 for SD 1.5; 16 for SD3 and Flux; default: the model's "
+                            "native)")
         p.add_argument("--image", type=Path, help="img2img / inpaint: the input image")
         p.add_argument("--strength", type=fraction, default=None,
                        help="img2img / inpaint strength in [0, 1] (default 0.8)")
@@ -136,7 +140,8 @@ class Generate(Command):
         reference = Model.load(args.model, lazy=True, controlnet=controlnets_from_args(args),
                                tiny_vae=tiny_vae_from_args(args), label=str(args.model))
         native = reference.native_size
-        check_size(args.height or native, args.width or native)  # before a compile that could take minutes
+        # before a compile that could take minutes
+        check_size(args.height or native, args.width or native, reference.pixel_multiple)
         shape = _call_shape(args, image or (controls[0] if controls else None), reference)
         if controls:
             from ..pipeline.checks import check_control_images
@@ -148,7 +153,7 @@ class Generate(Command):
         steps, guidance = reference.command_defaults(scheduler)  # a few-step scheduler's, else the family's
         args.steps = args.steps or steps
         args.guidance = guidance if args.guidance is None else args.guidance
-        options = options.replace(profile=_profile_for(args, shape, reference, options), cuda_graph=args.cuda_graph)
+        options = _engines_for(args, shape, reference, options).replace(cuda_graph=args.cuda_graph)
         kwargs = _call_arguments(args, image, mask, controls)
         if "use_resolution_binning" in inspect.signature(type(reference.pipe).__call__).parameters:
             kwargs["use_resolution_binning"] = False  # engines are built for the size asked; binning renders another
@@ -269,20 +274,21 @@ def _call_shape(args: argparse.Namespace, image, pipe):
     return ImageShape(args.num_images, height, width)
 
 
-def _profile_for(args: argparse.Namespace, shape, pipe, options):
-    """What `generate` compiles for: engines already in the cache that serve this call (built for the
-    exact shape, or for the model's default range), else exact-shape engines for this call's size,
-    image count and guidance (static shapes: faster on CPU backends, see the README)."""
-    from ..build.compiler import cached_profile
+def _engines_for(args: argparse.Namespace, shape, pipe, options):
+    """The options of the engines `generate` runs: engines already in the cache that serve this call (built for the
+    exact shape, or for the model's default range; with the `auto` backend, also those `kasoku compile --backend X`
+    built), else exact-shape engines for this call's size, image count and guidance (static shapes: faster on CPU
+    backends, see the README), built where the cache is writable."""
+    from ..build.compiler import cached_options
     from ..core.components import ShapeProfile
 
     base = dataclasses.replace(pipe.default_profile(), text_tokens=args.text_tokens)
     guided = pipe.doubles_batch({"guidance_scale": args.guidance})
     exact = ShapeProfile.exact(shape, guidance=guided, multiple=base.multiple, text_tokens=args.text_tokens)
     if args.cuda_graph:  # a CUDA graph replays one shape: exact-shape engines only
-        return exact
+        return options.replace(profile=exact)
     served = [p for p in (exact, base) if p.serves(shape, guided)]
-    return cached_profile(pipe, options, served) or exact
+    return cached_options(pipe, options, served) or options.replace(profile=exact)
 
 
 class Batch(Command):

@@ -64,6 +64,33 @@ def default_cache_dir() -> Path:
     return Path(os.environ.get("KASOKU_CACHE") or Path.home() / ".cache" / "kasoku").expanduser()
 
 
+def unreadable_files(folder: Path) -> list[str]:
+    """The files under `folder` this process may not read, each with its owner and mode."""
+    import pwd
+
+    found = []
+    for path in sorted(p for p in Path(folder).rglob("*") if p.is_file() and not os.access(p, os.R_OK)):
+        info = path.stat()
+        try:
+            owner = pwd.getpwuid(info.st_uid).pw_name
+        except KeyError:
+            owner = str(info.st_uid)
+        found.append(f"{path} (owner {owner}, mode {info.st_mode & 0o777:04o})")
+    return found
+
+
+def readable_as(folder: Path, root: Path) -> None:
+    """Every file and folder under `folder` readable by whom the cache folder `root` is readable by: a cache built in
+    CI and served by a container's user, or shared on a volume, serves other users. (OpenVINO writes its compiled
+    blob with mode 0640; a private cache folder, 0700, keeps its entries private whatever their modes.)"""
+    shared = root.stat().st_mode & 0o055  # read (and, for folders, search) by group and others
+    for path in (folder, *folder.rglob("*")):
+        mode = path.stat().st_mode
+        wanted = mode | (shared if path.is_dir() else shared & 0o044)
+        if wanted != mode:
+            os.chmod(path, wanted)
+
+
 def digest_key(parts: dict[str, Any]) -> str:
     """The entry name: SHA-256 of the key parts as canonical JSON."""
     canonical = json.dumps({"format": FORMAT_VERSION, **parts}, sort_keys=True, default=str)
@@ -137,6 +164,11 @@ class Cache:
 
     def __init__(self, root: str | Path | None = None):
         self.root = Path(root).expanduser() if root else default_cache_dir()
+        if self.root.exists() and not self.root.is_dir():  # every command's first touch of the cache says so
+            where = "--cache-dir, cache_dir=" if root else \
+                ("KASOKU_CACHE" if os.environ.get("KASOKU_CACHE") else "the default")
+            raise CacheError(f"the cache {self.root} ({where}) is a file, not a folder; point KASOKU_CACHE (or "
+                             "--cache-dir) at a folder, or unset it for ~/.cache/kasoku.")
         self.entries = self.root / ENTRIES  # created when the first entry is built: reading or listing writes nothing
         self.events: list[tuple[str, str, str]] = []  # (kind, key, "built" | "reused" | "rebuilt")
 
@@ -250,6 +282,7 @@ class Cache:
                 "built_by_pid": os.getpid(),
             }
             (tmp / MANIFEST).write_text(to_json(manifest, indent=2, sort_keys=True))  # strict JSON
+            readable_as(tmp, self.root)
             os.replace(tmp, final)
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)
@@ -276,6 +309,10 @@ class Cache:
                 return f"{name} is missing"
             if file.stat().st_size != info["size"]:
                 return f"{name} has {file.stat().st_size} bytes, the manifest says {info['size']}"
+            if not os.access(file, os.R_OK):  # another user's file: not damaged, and building again would not help
+                raise CacheError(f"cache file {', '.join(unreadable_files(path))} is unreadable by this user "
+                                 f"({os.getuid()}); make the cache readable (`chmod -R a+rX {self.root}`) or run as "
+                                 "its owner.")
             if checksums and file_sha256(file) != info["sha256"]:
                 return f"{name} does not match its checksum"
         return None

@@ -99,21 +99,48 @@ class ShapeProfile:
     def range_text(self, dim: str) -> str:
         return f"{getattr(self.min, dim)}..{getattr(self.max, dim)}"
 
-    def check(self, shape: ImageShape) -> None:
-        """Raise :class:`ShapeOutOfProfile` naming the allowed range when `shape` is not served."""
+    def check(self, shape: ImageShape, *, python: bool = False) -> None:
+        """Raise :class:`ShapeOutOfProfile` naming the allowed range when `shape` is not served, and how to widen it:
+        the CLI flag, or with `python` (the caller is Python code) the `profile=` to compile with."""
         for dim in IMAGE_DIMS:
             value = getattr(shape, dim)
             lo, hi = getattr(self.min, dim), getattr(self.max, dim)
             if not lo <= value <= hi:
-                flag = f"--{dim} {min(lo, value)}:{max(hi, value)}"
-                raise ShapeOutOfProfile(
-                    f"{dim}={value} is outside the compiled profile ({dim} {lo}..{hi}). "
-                    f"Compile a wider profile, e.g. `kasoku compile MODEL {flag}`."
-                )
+                raise ShapeOutOfProfile(f"{dim}={value} is outside the compiled profile ({dim} {lo}..{hi}). "
+                                        + self.covering(self._on_step(shape)).widening_advice(dim, python))
             if dim != "batch" and value % self.multiple:
                 raise ShapeOutOfProfile(
                     f"{dim}={value} must be a multiple of {self.multiple} for this model."
                 )
+
+    def _on_step(self, shape: ImageShape) -> ImageShape:
+        """`shape` with its height and width on this profile's step: up above its range, down below it."""
+        def fit(dim: str) -> int:
+            value, step = getattr(shape, dim), self.multiple
+            return -(-value // step) * step if value > getattr(self.max, dim) else max(value // step * step, step)
+
+        return ImageShape(shape.batch, fit("height"), fit("width"))
+
+    def widening_advice(self, dim: str, python: bool) -> str:
+        """How to compile this profile: the CLI flag of `dim`, or the Python `profile=` (and its growing default)."""
+        if not python:
+            flag = f"--{dim} {self.range_text(dim).replace('..', ':')}"
+            return f"Compile a wider profile, e.g. `kasoku compile MODEL {flag}`."
+        ranges = ", ".join(f"{d}=({getattr(self.min, d)}, {getattr(self.opt, d)}, {getattr(self.max, d)})"
+                           for d in IMAGE_DIMS)
+        return (f"Compile a wider profile, e.g. `kasoku.compile(pipe, profile=ShapeProfile.from_ranges({ranges}, "
+                f"multiple={self.multiple}))`, or leave out `profile=` and `strict_shapes=True`: the engines then grow "
+                "with the calls.")
+
+    def covering(self, shape: ImageShape, guidance: bool | None = None, text_tokens: int | None = None
+                 ) -> ShapeProfile:
+        """This profile widened to serve `shape` too; calls with and without guidance where it served only the other
+        (`guidance`), and `text_tokens` where given. The optimum stays."""
+        low = ImageShape(*(min(getattr(self.min, d), getattr(shape, d)) for d in IMAGE_DIMS))
+        high = ImageShape(*(max(getattr(self.max, d), getattr(shape, d)) for d in IMAGE_DIMS))
+        both = guidance is not None and self.guidance not in (None, guidance)
+        return ShapeProfile(low, self.opt, high, self.multiple, None if both else self.guidance,
+                            text_tokens or self.text_tokens)
 
     def to_dict(self) -> dict:
         data = {

@@ -35,10 +35,25 @@ def quiet_third_party_logs() -> None:
     transformers.utils.logging.set_verbosity_error()
 
 
+def show_markdown(text: str) -> None:
+    """A markdown report: rendered on a terminal; as its text where piped (a log, CI), so that no table is cut."""
+    if console.is_terminal:
+        from rich.markdown import Markdown
+
+        console.print(Markdown(text))
+    else:
+        console.print(text, markup=False, highlight=False, soft_wrap=True)
+
+
+def progress_line(message: str) -> None:
+    """One line of a slow command's progress, with the time (not the source line rich's `console.log` adds)."""
+    console.print(f"[{time.strftime('%H:%M:%S')}] {message}", markup=False, highlight=False)
+
+
 def table(title: str, columns: Sequence[str], rows: Sequence[Sequence[Any]]) -> Table:
     out = Table(title=title, title_justify="left")
     for column in columns:
-        out.add_column(column)
+        out.add_column(column, overflow="fold")  # piped into a narrow log, a cell wraps: nothing is cut
     for row in rows:
         out.add_row(*(str(c) for c in row))
     return out

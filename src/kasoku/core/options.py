@@ -49,6 +49,9 @@ class CompileOptions:
     precision: Precision | str | Mapping[str, Precision] = Precision.FP32
     min_psnr: float = DEFAULT_MIN_PSNR  # with FASTEST (precision or recipe): the image drift a choice must stay within
     profile: ShapeProfile | None = None  # None: the model's default (half to double its native size)
+    # a KasokuPipeline compiled without `profile` builds engines for a call outside the profile (they grow with the
+    # calls); True refuses such a call instead, as an explicit profile does (a promise kept: no build mid-serving)
+    strict_shapes: bool = False
     components: tuple[str, ...] | None = None  # None: every component the model has
     cache_dir: Path | None = None  # None: $KASOKU_CACHE or ~/.cache/kasoku
     threads: int | None = None  # CPU threads per engine; None: the runtime's default

@@ -96,9 +96,13 @@ def family_of(pipe) -> Family:
     from diffusers import DiffusionPipeline
 
     if not isinstance(pipe, DiffusionPipeline):
-        raise NotADiffusersPipeline(f"kasoku compiles diffusers pipelines; {pipe!r} is a {type(pipe).__name__}. Load "
-                                    "one with diffusers (`StableDiffusionPipeline.from_pretrained(DIR)`), or give "
-                                    "the folder to kasoku.KasokuPipeline.from_pretrained.")
+        import torch
+
+        what = "a model, one component of a pipeline" if isinstance(pipe, torch.nn.Module) else "not a pipeline"
+        raise NotADiffusersPipeline(f"kasoku compiles diffusers pipelines, and this is a {type(pipe).__name__} "
+                                    f"({what}). Give the whole pipeline (`kasoku.compile(pipe)`, not `pipe.unet`), "
+                                    "load one with diffusers (`StableDiffusionPipeline.from_pretrained(DIR)`), or "
+                                    "give its folder to kasoku.KasokuPipeline.from_pretrained.")
     components = pipe.components
     return classify(type(pipe).__name__, components, {name: _config(module) for name, module in components.items()},
                     where=type(pipe).__name__)

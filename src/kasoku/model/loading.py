@@ -16,6 +16,7 @@ from typing import Any
 import torch
 
 from ..architectures.base import module_at
+from ..core.cache import unreadable_files
 from ..core.errors import KasokuError, NotADiffusersPipeline
 from ..families import FAMILIES, SUPPORTED_PIPELINES, detect_family, family_of, read_model_index
 
@@ -78,6 +79,18 @@ def check_component_folders(folder: Path) -> None:
             raise ModelNotFound(f"{folder} is incomplete: model_index.json lists {name} ({value[1]}) but there is no "
                                 f"{folder / name} folder. This is not a network problem: copy the whole pipeline "
                                 "folder again, or save it with `pipe.save_pretrained(DIR)`.")
+        component = folder / name
+        if listed and (component / "config.json").is_file() and not _has_weights(component):
+            raise ModelNotFound(f"{folder} is incomplete: {component} has a config.json but no weights file "
+                                "(*.safetensors, *.bin, or a sharded index). This is not a network problem: copy the "
+                                "whole pipeline folder again, or save it with `pipe.save_pretrained(DIR)`.")
+
+
+def _has_weights(component: Path) -> bool:
+    """Whether a model's folder holds its weights (a model's config.json beside them; tokenizers, schedulers and
+    image processors have none)."""
+    return any(component.glob("*.safetensors")) or any(component.glob("*.bin")) or \
+        any(component.glob("*.index.json")) or any(component.glob("*.gguf"))
 
 
 class DamagedModel(KasokuError, OSError):
@@ -85,7 +98,12 @@ class DamagedModel(KasokuError, OSError):
 
 
 def damaged_component(folder: Path, error: Exception) -> DamagedModel:
-    """What is wrong with a folder that diffusers or transformers could not load, naming its files."""
+    """What is wrong with a folder that diffusers or transformers could not load, naming its files: unreadable ones
+    (another user's, mode 0600 or 0640) as such, else damaged, truncated or missing ones."""
+    unreadable = unreadable_files(folder)
+    if unreadable:
+        return DamagedModel(f"{folder} cannot be loaded: this user ({os.getuid()}) may not read "
+                            f"{', '.join(unreadable)}. Make them readable (`chmod a+r FILE`) or run as their owner.")
     files = sorted(p.name for p in Path(folder).glob("*") if p.is_file())
     reason = str(error).splitlines()[0] if str(error) else ""
     return DamagedModel(f"{folder} cannot be loaded ({type(error).__name__}: {reason}); its files "

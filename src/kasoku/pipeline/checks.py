@@ -56,6 +56,28 @@ def check_image_type(name: str, value) -> None:
                 hint = " (a path: open it first, `PIL.Image.open(path)`)" if isinstance(one, (str, Path)) else ""
                 raise InvalidInput(f"`{name}` must be a PIL image, a numpy array or a torch tensor (or a list of them) "
                                    f"but is a {type(one).__name__}{hint}.")
+            finite = torch.isfinite(one).all() if isinstance(one, torch.Tensor) and one.is_floating_point() else \
+                np.isfinite(one).all() if isinstance(one, np.ndarray) and one.dtype.kind == "f" else True
+            if not finite:
+                raise InvalidInput(f"`{name}` holds NaN or infinite values; give an image of finite values.")
+
+
+def check_text(name: str, value) -> None:
+    """A text argument is what the tokenizers take: a str or a list of str, of valid Unicode."""
+    if value is None:
+        return
+    for item in value if isinstance(value, (list, tuple)) else [value]:
+        if isinstance(item, (bytes, bytearray)):
+            raise InvalidInput(f"`{name}` must be a str or a list of str but holds bytes; decode them first "
+                               "(`text.decode('utf-8')`).")
+        if not isinstance(item, str):
+            raise InvalidInput(f"`{name}` must be a str or a list of str but holds {item!r} ({type(item).__name__}).")
+        try:
+            item.encode("utf-8")
+        except UnicodeEncodeError as error:
+            raise InvalidInput(f"`{name}` holds {item[error.start]!r} at {error.start}, which is not text (a lone "
+                               "surrogate, as `errors='surrogateescape'` decoding leaves); give valid Unicode."
+                               ) from None
 
 
 # The largest image a model is asked for, per side, in units of its native size: beyond it a call would build
@@ -72,10 +94,13 @@ def check_bound(model: Model, height: int, width: int) -> None:
                                f"native {model.native_size} = {bound} pixels per side.")
 
 
-def check_size(height: int | None, width: int | None) -> None:
-    """diffusers' rule for every Stable Diffusion pipeline (the VAE's 8x latent)."""
-    if (height or 0) % 8 or (width or 0) % 8:
-        raise InvalidInput(f"`height` and `width` have to be divisible by 8 but are {height} and {width}.")
+def check_size(height: int | None, width: int | None, multiple: int = 8) -> None:
+    """Sizes the engines serve: multiples of the model's pixel step (`multiple`: diffusers' 8 for the VAE's latent,
+    more where the denoiser halves the latent, 2 x 8 x 2**levels for a U-Net, or packs patches)."""
+    if (height or 0) % multiple or (width or 0) % multiple:
+        more = "" if multiple == 8 else " for this model's engines (diffusers' pipeline takes multiples of 8; " \
+            "its denoiser needs the larger step)"
+        raise InvalidInput(f"`height` and `width` must be multiples of {multiple}{more} but are {height} and {width}.")
 
 
 def _is_count(value: Any) -> bool:
@@ -129,6 +154,9 @@ def task_of(image=None, mask_image=None) -> str:
     return "img2img" if image is not None else "txt2img"
 
 
+# diffusers' limit on `max_sequence_length` (T5's): engines are not grown past it.
+MOST_TEXT_TOKENS = 512
+
 # The texts a call may give besides `prompt`: any of them is encoded, so the text encoders' engines are needed.
 PROMPT_TEXTS = ("prompt_2", "prompt_3", "negative_prompt", "negative_prompt_2", "negative_prompt_3")
 
@@ -136,11 +164,15 @@ PROMPT_TEXTS = ("prompt_2", "prompt_3", "negative_prompt", "negative_prompt_2", 
 class CallChecks:
     """The checks of one pipeline's calls. `components` is the engines it has (a live mapping: the step-cache
     engines join it later) or will have; `scheduler` gives the scheduler a call runs (it can be swapped);
-    `can_build_step_cache` whether step-cache engines missing now can be built at the first cached call."""
+    `can_build_step_cache` whether step-cache engines missing now can be built at the first cached call. With `grows`,
+    a call the profile does not serve passes, and :meth:`check` returns the profile that serves it; `python` says
+    that the caller is Python code (advice names the Python option, not the CLI flag)."""
 
     def __init__(self, model: Model, profile: ShapeProfile, components: Container[str], *,
-                 scheduler: Callable[[], Any] | None = None, can_build_step_cache: bool = True):
+                 scheduler: Callable[[], Any] | None = None, can_build_step_cache: bool = True,
+                 grows: bool = False, python: bool = False):
         self.model = model
+        self.grows, self.python = grows, python
         self.family = model.family
         self.profile = profile
         self.components = components
@@ -154,9 +186,11 @@ class CallChecks:
     def scheduler(self):
         return self._scheduler()
 
-    def check(self, task: str, prompt, image=None, mask_image=None, control_image=None, **kwargs) -> None:
+    def check(self, task: str, prompt, image=None, mask_image=None, control_image=None, **kwargs
+              ) -> ShapeProfile | None:
         """Everything an engine cannot serve, as one clear error before anything runs. Step caching's arguments
-        (kasoku.core.step_cache.StepCaching.ARGUMENTS) are among `kwargs`."""
+        (kasoku.core.step_cache.StepCaching.ARGUMENTS) are among `kwargs`. Where the engines grow, a call outside the
+        profile passes: the profile that serves it too is returned (None: the compiled profile serves it)."""
         caching = self.step_caching({name: kwargs.pop(name) for name in StepCaching.ARGUMENTS if name in kwargs})
         # another family's argument, or ControlNet's on a plain pipeline: said so by the checks below
         others = {*family_only_arguments(), *([] if self.controlnets else CONTROL_ARGUMENTS)}
@@ -164,6 +198,8 @@ class CallChecks:
         self._check_family_arguments(kwargs)
         for name, value in (("image", image), ("mask_image", mask_image), ("control_image", control_image)):
             check_image_type(name, value)
+        for name in ("prompt", *PROMPT_TEXTS):
+            check_text(name, prompt if name == "prompt" else kwargs.get(name))
         if isinstance(prompt, list) and not prompt:
             raise InvalidInput("`prompt` is an empty list; give at least one prompt.")
         if prompt is None and kwargs.get("prompt_embeds") is None:
@@ -192,16 +228,11 @@ class CallChecks:
         per_prompt = kwargs.get("num_images_per_prompt")
         if per_prompt is not None and (not _is_count(per_prompt) or per_prompt < 1):
             raise InvalidInput(f"`num_images_per_prompt` must be a positive int but is {per_prompt!r}.")
-        self.profile.check(ImageShape(batch=prompts * (per_prompt or 1), height=height, width=width))
         guided = self.model.doubles_batch(kwargs)  # classifier-free guidance: the family's rule
-        if self.profile.guidance is not None and self.profile.guidance != guided:
-            compiled = "with" if self.profile.guidance else "without"
-            given = kwargs.get("guidance_scale", self.family.call_default("guidance_scale",
-                                                                           source=type(self.model.pipe).__name__))
-            raise InvalidInput(f"these engines were compiled for calls {compiled} classifier-free guidance "
-                               f"(exact-shape engines) but `guidance_scale` is {given}; "
-                               "compile for this call (kasoku generate does) or a profile with guidance=None.")
-        self._check_text_tokens(kwargs)
+        shape = ImageShape(batch=prompts * (per_prompt or 1), height=height, width=width)
+        if task != "img2img":  # img2img makes its latents from the image
+            self._check_latents(kwargs.get("latents"), shape)
+        profile = self._serving_profile(shape, guided, kwargs)
         self._check_image_prompts(kwargs, guided, caching)
         encoded = self._prompts_encoded(prompt, kwargs, guided)
         # (a generic family's text encoder the pipeline never calls as a module, Ideogram 4's, runs in torch)
@@ -210,7 +241,7 @@ class CallChecks:
             raise InvalidInput(f"this {self.family.title} pipeline has no text encoders (loaded with "
                                f"text_encoder=None): give {wanted} as a pipeline with them encodes the prompts (its "
                                "`encode_prompt`), and no prompt text.")
-        self._check_prompt_embeds(kwargs)
+        self._check_prompt_embeds(kwargs, profile)
         missing = [name for name in self.model.task_components(task) if name not in self.components
                    and not (encoded and name in self.family.text_encoders)]
         if missing:
@@ -219,6 +250,72 @@ class CallChecks:
         if task not in self.model.tasks:
             raise InvalidInput("this is an inpainting model (its U-Net also reads the mask): give `image` and "
                                "`mask_image`.")
+        return None if profile is self.profile else profile
+
+    def _check_latents(self, latents, shape: ImageShape) -> None:
+        """Given latents of an image-shaped layout (not a transformer's packed tokens, Flux's) must be the call's:
+        (images, the VAE's latent channels, height / its factor, width / its factor)."""
+        dims = tuple(getattr(latents, "shape", ()))
+        config = getattr(getattr(self.model.pipe, "vae", None), "config", None)
+        factor = getattr(self.model.pipe, "vae_scale_factor", None)
+        if len(dims) != 4 or config is None or not factor or "latent_channels" not in config:
+            return
+        expected = (shape.batch, config.latent_channels, shape.height // factor, shape.width // factor)
+        if dims != expected:
+            raise InvalidInput(f"`latents` has shape {dims} but this call ({shape.batch} image(s) of {shape.height}x"
+                               f"{shape.width}) takes {expected}: images x the VAE's latent channels x height / "
+                               f"{factor} x width / {factor}.")
+
+    def _serving_profile(self, shape: ImageShape, guided: bool, kwargs) -> ShapeProfile:
+        """The compiled profile where it serves the call (its images and size, guidance, text tokens); else, where
+        the engines grow, the profile that serves the old range and this call; else the refusal, with the option
+        that widens the profile."""
+        tokens = self._text_tokens_asked(kwargs)
+        if self.profile.serves(shape, guided) and tokens is None:
+            return self.profile
+        if self.grows:
+            return self._grown_profile(shape, guided, tokens)
+        self.profile.check(shape, python=self.python)
+        if self.profile.guidance is not None and self.profile.guidance != guided:
+            compiled = "with" if self.profile.guidance else "without"
+            given = kwargs.get("guidance_scale", self.family.call_default("guidance_scale",
+                                                                           source=type(self.model.pipe).__name__))
+            remedy = "compile a profile with guidance=None (`ShapeProfile.from_ranges(..., guidance=None)`), or " \
+                "leave out `profile=` and `strict_shapes=True`: the engines then grow with the calls" if self.python \
+                else "compile for this call (kasoku generate does) or a profile with guidance=None"
+            raise InvalidInput(f"these engines were compiled for calls {compiled} classifier-free guidance "
+                               f"(exact-shape engines) but `guidance_scale` is {given}; {remedy}.")
+        compiled = self.family.text_tokens(self.profile)
+        remedy = f"`ShapeProfile(..., text_tokens={tokens})`, or leave out `profile=` and `strict_shapes=True`: the " \
+            "engines then grow with the calls" if self.python else f"`kasoku compile --text-tokens {tokens}`"
+        raise InvalidInput(f"`max_sequence_length` is {tokens!r} but the engines were compiled for {compiled} T5 "
+                           f"tokens; compile with that many ({remedy}) or call without it.")
+
+    def _grown_profile(self, shape: ImageShape, guided: bool, tokens: int | None) -> ShapeProfile:
+        """The profile engines grow to for a call of `shape`: every size the model serves (its pixel step to
+        MAX_SIZE_FACTOR x native, per side), and twice the images where the call has more than the profile, so that
+        one build serves the calls that follow too (a dynamic engine serves its whole range at the same speed; the
+        optimum, which TensorRT tunes for, stays)."""
+        profile, step = self.profile, self.profile.multiple
+        bound = MAX_SIZE_FACTOR * self.model.native_size // step * step
+        images = max(shape.batch, 2 * profile.max.batch) if shape.batch > profile.max.batch else shape.batch
+        return profile.covering(ImageShape(1, step, step)).covering(ImageShape(images, bound, bound)) \
+            .covering(shape, guided, tokens)
+
+    def _text_tokens_asked(self, kwargs) -> int | None:
+        """The long-prompt encoder's tokens a call asks for where they are not the profile's (None: they are, or the
+        family has no such encoder). A call without `max_sequence_length` asks for diffusers' default where the
+        engines grow, and for the engines' own under an explicit profile (:attr:`fixed_arguments`)."""
+        compiled = self.family.text_tokens(self.profile)
+        given = kwargs.get("max_sequence_length")
+        if given is None and self.grows:  # diffusers' own default, as the call means it (not the engines' last)
+            given = self.family.default_text_tokens
+        if compiled is None or given is None or given == compiled:
+            return None
+        if not _is_count(given) or not 1 <= given <= MOST_TEXT_TOKENS:
+            raise InvalidInput(f"`max_sequence_length` must be an int from 1 to {MOST_TEXT_TOKENS} (T5's limit in "
+                               f"diffusers) but is {given!r}.")
+        return given
 
     def _control_images_per_net(self, control_image, kwargs) -> list:
         """The control images of each ControlNet, as diffusers reads `control_image`: for one ControlNet, an
@@ -324,7 +421,8 @@ class CallChecks:
         return caching
 
     def _output_size(self, task: str, image, height, width) -> tuple[int, int]:
-        """The size the call generates, as diffusers derives it; checked to be positive and divisible by 8."""
+        """The size the call generates, as diffusers derives it; checked to be positive and multiples of the
+        model's pixel step."""
         for name, value in (("height", height), ("width", width)):
             if value is not None and (not _is_count(value) or value <= 0):
                 raise InvalidInput(f"`{name}` must be a positive int but is {value!r}.")
@@ -338,7 +436,7 @@ class CallChecks:
                 height, width = height or image_height, width or image_width
         native = self.model.native_size
         height, width = height or native, width or native
-        check_size(height, width)
+        check_size(height, width, self.model.pixel_multiple)
         check_bound(self.model, int(height), int(width))
         return int(height), int(width)
 
@@ -376,29 +474,19 @@ class CallChecks:
             wanted += [name.replace("prompt_embeds", "pooled_prompt_embeds") for name in wanted]
         return wanted
 
-    def _check_prompt_embeds(self, kwargs) -> None:
+    def _check_prompt_embeds(self, kwargs, profile: ShapeProfile) -> None:
         """Given embeddings must be as long as the denoiser's engines read (the engine would refuse them at its
         first call, after the work before it)."""
         given = {name: kwargs[name].shape for name in ("prompt_embeds", "negative_prompt_embeds")
                  if len(getattr(kwargs.get(name), "shape", ())) == 3}
         if not given:  # most calls: nothing to read from the tokenizer
             return
-        expected = self.family.denoiser_text_length(self.model, self.profile)
+        expected = self.family.denoiser_text_length(self.model, profile)
         for name, shape in given.items():
             if shape[1] != expected:
                 raise InvalidInput(f"`{name}` holds {shape[1]} tokens but these engines read {expected}; encode "
                                    "the prompt as this pipeline does (`encode_prompt`, with the engines' "
                                    "max_sequence_length) or give `prompt`.")
-
-    def _check_text_tokens(self, kwargs) -> None:
-        """A long-prompt encoder's engines read the profile's text tokens: `max_sequence_length` must be that."""
-        compiled = self.family.text_tokens(self.profile)
-        given = kwargs.get("max_sequence_length")
-        if compiled is None or given is None or given == compiled:
-            return
-        raise InvalidInput(f"`max_sequence_length` is {given!r} but the engines were compiled for {compiled} T5 "
-                           f"tokens; compile with that many (`ShapeProfile(..., text_tokens={given})`, "
-                           f"`kasoku compile --text-tokens {given}`) or call without it.")
 
     @property
     def fixed_arguments(self) -> dict[str, Any]:

@@ -22,6 +22,7 @@ from ..core.errors import KasokuError
 from ..core.memory import GIB, MEMORY_CHECK_ENV, NotEnoughMemory, available_memory, checks_memory
 from ..core.options import FASTEST, CompileOptions, InvalidOptions, Precision
 from ..core.weights import run_time_weights
+from ..model.loading import model_label
 from ..model.pipeline_model import Model
 from ..policies import calibration
 from ..policies.fastest import choose_precisions
@@ -55,7 +56,7 @@ def compile_components(
                                  cache_branch=options.cache_branch)
     if not isinstance(cache, Cache):  # created only once the model and its components are known to be fine
         cache = Cache(root)
-    label = label or model.label
+    label = model_label(label) if label else model.label  # a folder by its absolute path, however it was typed
     notes: list[str] = []
     asked = options.precision_label
     if options.precision == FASTEST:

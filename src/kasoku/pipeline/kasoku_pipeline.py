@@ -13,6 +13,7 @@ LoRA adapters keep diffusers' names (`load_lora_weights`, `set_adapters`, `disab
 
 from __future__ import annotations
 
+import gc
 import warnings
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -24,7 +25,7 @@ from ..build.compiler import Compiler, CompileReport
 from ..core.cache import Cache, default_cache_dir
 from ..core.components import Precision, ShapeProfile
 from ..core.errors import KasokuError
-from ..core.options import CompileOptions, InvalidOptions
+from ..core.options import FASTEST, CompileOptions, InvalidOptions
 from ..core.schedulers import scheduler_named
 from ..core.standins import EngineTimes, InvalidInput
 from ..core.step_cache import StepCaching
@@ -36,12 +37,22 @@ from ..runtime.image_prompts import IPAdapterError, load_into, set_scale, unload
 from ..runtime.lora import AdapterWeight, LoraError, LoraState, read_adapter, weight_binding
 from .checks import CallChecks, PromptTruncated, as_list, task_of
 from .compiling import compile_components
-from .signature import applicable
+from .signature import IgnoredArgument, applicable, ignored_arguments
+from .surface import EngineNote, PipelineSurface
 
-__all__ = ["KasokuPipeline", "compile", "InvalidInput", "EngineTimes"]
+__all__ = ["KasokuPipeline", "compile", "InvalidInput", "EngineTimes", "EngineNote", "IgnoredArgument",
+           "EnginesGrow"]
 
 
-class KasokuPipeline:
+class EnginesGrow(UserWarning):
+    """A call outside the engines' profile: engines for a profile that serves it too are built (or loaded)."""
+
+
+# The per-call LoRA scale diffusers' pipelines read (`{"scale": s}`), by the name each family's call gives it.
+ATTENTION_KWARGS = ("cross_attention_kwargs", "joint_attention_kwargs", "attention_kwargs")
+
+
+class KasokuPipeline(PipelineSurface):
     """Stable Diffusion 1.x / 2.x / XL txt2img, img2img and inpaint on compiled engines.
 
     ``pipe(prompt)`` runs text-to-image; ``pipe(prompt, image=..., strength=...)`` image-to-image;
@@ -63,6 +74,15 @@ class KasokuPipeline:
     - ``cache_threshold=T`` on a transformer runs the first-block cache: the other blocks are skipped on a step
       whose first-block residual changed by at most T (relative) since the last step that ran them, as
       diffusers' FirstBlockCacheConfig (0: every step runs them).
+    Engines grow with the calls: compiled without `profile=` (and without ``strict_shapes=True``), a call outside the
+    profile (more images, another size, guidance or T5 tokens) first builds engines for a profile that serves the old
+    range and the call (or loads them from the cache), says so in one line (:class:`EnginesGrow`), then runs.
+
+    The object is diffusers' too (:class:`kasoku.pipeline.surface.PipelineSurface`): `components`, `config`, `dtype`,
+    `device`, the component attributes, `to`, `progress_bar`, the memory-saving switches, `save_pretrained`, and
+    diffusers' `from_pipe` of another task on the same engines. ``cross_attention_kwargs={"scale": s}`` (or
+    `joint_attention_kwargs`) scales the active LoRA adapters for the call, as in diffusers.
+
     ``cache_interval=1`` without a threshold runs the plain denoiser engine, exactly as without it; on a pipeline
     compiled with ``recipe="fastest"`` such a call runs the recipe's step caching instead. The first
     call that needs step-cache graphs builds them (or loads them from the cache), unless the pipeline was
@@ -72,8 +92,11 @@ class KasokuPipeline:
 
     def __init__(self, model, engines: dict[str, Engine], profile: ShapeProfile,
                  report: CompileReport | None = None, *, options: CompileOptions | None = None,
-                 cache_root: Path | None = None, label: str | None = None, cache=None, recipe=None):
+                 cache_root: Path | None = None, label: str | None = None, cache=None, recipe=None,
+                 grows: bool = False):
         self.model = Model.of(model, label=label)  # a live diffusers pipeline, or a Model
+        # a call outside the profile builds engines that serve it (compiled with the default profile, not strict)
+        self._grows = grows and options is not None and report is not None
         self.family = self.model.family
         self.controlnets = self.model.controlnets  # how many ControlNets steer it
         self.profile = profile
@@ -130,14 +153,6 @@ class KasokuPipeline:
     def vae_scale_factor(self) -> int:
         return self._pipes["txt2img"].vae_scale_factor
 
-    @property
-    def device(self):
-        return self._pipes["txt2img"].device
-
-    def set_progress_bar_config(self, **kwargs) -> None:
-        for pipe in self._pipes.values():
-            pipe.set_progress_bar_config(**kwargs)
-
     def task(self, image=None, mask_image=None) -> str:
         return task_of(image, mask_image)
 
@@ -154,7 +169,18 @@ class KasokuPipeline:
         if self._image_is_control and control_image is None and mask_image is None:
             image, control_image = None, image  # diffusers' meaning in this class
         task = self.task(image, mask_image)
-        self.check_inputs(task, prompt, image, mask_image, control_image=control_image, **caching_arguments, **kwargs)
+        for name in ignored_arguments(task, self.model.pipeline_class(task), kwargs):
+            owner = self.model.pipeline_class(task).__name__
+            warnings.warn(f"`{name}` is ignored in {task}: {owner} takes the size of `image`, as diffusers does.",
+                          IgnoredArgument, stacklevel=2)
+            kwargs.pop(name)
+        self._scale_loras(kwargs)
+        wanted = self.check_inputs(task, prompt, image, mask_image, control_image=control_image, **caching_arguments,
+                                   **kwargs)
+        if wanted is not None:
+            self._grow(wanted)
+            self.check_inputs(task, prompt, image, mask_image, control_image=control_image, **caching_arguments,
+                              **kwargs)
         for note in self.checks.truncation_notes(prompt, kwargs):
             warnings.warn(note, PromptTruncated, stacklevel=2)
         if task != "txt2img":
@@ -234,10 +260,74 @@ class KasokuPipeline:
 
     # ---- checks first --------------------------------------------------------------------------
 
-    def check_inputs(self, task: str, prompt, image, mask_image, control_image=None, **kwargs) -> None:
+    def check_inputs(self, task: str, prompt, image, mask_image, control_image=None, **kwargs) -> ShapeProfile | None:
         """Everything an engine cannot serve, as one clear error before anything runs (kasoku.pipeline.checks); step
-        caching's arguments are among `kwargs`."""
-        self.checks.check(task, prompt, image, mask_image, control_image=control_image, **kwargs)
+        caching's arguments are among `kwargs`. Where the engines grow, a call outside the profile passes, and the
+        profile that serves it is returned (None: these engines serve it)."""
+        return self.checks.check(task, prompt, image, mask_image, control_image=control_image, **kwargs)
+
+    # ---- engines that grow with the calls ----------------------------------------------------------------
+
+    def _grow(self, profile: ShapeProfile) -> None:
+        """Engines for `profile` in place of these: the same components, backends and precisions, built (or loaded)
+        through the cache as the first ones were; LoRA adapters, IP-Adapters and the scheduler kept. Step-cache
+        engines are built again at their next cached call."""
+        report = self.compile_report
+        seconds = _build_seconds(report)
+        took = f"about {seconds:.0f} s, as the first build took" if seconds >= 1 else \
+            "the first engines came from the cache: how long a build takes is not known here"
+        warnings.warn(f"this call is outside the engines' profile ({_ranges(self.profile)}): building engines for "
+                      f"{_ranges(profile)} ({took}; the cache keeps them for later calls).", EnginesGrow, stacklevel=3)
+        options = self._options.replace(profile=profile)
+        if options.backend == "auto":  # what auto chose, so that growing does not measure the backends again
+            options = options.replace(backend={n: b for n, b in report.backends.items() if n not in report.in_torch})
+        if options.precision == FASTEST:
+            options = options.replace(precision={c: Precision(p) for c, p in report.precisions.items()})
+        hook = {"on_stage": python_stages} if self.shows_progress else {}
+        # the old engines go first: a full-size model cannot hold two engine sets and a build at once
+        self.engines.clear()
+        self._base_engines.clear()
+        self._bindings = None
+        gc.collect()
+        try:
+            engines, grown = compile_components(self.model, options, cache=self._cache, label=self._label, **hook)
+        except BaseException:  # the engines of the old profile again, from the cache, before the error goes on
+            self.engines.update(compile_components(self.model, self._options, cache=self._cache, label=self._label,
+                                                   backend=options.backend, precision=options.precision)[0])
+            self._start_runtime()
+            raise
+        self.engines.update(engines)
+        exact = " (exact-shape engines: the tuned shape now runs on these)" if self.profile.is_static else ""
+        report.notes.append(f"engines grown for a call outside {_ranges(self.profile)}{exact}: {_ranges(profile)}")
+        report.merge(grown)
+        report.profile = profile.to_dict()
+        self.profile, self._options = profile, self._options.replace(profile=profile)
+        if self.family.ip_adapters(self.model):
+            self._rebuild_for_image_prompts()  # their engines at the new profile; LoRA and the scheduler kept
+            return
+        if self._loras.adapters:
+            self._apply_loras()
+        scheduler = self.scheduler
+        self._start_runtime()
+        self.scheduler = scheduler
+
+    def _scale_loras(self, kwargs: dict[str, Any]) -> None:
+        """diffusers' per-call LoRA scale, `{"scale": s}` in the call's attention kwargs: the active adapters at their
+        weights x s for this call (taken out of the kwargs the engines see)."""
+        scale = 1.0
+        for name in ATTENTION_KWARGS:
+            given = kwargs.get(name)
+            if isinstance(given, Mapping) and "scale" in given:
+                given = dict(given)
+                value = given.pop("scale")
+                if not isinstance(value, (int, float)) or isinstance(value, bool):
+                    raise InvalidInput(f"`{name}['scale']` (the LoRA scale) must be a number but is {value!r}.")
+                scale = float(value)
+                kwargs[name] = given or None
+        if scale != self._loras.call_scale:
+            self._loras.call_scale = scale
+            if self._loras.adapters:
+                self._apply_loras()
 
     @property
     def fixed_arguments(self) -> dict[str, Any]:
@@ -427,8 +517,10 @@ class KasokuPipeline:
         change which engines and diffusers components a call runs)."""
         self._runtime = EnginePipelines(self.model, self.engines, self.times)
         self._pipes = self._runtime.pipes
+        for pipe in self._pipes.values():
+            pipe.set_progress_bar_config(**self.__dict__.get("_progress_bar_config", {}))
         self.checks = CallChecks(self.model, self.profile, self.engines, scheduler=lambda: self.scheduler,
-                                 can_build_step_cache=self._options is not None)
+                                 can_build_step_cache=self._options is not None, grows=self._grows, python=True)
         # the image encoder module the image_encoder engine was built from (a rebind keeps that engine)
         self._encoder_of_engines = getattr(self.model.pipe, IMAGE_ENCODER, None) if IMAGE_ENCODER in self.engines \
             else None
@@ -488,6 +580,7 @@ def compile(
     :class:`kasoku.model.pipeline_model.Model` (what `KasokuPipeline.from_pretrained` hands it)."""
     model = _compiled_model(pipe, controlnet, tiny_vae, label)
     options = CompileOptions.of(options, backend=backend, **fields)
+    grows = options.profile is None and not options.strict_shapes  # an explicit profile is a promise: strict
     root = cache.root if isinstance(cache, Cache) else Path(cache or options.cache_dir or default_cache_dir())
     recipe = None
     if options.recipe is not None:
@@ -497,12 +590,45 @@ def compile(
         model, options, recipe = with_recipe(model, options, root)
     if options.profile is None:
         options = options.replace(profile=model.default_profile())
+    on_stage = on_stage or (python_stages if _progress_bars_on() else None)
     kwargs: dict[str, Any] = {"on_stage": on_stage} if on_stage else {}
     engines, report = compile_components(model, options, cache=cache, label=label, **kwargs)
     if recipe is not None:
         report.notes.insert(0, recipe.note)
     return KasokuPipeline(model, engines, options.profile, report, options=options, cache_root=root, label=label,
-                          cache=cache, recipe=recipe)
+                          cache=cache, recipe=recipe, grows=grows)
+
+
+def python_stages(component: str, stage: str):
+    """A compile's progress in Python: each stage that works (a cache hit shows none), as the CLI shows it."""
+    from ..core.console import stage as console_stage
+
+    return console_stage(f"kasoku: {component}: {stage}")
+
+
+def _progress_bars_on() -> bool:
+    """diffusers' global progress-bar switch (`diffusers.utils.logging.disable_progress_bar()` silences builds too)."""
+    from diffusers.utils import logging as diffusers_logging
+
+    return diffusers_logging.is_progress_bar_enabled()
+
+
+def _build_seconds(report: CompileReport) -> float:
+    """What building these engines again takes: each component's export and engine build as first done (a stage
+    reused from the cache keeps the seconds of its build; an engine reused kept none, and counts its load)."""
+    seconds: dict[tuple[str, str], float] = {}
+    for record in report.stages:
+        if record.stage in ("export", "engine"):
+            seconds[record.component, record.stage] = float(record.detail.get("export_seconds", record.seconds))
+    return sum(seconds.values())
+
+
+def _ranges(profile: ShapeProfile) -> str:
+    """A profile in one phrase: `batch 1..4, height 32..256, width 32..128` (and its guidance and T5 tokens)."""
+    text = ", ".join(f"{dim} {profile.range_text(dim)}" for dim in ("batch", "height", "width"))
+    if profile.guidance is not None:
+        text += ", with" + ("" if profile.guidance else "out") + " guidance"
+    return text + (f", {profile.text_tokens} T5 tokens" if profile.text_tokens else "")
 
 
 def _compiled_model(pipe, controlnet, tiny_vae, label: str | None) -> Model:

@@ -76,6 +76,25 @@ def check_task_names(task: str, pipeline_class: type, given: Mapping[str, Any]) 
                                f"{_where_it_applies(name)}")
 
 
+class IgnoredArgument(UserWarning):
+    """A call argument the task's diffusers class takes into its **kwargs and ignores, as diffusers does."""
+
+
+# The sizes an input image fixes: diffusers' image-to-image classes that take no `height`/`width` ignore them (code
+# sharing one argument dict between tasks passes them). Not `strength` in a text-to-image call: giving it means an
+# image was meant, and the call would silently make another kind of image.
+IMAGE_SIZED = ("height", "width")
+
+
+def ignored_arguments(task: str, pipeline_class: type, given: Mapping[str, Any]) -> list[str]:
+    """The arguments of `given` the task's class swallows into its **kwargs and ignores (see IMAGE_SIZED)."""
+    parameters = _parameters(pipeline_class)
+    if task == "txt2img" or not any(p.kind == p.VAR_KEYWORD for p in parameters):
+        return []
+    takes = {p.name for p in parameters}
+    return [name for name in IMAGE_SIZED if given.get(name) is not None and name not in takes]
+
+
 def takes_names(pipeline_class: type) -> set[str]:
     """The call arguments `pipeline_class` takes by name."""
     return {p.name for p in _parameters(pipeline_class)} | set(DEPRECATED)

@@ -228,6 +228,8 @@ class LoraState:
     weights: dict[str, AdapterWeight] = field(default_factory=dict)
     enabled: bool = True
     fused: list[tuple[LoraAdapter, str, float]] = field(default_factory=list)  # (adapter, component, weight)
+    # diffusers' per-call LoRA scale (`cross_attention_kwargs={"scale": s}`): the active adapters' weights times it
+    call_scale: float = 1.0
 
     def next_name(self) -> str:
         return f"default_{len(self.adapters)}"
@@ -263,7 +265,7 @@ class LoraState:
         """What changes `component`'s weights now: fused adapters, then the active ones when enabled."""
         fused = [(adapter, weight) for adapter, c, weight in self.fused if c == component]
         fused_names = {adapter.name for adapter, _ in fused}
-        live = [(self.adapters[n], self.weight(n, component)) for n in self.active
+        live = [(self.adapters[n], self.weight(n, component) * self.call_scale) for n in self.active
                 if self.enabled and n not in fused_names]
         return fused + [(a, w) for a, w in live if component in a.layers]
 

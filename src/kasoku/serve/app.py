@@ -104,6 +104,10 @@ def create_app(service: ImageService, *, load: Callable[[], None] | None = None)
     @app.post("/v1/images/generations", dependencies=keyed)
     async def generations(request: Request):
         arrived = time.monotonic()
+        kind = request.headers.get("content-type", "").split(";")[0].strip().lower()
+        if kind != "application/json":
+            raise InvalidRequest(f"the body must be JSON, sent with `Content-Type: application/json` (this request's "
+                                 f"is {kind or 'missing'}).")
         try:
             body = await request.json()
         except ValueError:

@@ -175,8 +175,8 @@ def _number(name: str, value: Any, rule: str, ok, form: bool) -> float:
 def _text(name: str, value: Any, *, required: bool = False) -> str | None:
     if value is None and not required:
         return None
-    if not isinstance(value, str) or (required and not value.strip()):
-        raise _bad(name, "a non-empty string" if required else "a string", value)
+    if not isinstance(value, str):  # an empty prompt is a prompt, as in diffusers, the CLI and the Python API
+        raise _bad(name, "a string", value)
     if len(value) > MAX_PROMPT_CHARS:
         raise InvalidRequest(f"`{name}` must be at most {MAX_PROMPT_CHARS} characters but has {len(value)}.",
                              param=name)
@@ -191,9 +191,12 @@ def _size(value: Any, config: ServeConfig) -> Size:
     except ValueError:
         size = None
     if size not in config.sizes:
+        multiple = config.options.profile.multiple if config.options.profile is not None else 8
+        servable = size is not None and not (size.width % multiple or size.height % multiple)
+        advice = f"Start `kasoku serve` with --size {value if servable else 'WxH'} to serve another" + \
+            ("" if servable else f" (width and height multiples of {multiple} for this model)")
         raise InvalidRequest(f"`size` must be one of the sizes this server's engines serve ({config.sizes_text}, "
-                             f"written WIDTHxHEIGHT; or \"auto\") but is {_show(value)}. Start `kasoku serve` with "
-                             f"--size {value if size else 'WxH'} to serve another.", param="size")
+                             f"written WIDTHxHEIGHT; or \"auto\") but is {_show(value)}. {advice}.", param="size")
     return size
 
 
