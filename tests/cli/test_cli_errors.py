@@ -219,7 +219,8 @@ def places(tmp_path, tiny_dir, controlnet_folder):
             "small": str(tmp_path / "small.png"),
             "control_jobs": str(tmp_path / "control.jsonl"), "lora_jobs": str(tmp_path / "lora.jsonl"),
             "noext": str(tmp_path / "out"), "truncated": str(tmp_path / "truncated.png"),
-            "partial": str(partial), "damaged": str(damaged), "unweighted": str(unweighted), "huge_jobs": str(tmp_path / "huge.jsonl")}
+            "partial": str(partial), "damaged": str(damaged), "unweighted": str(unweighted),
+            "huge_jobs": str(tmp_path / "huge.jsonl")}
 
 
 def _tree(path):

@@ -56,3 +56,15 @@ def test_a_folder_missing_a_component_says_so_and_not_that_the_network_failed(ti
     with pytest.raises(ModelNotFound, match=r"incomplete: model_index.json lists vae \(AutoencoderKL\).*not a "
                                             r"network problem"):
         Model.load(folder, lazy=True)
+
+
+def test_a_live_pipeline_is_named_in_the_cache_by_its_weights(tiny_pipe, tiny_specs):
+    """`kasoku.compile(pipe)` labels its entries `Class@digest`: two live pipelines of one class are two models."""
+    from kasoku.pipeline.compiling import live_label
+    from kasoku.tools.tiny import tiny_pipeline
+
+    label = live_label(Model.of(tiny_pipe), tiny_specs)
+    assert label.startswith("StableDiffusionPipeline@") and len(label.split("@")[1]) == 12
+    assert live_label(Model.of(tiny_pipe), tiny_specs) == label  # the same weights, the same name
+    other = tiny_pipeline(seed=1)
+    assert live_label(Model.of(other), tiny_specs) != label

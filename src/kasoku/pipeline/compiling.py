@@ -57,6 +57,8 @@ def compile_components(
     if not isinstance(cache, Cache):  # created only once the model and its components are known to be fine
         cache = Cache(root)
     label = model_label(label) if label else model.label  # a folder by its absolute path, however it was typed
+    if label == type(model.pipe).__name__:  # a live pipeline: its weights are its identity, not its class
+        label = live_label(model, specs)
     notes: list[str] = []
     asked = options.precision_label
     if options.precision == FASTEST:
@@ -107,6 +109,17 @@ def compile_components(
         in_torch=in_torch,
     )
     return engines, report
+
+
+def live_label(model: Model, specs: dict[str, ComponentSpec]) -> str:
+    """How the cache names a live pipeline's entries: its class and the digest of the weights compiled
+    (`StableDiffusionPipeline@3f2a9c1e0b7d`), so that `kasoku cache clear` of that name removes this pipeline's
+    engines only, not every live pipeline of its class. The digests are the ones the cache keys read anyway."""
+    import hashlib
+
+    modules = sorted({path for spec in specs.values() for path in spec.modules})
+    digest = hashlib.sha256("".join(model.weights.of(model.pipe, path) for path in modules).encode()).hexdigest()
+    return f"{type(model.pipe).__name__}@{digest[:12]}"
 
 
 def _grown_engine(compiler: Compiler, chosen: dict[str, str], spec: ComponentSpec) -> Engine:
