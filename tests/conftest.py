@@ -6,8 +6,14 @@ marked so, or using one of ENGINE_FIXTURES) and `unit` (everything else; `make t
 from __future__ import annotations
 
 import os
+import sys
+from pathlib import Path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
+# xFormers, installed apart for the tests of its attention's export (the Makefile's XFORMERS says why)
+XFORMERS_DIR = Path(__file__).resolve().parents[1] / ".xformers"
+if XFORMERS_DIR.is_dir() and str(XFORMERS_DIR) not in sys.path:
+    sys.path.append(str(XFORMERS_DIR))
 
 import onnx  # noqa: E402
 import pytest  # noqa: E402
