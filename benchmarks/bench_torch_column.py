@@ -76,7 +76,8 @@ def main(argv: list[str] | None = None) -> int:
     for entry in report.components:
         column = entry.results["torch"].seconds.median
         direct = median_seconds(calls[entry.component], args.repeats)
-        rows.append({"component": entry.component, "bench_torch_s": column, "direct_s": direct, "ratio": column / direct})
+        rows.append({"component": entry.component, "bench_torch_s": column, "direct_s": direct,
+                     "ratio": column / direct})
     machine = {"cpu": cpu_name(), "flags": cpu_flags(), "threads": args.threads, "torch": torch.__version__,
                "date": datetime.date.today().isoformat()}
     lines = [f"# kasoku bench's torch column against the modules called directly ({machine['date']})", "",
