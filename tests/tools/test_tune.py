@@ -106,6 +106,11 @@ def test_a_tuned_recipe_serves_other_shapes_within_its_bound(tuned, tiny_pipe, t
             assert psnr(expected, image) >= MIN_PSNR, call
     assert [w for w in caught if issubclass(w.category, EnginesGrow)]
     assert fast.compile_report.precisions["unet"] == tuned.winner.recipe.precision
+    assert any("the tuned shape runs on its exact-shape engines" in note for note in fast.compile_report.notes)
+    # the tuned shape again: its exact-shape engines (from the cache), not the range engines grown since
+    with pytest.warns(EnginesGrow, match=r"this call is the tuned shape .*its exact-shape engines again"):
+        fast("a red car", num_inference_steps=STEPS, output_type="np", height=SIZE, width=SIZE)
+    assert fast.profile.is_static
 
 
 @A_TUNE

@@ -165,14 +165,15 @@ class CallChecks:
     """The checks of one pipeline's calls. `components` is the engines it has (a live mapping: the step-cache
     engines join it later) or will have; `scheduler` gives the scheduler a call runs (it can be swapped);
     `can_build_step_cache` whether step-cache engines missing now can be built at the first cached call. With `grows`,
-    a call the profile does not serve passes, and :meth:`check` returns the profile that serves it; `python` says
-    that the caller is Python code (advice names the Python option, not the CLI flag)."""
+    a call the profile does not serve passes, and :meth:`check` returns the profile that serves it; `exact` (a tuned
+    recipe's exact-shape profile) is returned for a call of its shape whatever engines are loaded. `python` says that
+    the caller is Python code (advice names the Python option, not the CLI flag)."""
 
     def __init__(self, model: Model, profile: ShapeProfile, components: Container[str], *,
                  scheduler: Callable[[], Any] | None = None, can_build_step_cache: bool = True,
-                 grows: bool = False, python: bool = False):
+                 grows: bool = False, python: bool = False, exact: ShapeProfile | None = None):
         self.model = model
-        self.grows, self.python = grows, python
+        self.grows, self.python, self.exact = grows, python, exact
         self.family = model.family
         self.profile = profile
         self.components = components
@@ -271,6 +272,8 @@ class CallChecks:
         the engines grow, the profile that serves the old range and this call; else the refusal, with the option
         that widens the profile."""
         tokens = self._text_tokens_asked(kwargs)
+        if self.grows and self._runs_exact(shape, guided, kwargs):
+            return self.exact  # the tuned shape on its exact-shape engines, not on the range engines grown since
         if self.profile.serves(shape, guided) and tokens is None:
             return self.profile
         if self.grows:
@@ -290,6 +293,14 @@ class CallChecks:
             "engines then grow with the calls" if self.python else f"`kasoku compile --text-tokens {tokens}`"
         raise InvalidInput(f"`max_sequence_length` is {tokens!r} but the engines were compiled for {compiled} T5 "
                            f"tokens; compile with that many ({remedy}) or call without it.")
+
+    def _runs_exact(self, shape: ImageShape, guided: bool, kwargs) -> bool:
+        """Whether the call is the exact-shape profile's shape (with its T5 tokens) while other engines are loaded."""
+        exact = self.exact
+        if exact is None or exact == self.profile or not exact.serves(shape, guided):
+            return False
+        tokens = self.family.text_tokens(exact)
+        return tokens is None or kwargs.get("max_sequence_length") in (None, tokens)
 
     def _grown_profile(self, shape: ImageShape, guided: bool, tokens: int | None) -> ShapeProfile:
         """The profile engines grow to for a call of `shape`: every size the model serves (its pixel step to

@@ -97,6 +97,8 @@ class KasokuPipeline(PipelineSurface):
         self.model = Model.of(model, label=label)  # a live diffusers pipeline, or a Model
         # a call outside the profile builds engines that serve it (compiled with the default profile, not strict)
         self._grows = grows and options is not None and report is not None
+        # a tuned recipe's exact-shape engines: its shape runs on them again after the engines grew for other shapes
+        self._exact_profile = profile if self._grows and profile.is_static else None
         self.family = self.model.family
         self.controlnets = self.model.controlnets  # how many ControlNets steer it
         self.profile = profile
@@ -276,8 +278,13 @@ class KasokuPipeline(PipelineSurface):
         seconds = _build_seconds(report)
         took = f"about {seconds:.0f} s, as the first build took" if seconds >= 1 else \
             "the first engines came from the cache: how long a build takes is not known here"
-        warnings.warn(f"this call is outside the engines' profile ({_ranges(self.profile)}): building engines for "
-                      f"{_ranges(profile)} ({took}; the cache keeps them for later calls).", EnginesGrow, stacklevel=3)
+        if profile == self._exact_profile:
+            warnings.warn(f"this call is the tuned shape ({_ranges(profile)}): its exact-shape engines again, from the "
+                          f"cache, in place of the engines for {_ranges(self.profile)}.", EnginesGrow, stacklevel=3)
+        else:
+            warnings.warn(f"this call is outside the engines' profile ({_ranges(self.profile)}): building engines for "
+                          f"{_ranges(profile)} ({took}; the cache keeps them for later calls).", EnginesGrow,
+                          stacklevel=3)
         options = self._options.replace(profile=profile)
         if options.backend == "auto":  # what auto chose, so that growing does not measure the backends again
             options = options.replace(backend={n: b for n, b in report.backends.items() if n not in report.in_torch})
@@ -297,8 +304,11 @@ class KasokuPipeline(PipelineSurface):
             self._start_runtime()
             raise
         self.engines.update(engines)
-        exact = " (exact-shape engines: the tuned shape now runs on these)" if self.profile.is_static else ""
-        report.notes.append(f"engines grown for a call outside {_ranges(self.profile)}{exact}: {_ranges(profile)}")
+        if profile != self._exact_profile and self.profile == self._exact_profile:
+            report.notes.append(f"engines grown for calls outside the tuned shape ({_ranges(self.profile)}): "
+                                f"{_ranges(profile)}; the tuned shape runs on its exact-shape engines")
+        elif profile != self._exact_profile:
+            report.notes.append(f"engines grown for a call outside {_ranges(self.profile)}: {_ranges(profile)}")
         report.merge(grown)
         report.profile = profile.to_dict()
         self.profile, self._options = profile, self._options.replace(profile=profile)
@@ -520,7 +530,8 @@ class KasokuPipeline(PipelineSurface):
         for pipe in self._pipes.values():
             pipe.set_progress_bar_config(**self.__dict__.get("_progress_bar_config", {}))
         self.checks = CallChecks(self.model, self.profile, self.engines, scheduler=lambda: self.scheduler,
-                                 can_build_step_cache=self._options is not None, grows=self._grows, python=True)
+                                 can_build_step_cache=self._options is not None, grows=self._grows, python=True,
+                                 exact=self._exact_profile)
         # the image encoder module the image_encoder engine was built from (a rebind keeps that engine)
         self._encoder_of_engines = getattr(self.model.pipe, IMAGE_ENCODER, None) if IMAGE_ENCODER in self.engines \
             else None
