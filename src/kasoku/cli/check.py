@@ -51,7 +51,6 @@ class Verify(Command):
         add_json(p)
 
     def run(self, args: argparse.Namespace) -> int:
-
         from ..core.console import console, show_markdown, stage, write_json
         from ..tools.verification import markdown, verify
 
@@ -95,7 +94,6 @@ class Bench(Command):
         add_engine_arguments(p)
 
     def run(self, args: argparse.Namespace) -> int:
-
         from ..core.console import console, progress_line, show_markdown, stage, write_json
         from ..core.errors import KasokuError
         from ..tools.benchmark import bench, check_contenders, markdown, plot
@@ -164,7 +162,6 @@ class Tune(Command):
         add_json(p)
 
     def run(self, args: argparse.Namespace) -> int:
-
         from ..core.console import console, show_markdown, steps_bar, write_json
         from ..core.errors import KasokuError
         from ..core.options import DEFAULT_MIN_PSNR

@@ -38,7 +38,7 @@ from ..runtime.lora import AdapterWeight, LoraError, LoraState, read_adapter, we
 from .checks import CallChecks, PromptTruncated, as_list, task_of
 from .compiling import compile_components
 from .signature import IgnoredArgument, applicable, ignored_arguments
-from .surface import EngineNote, PipelineSurface
+from .surface import EngineNote, PipelineSurface, progress_bars_on
 
 __all__ = ["KasokuPipeline", "compile", "InvalidInput", "EngineTimes", "EngineNote", "IgnoredArgument",
            "EnginesGrow"]
@@ -171,10 +171,10 @@ class KasokuPipeline(PipelineSurface):
         if self._image_is_control and control_image is None and mask_image is None:
             image, control_image = None, image  # diffusers' meaning in this class
         task = self.task(image, mask_image)
-        for name in ignored_arguments(task, self.model.pipeline_class(task), kwargs):
-            owner = self.model.pipeline_class(task).__name__
-            warnings.warn(f"`{name}` is ignored in {task}: {owner} takes the size of `image`, as diffusers does.",
-                          IgnoredArgument, stacklevel=2)
+        owner = self.model.pipeline_class(task)
+        for name in ignored_arguments(task, owner, kwargs):
+            warnings.warn(f"`{name}` is ignored in {task}: {owner.__name__} takes the size of `image`, as diffusers "
+                          "does.", IgnoredArgument, stacklevel=2)
             kwargs.pop(name)
         self._scale_loras(kwargs)
         wanted = self.check_inputs(task, prompt, image, mask_image, control_image=control_image, **caching_arguments,
@@ -275,13 +275,13 @@ class KasokuPipeline(PipelineSurface):
         through the cache as the first ones were; LoRA adapters, IP-Adapters and the scheduler kept. Step-cache
         engines are built again at their next cached call."""
         report = self.compile_report
-        seconds = _build_seconds(report)
-        took = f"about {seconds:.0f} s, as the first build took" if seconds >= 1 else \
-            "the first engines came from the cache: how long a build takes is not known here"
         if profile == self._exact_profile:
             warnings.warn(f"this call is the tuned shape ({_ranges(profile)}): its exact-shape engines again, from the "
                           f"cache, in place of the engines for {_ranges(self.profile)}.", EnginesGrow, stacklevel=3)
         else:
+            seconds = _build_seconds(report)
+            took = f"about {seconds:.0f} s, as the first build took" if seconds >= 1 else \
+                "the first engines came from the cache: how long a build takes is not known here"
             warnings.warn(f"this call is outside the engines' profile ({_ranges(self.profile)}): building engines for "
                           f"{_ranges(profile)} ({took}; the cache keeps them for later calls).", EnginesGrow,
                           stacklevel=3)
@@ -301,7 +301,7 @@ class KasokuPipeline(PipelineSurface):
         except BaseException:  # the engines of the old profile again, from the cache, before the error goes on
             self.engines.update(compile_components(self.model, self._options, cache=self._cache, label=self._label,
                                                    backend=options.backend, precision=options.precision)[0])
-            self._start_runtime()
+            self._after_new_engines()
             raise
         self.engines.update(engines)
         if profile != self._exact_profile and self.profile == self._exact_profile:
@@ -312,14 +312,7 @@ class KasokuPipeline(PipelineSurface):
         report.merge(grown)
         report.profile = profile.to_dict()
         self.profile, self._options = profile, self._options.replace(profile=profile)
-        if self.family.ip_adapters(self.model):
-            self._rebuild_for_image_prompts()  # their engines at the new profile; LoRA and the scheduler kept
-            return
-        if self._loras.adapters:
-            self._apply_loras()
-        scheduler = self.scheduler
-        self._start_runtime()
-        self.scheduler = scheduler
+        self._after_new_engines()
 
     def _scale_loras(self, kwargs: dict[str, Any]) -> None:
         """diffusers' per-call LoRA scale, `{"scale": s}` in the call's attention kwargs: the active adapters at their
@@ -515,12 +508,25 @@ class KasokuPipeline(PipelineSurface):
             self.engines.update(engines)
             if self.compile_report is not None:
                 self.compile_report.merge(report)
+        self._restart_runtime()
+
+    def _restart_runtime(self) -> None:
+        """diffusers' pipelines again over engines that were replaced: LoRA adapters bound to the new engines'
+        weights, the scheduler kept."""
         self._bindings = None  # LoRA binds the new engines' weights
         if self._loras.adapters:
             self._apply_loras()
         scheduler = self.scheduler
         self._start_runtime()
         self.scheduler = scheduler
+
+    def _after_new_engines(self) -> None:
+        """The runtime over a new engine set: IP-Adapters' engines built for it where adapters are loaded (which
+        restarts the runtime too), else the runtime restarted."""
+        if self.family.ip_adapters(self.model):
+            self._rebuild_for_image_prompts()
+        else:
+            self._restart_runtime()
 
     def _start_runtime(self) -> None:
         """diffusers' pipelines on stand-ins over the engines, and the checks of their calls (again when IP-Adapters
@@ -601,7 +607,7 @@ def compile(
         model, options, recipe = with_recipe(model, options, root)
     if options.profile is None:
         options = options.replace(profile=model.default_profile())
-    on_stage = on_stage or (python_stages if _progress_bars_on() else None)
+    on_stage = on_stage or (python_stages if progress_bars_on() else None)
     kwargs: dict[str, Any] = {"on_stage": on_stage} if on_stage else {}
     engines, report = compile_components(model, options, cache=cache, label=label, **kwargs)
     if recipe is not None:
@@ -615,13 +621,6 @@ def python_stages(component: str, stage: str):
     from ..core.console import stage as console_stage
 
     return console_stage(f"kasoku: {component}: {stage}")
-
-
-def _progress_bars_on() -> bool:
-    """diffusers' global progress-bar switch (`diffusers.utils.logging.disable_progress_bar()` silences builds too)."""
-    from diffusers.utils import logging as diffusers_logging
-
-    return diffusers_logging.is_progress_bar_enabled()
 
 
 def _build_seconds(report: CompileReport) -> float:

@@ -26,7 +26,7 @@ import torch
 from ..core.standins import InvalidInput
 from ..model.loading import lazy_source, real_module, release_module
 
-__all__ = ["EngineNote", "PipelineSurface", "ENGINES_NOTE_FILE"]
+__all__ = ["EngineNote", "PipelineSurface", "ENGINES_NOTE_FILE", "progress_bars_on"]
 
 
 class EngineNote(UserWarning):
@@ -57,6 +57,14 @@ DIFFUSERS_METHODS = frozenset({"encode_prompt", "progress_bar", "numpy_to_pil", 
 
 # What `save_pretrained` writes beside diffusers' files: where the engines of these weights live.
 ENGINES_NOTE_FILE = "kasoku.json"
+
+
+def progress_bars_on() -> bool:
+    """diffusers' global progress-bar switch (`diffusers.utils.logging.disable_progress_bar()` silences kasoku's
+    builds too)."""
+    from diffusers.utils import logging as diffusers_logging
+
+    return diffusers_logging.is_progress_bar_enabled()
 
 
 class PipelineSurface:
@@ -211,10 +219,7 @@ class PipelineSurface:
     @property
     def shows_progress(self) -> bool:
         """Whether builds and loops show progress: diffusers' global switch and this pipeline's configuration."""
-        from diffusers.utils import logging as diffusers_logging
-
-        return diffusers_logging.is_progress_bar_enabled() and \
-            not self.__dict__.get("_progress_bar_config", {}).get("disable", False)
+        return progress_bars_on() and not self.__dict__.get("_progress_bar_config", {}).get("disable", False)
 
     # ---- saving -------------------------------------------------------------------------------------------
 
