@@ -91,3 +91,42 @@ def test_generate_output_folder_must_exist(tiny_dir, tmp_path, capsys):
     assert _generate(tiny_dir, cache, tmp_path / "nope" / "x.png") == 1
     assert "does not exist" in capsys.readouterr().out
     assert not cache.list()  # refused before any engine was built
+
+
+def _piped(*argv: str) -> str:
+    import subprocess
+    import sys
+
+    done = subprocess.run([sys.executable, "-m", "kasoku.cli", *argv], capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stdout + done.stderr
+    return done.stdout + done.stderr
+
+
+# what the libraries kasoku calls print for their own developers
+THIRD_PARTY = ("torchvision", "WARNING", "Warning", "xFormers", "[transformers]", "Loading pipeline components",
+               "_registration.py")
+
+
+@pytest.mark.integration
+def test_compile_piped_prints_kasoku_lines_only_and_verbose_shows_the_rest(tiny_dir, tmp_path):
+    """`kasoku compile`, piped into a log: its stages and table, no third-party warning line; `-v` shows the
+    exporter's own lines again (torch.onnx's note on torchvision's operators, which kasoku does not export)."""
+    quiet = _piped("compile", str(tiny_dir), "--backend", "onnxruntime", "--cache-dir", str(tmp_path / "quiet"))
+    noisy = [line for line in quiet.splitlines() if any(word in line for word in THIRD_PARTY)]
+    assert noisy == [], quiet
+    assert "unet: export …" in quiet and "0 reused from the cache" in quiet
+    import importlib.util
+
+    if importlib.util.find_spec("torchvision") is not None:
+        pytest.skip("torchvision is installed here: the exporter has no note on its operators to show")
+    verbose = _piped("-v", "compile", str(tiny_dir), "--components", "text_encoder", "--backend", "onnxruntime",
+                     "--cache-dir", str(tmp_path / "verbose"))
+    assert "torchvision::nms" in verbose, verbose
+
+
+@pytest.mark.parametrize("argv, verbose", [
+    (["compile", "m"], False), (["-v", "compile", "m"], True), (["compile", "m", "-v"], True),
+    (["generate", "m", "a cat", "--verbose"], True), (["cache", "ls"], False), (["--verbose", "cache", "ls"], True),
+])
+def test_verbose_is_taken_before_or_after_the_command(argv, verbose):
+    assert build_parser().parse_args(argv).verbose is verbose

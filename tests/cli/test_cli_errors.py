@@ -317,3 +317,50 @@ def test_img2img_with_no_denoising_step_is_refused(torch_pipeline):
 def test_verify_and_bench_are_public():
     assert callable(kasoku.verify) and callable(kasoku.bench) and callable(kasoku.compile)
     assert kasoku.CompileOptions().backend == "auto"
+
+
+# Refused from the folder's configs alone, before diffusers is imported: each prints whether it was
+CONFIG_ERRORS = [
+    (["--height", "60"], "must be multiples of 16"),
+    (["--height", "4096"], "more than this model serves"),
+    (["--prompt-3", "a dog"], "`--prompt-3`: only Stable Diffusion 3 pipelines take this argument"),
+    (["--true-cfg", "2"], "`--true-cfg`: only"),
+]
+_RUN_AND_SAY_IF_DIFFUSERS_LOADED = ("import sys\nfrom kasoku.cli import main\ncode = main(sys.argv[1:])\n"
+                                    "print('diffusers imported:', 'diffusers' in sys.modules)\nsys.exit(code)")
+
+
+@pytest.fixture
+def busy_cores():
+    """Every core busy with another process, as on a loaded machine (a second job, another user's export)."""
+    import os
+    import subprocess
+    import sys
+
+    burners = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(os.cpu_count() or 2)]
+    yield len(burners)
+    for burner in burners:
+        burner.kill()
+        burner.wait()
+
+
+def test_errors_from_configs_answer_in_seconds_on_a_busy_machine(tiny_dir, tmp_path, busy_cores):
+    """A new process as a user starts it (interpreter, imports and all), every core busy: a size off the model's
+    step, beyond its bound, or another family's argument is refused from the configs in under 5 s, before
+    diffusers is imported, with one line and nothing written."""
+    import subprocess
+    import sys
+
+    for extra, message in CONFIG_ERRORS:
+        argv = ["generate", str(tiny_dir), "a cat", "-o", str(tmp_path / "out.png"),
+                "--cache-dir", str(tmp_path / "cache"), *extra]
+        start = time.perf_counter()
+        done = subprocess.run([sys.executable, "-c", _RUN_AND_SAY_IF_DIFFUSERS_LOADED, *argv],
+                              capture_output=True, text=True, timeout=120)
+        seconds = time.perf_counter() - start
+        lines = [line for line in (done.stdout + done.stderr).splitlines() if line.strip()]
+        assert done.returncode == 1 and len(lines) == 2, f"{extra}: {done.stdout}{done.stderr}"
+        assert lines[0].startswith("error:") and message in lines[0], lines[0]
+        assert lines[1] == "diffusers imported: False"
+        assert seconds < ANSWER_SECONDS, f"{extra} took {seconds:.1f} s to refuse with {busy_cores} cores busy"
+        assert list(tmp_path.iterdir()) == []

@@ -106,7 +106,12 @@ def _torchscript_dynamic_axes(spec: ComponentSpec) -> dict[str, dict[int, str]]:
 @contextlib.contextmanager
 def _quiet_exporter():
     """The exporters print progress and warnings meant for their developers, not our users: among them four lines per
-    export that torchvision's optional operators are skipped (kasoku exports none)."""
+    export that torchvision's optional operators are skipped (kasoku exports none). `kasoku -v` shows them."""
+    from ..core.console import third_party_logs_shown
+
+    if third_party_logs_shown():
+        yield
+        return
     registration = logging.getLogger("torch.onnx._internal.exporter._registration")
     level = registration.level
     registration.setLevel(logging.ERROR)

@@ -42,11 +42,20 @@ def build_parser() -> argparse.ArgumentParser:
         ),
     )
     parser.add_argument("--version", action="version", version=f"kasoku {__version__}")
+    _add_verbose(parser, default=False)
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True, parser_class=_Parser)
     for name, command in COMMANDS.items():
         doc = (type(command).__doc__ or "").strip()
-        command.add_arguments(sub.add_parser(name, help=command.summary(), description=doc))
+        command_parser = sub.add_parser(name, help=command.summary(), description=doc)
+        command.add_arguments(command_parser)
+        _add_verbose(command_parser, default=argparse.SUPPRESS)  # `kasoku -v X` and `kasoku X -v` alike
     return parser
+
+
+def _add_verbose(parser: argparse.ArgumentParser, default) -> None:
+    parser.add_argument("-v", "--verbose", action="store_true", default=default,
+                        help="show the logs and warnings of the libraries kasoku calls (torch.onnx, diffusers, "
+                             "transformers, xFormers), which are filtered by default; also KASOKU_VERBOSE=1")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -56,7 +65,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from ..core.console import console, quiet_third_party_logs
 
-    quiet_third_party_logs()
+    quiet_third_party_logs(verbose=args.verbose)
     try:
         return COMMANDS[args.command].run(args)
     except KasokuError as error:

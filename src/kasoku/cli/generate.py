@@ -8,6 +8,7 @@ import inspect
 import time
 import warnings
 from pathlib import Path
+from typing import Any
 
 from ..core.errors import KasokuError
 from .base import (
@@ -113,14 +114,6 @@ class Generate(Command):
         add_step_cache_arguments(p, per_call=True)
 
     def run(self, args: argparse.Namespace) -> int:
-        from ..core.console import console, steps_bar, table
-        from ..core.schedulers import scheduler_named
-        from ..core.step_cache import StepCaching
-        from ..model.pipeline_model import Model
-        from ..pipeline.checks import CallChecks, PromptTruncated, check_size, task_of
-        from ..pipeline.kasoku_pipeline import compile
-        from ..runtime.lora import check_adapter_file
-
         output = check_output_file(args.output, suffixes=IMAGE_SUFFIXES)
         image = open_image(args.image, "--image") if args.image else None
         mask = open_image(args.mask, "--mask").convert("L") if args.mask else None
@@ -134,6 +127,16 @@ class Generate(Command):
         options = options_from_args(args, cuda_graph=False)
         if args.cuda_graph:
             check_backend(options, cuda_graph=True)
+
+        _check_from_configs(args)
+        # the model's own modules (diffusers and the engines' runtimes): imported once the arguments pass
+        from ..core.console import console, steps_bar, table
+        from ..core.schedulers import scheduler_named
+        from ..core.step_cache import StepCaching
+        from ..model.pipeline_model import Model
+        from ..pipeline.checks import CallChecks, PromptTruncated, check_size, task_of
+        from ..pipeline.kasoku_pipeline import compile
+        from ..runtime.lora import check_adapter_file
 
         start = time.perf_counter()
         # configs only: weights load only for what must be built
@@ -213,6 +216,29 @@ class Generate(Command):
         return 0
 
 
+def _check_from_configs(args: argparse.Namespace) -> None:
+    """What the folder's configs alone decide, before diffusers is imported: the size step and the family's own
+    arguments (a hub id or a family compiled from recorded calls is checked once the model is loaded)."""
+    from ..model.preview import ConfigPreview
+    from ..pipeline.checks import check_bound, check_family_arguments, check_size
+
+    preview = ConfigPreview.of(args.model)
+    if preview is None:
+        return
+    height, width = args.height or preview.native_size, args.width or preview.native_size
+    check_size(height, width, preview.pixel_multiple)
+    check_bound(preview, height, width)
+    with flags_named():
+        check_family_arguments(preview.family, dict(_family_arguments(args)))
+
+
+def _family_arguments(args: argparse.Namespace) -> list[tuple[str, Any]]:
+    """The call arguments some families alone take, as given (left out when not: the class's own default)."""
+    return [(k, v) for k, v in (("negative_prompt", args.negative), ("prompt_2", args.prompt_2),
+                                ("negative_prompt_2", args.negative_2), ("prompt_3", args.prompt_3),
+                                ("true_cfg_scale", args.true_cfg)) if v]
+
+
 def _call_arguments(args: argparse.Namespace, image, mask, controls: list) -> dict:
     """The pipeline call of `kasoku generate`, in diffusers' names (steps and guidance filled in by `run`)."""
     import torch
@@ -222,9 +248,7 @@ def _call_arguments(args: argparse.Namespace, image, mask, controls: list) -> di
                   width=args.width, generator=torch.Generator().manual_seed(args.seed),
                   **step_caching_from_args(args))
     # left out when not given: the class's own default (PixArt's negative prompt is "", and None breaks it)
-    kwargs.update({k: v for k, v in (("negative_prompt", args.negative), ("prompt_2", args.prompt_2),
-                                     ("negative_prompt_2", args.negative_2),
-                                     ("prompt_3", args.prompt_3), ("true_cfg_scale", args.true_cfg)) if v})
+    kwargs.update(_family_arguments(args))
     if image is not None:
         kwargs.update(image=image, strength=0.8 if args.strength is None else args.strength)
     if mask is not None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import logging
 import math
+import os
 import sys
 import time
 from contextlib import contextmanager
@@ -20,19 +21,49 @@ from rich.table import Table
 console = Console(highlight=False, width=None if sys.stdout.isatty() else 132)
 
 
-def quiet_third_party_logs() -> None:
-    """Libraries we call log advice meant for their own developers (xFormers' CUDA build
-    mismatch, torch.onnx's optional torchvision ops); our users see our messages instead."""
+VERBOSE_ENV = "KASOKU_VERBOSE"  # set (to anything but 0): third-party logs and export chatter are shown
+_quiet = False
+
+
+def third_party_logs_shown() -> bool:
+    """Whether the libraries' own logs are wanted (`kasoku -v`, or KASOKU_VERBOSE=1)."""
+    return os.environ.get(VERBOSE_ENV, "0") not in ("", "0")
+
+
+def quiet_third_party_logs(verbose: bool = False) -> None:
+    """Libraries we call log advice meant for their own developers (xFormers' CUDA build mismatch, torch.onnx's
+    optional torchvision ops, transformers' image processors without torchvision); our users see our messages
+    instead, unless `verbose` (or KASOKU_VERBOSE=1) asks for theirs too. Nothing is imported here: a command that
+    fails its checks answers before torch and diffusers are loaded."""
+    global _quiet
+    if verbose:
+        os.environ[VERBOSE_ENV] = "1"  # worker processes (batch, Ray) inherit it
+    if third_party_logs_shown():
+        return
     for name in ("xformers", "torch.onnx", "torch._dynamo", "torch.export", "onnxscript", "diffusers", "transformers"):
         logging.getLogger(name).setLevel(logging.ERROR)
-    import diffusers.utils.logging
-    import transformers.utils.logging
+    # diffusers and transformers set their loggers' level when first imported: from these
+    os.environ.setdefault("DIFFUSERS_VERBOSITY", "error")
+    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+    _quiet = True
+    hush_loaded_libraries()
 
-    diffusers.utils.logging.disable_progress_bar()
-    transformers.utils.logging.disable_progress_bar()
-    # diffusers configures its root logger lazily, resetting the level set above
-    diffusers.utils.logging.set_verbosity_error()
-    transformers.utils.logging.set_verbosity_error()
+
+def hush_loaded_libraries() -> None:
+    """After quiet_third_party_logs, diffusers' and transformers' loading bars off (once they are imported: the
+    model loader calls this before it loads)."""
+    if not _quiet:
+        return
+    if "diffusers" in sys.modules:
+        import diffusers.utils.logging
+
+        diffusers.utils.logging.disable_progress_bar()
+        diffusers.utils.logging.set_verbosity_error()  # it configures its root logger lazily, resetting the level
+    if "transformers" in sys.modules:
+        import transformers.utils.logging
+
+        transformers.utils.logging.disable_progress_bar()
+        transformers.utils.logging.set_verbosity_error()
 
 
 def show_markdown(text: str) -> None:

@@ -17,6 +17,7 @@ import torch
 
 from ..architectures.base import module_at
 from ..core.cache import unreadable_files
+from ..core.console import hush_loaded_libraries
 from ..core.errors import KasokuError, NotADiffusersPipeline
 from ..families import FAMILIES, SUPPORTED_PIPELINES, detect_family, family_of, read_model_index
 
@@ -134,6 +135,7 @@ def load_pipeline(model: Any, *, torch_dtype: torch.dtype = torch.float32, lazy:
     (an AutoencoderTiny or its folder) replaces its VAE (see :func:`with_tiny_vae`)."""
     from diffusers import DiffusionPipeline
 
+    hush_loaded_libraries()  # a CLI's quiet: diffusers' loading bars are set once it is imported
     if isinstance(model, DiffusionPipeline):
         pipe = model
     else:

@@ -13,7 +13,7 @@ import math
 import numbers
 from collections.abc import Callable, Container, Mapping
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -21,9 +21,12 @@ from ..core.components import ImageShape, ShapeProfile
 from ..core.schedulers import distilled_steps, most_steps
 from ..core.standins import InvalidInput
 from ..core.step_cache import FIRST_BLOCK, InvalidStepCache, StepCaching
-from ..families import family_only_arguments
-from ..model.pipeline_model import Model
+from ..families import Family, family_only_arguments
 from .signature import call_signature, check_names, check_task_names, pipeline_classes
+
+if TYPE_CHECKING:
+    from ..model.pipeline_model import Model
+    from ..model.preview import ConfigPreview
 
 
 def _image_size(image) -> tuple[int, int]:
@@ -85,7 +88,7 @@ def check_text(name: str, value) -> None:
 MAX_SIZE_FACTOR = 4
 
 
-def check_bound(model: Model, height: int, width: int) -> None:
+def check_bound(model: Model | ConfigPreview, height: int, width: int) -> None:
     """Refuse a size beyond MAX_SIZE_FACTOR x the model's native size per side."""
     bound = MAX_SIZE_FACTOR * model.native_size
     for name, value in (("height", height), ("width", width)):
@@ -101,6 +104,19 @@ def check_size(height: int | None, width: int | None, multiple: int = 8) -> None
         more = "" if multiple == 8 else " for this model's engines (diffusers' pipeline takes multiples of 8; " \
             "its denoiser needs the larger step)"
         raise InvalidInput(f"`height` and `width` must be multiples of {multiple}{more} but are {height} and {width}.")
+
+
+def check_family_arguments(family: Family, kwargs: Mapping[str, Any]) -> None:
+    """Refuse an argument only other families' pipelines take (`prompt_3` on SD 1.x), and what the family itself
+    refuses of its arguments."""
+    for name, owners in family_only_arguments().items():
+        # a generic family takes what its classes take (the signature's check saw to the names)
+        if kwargs.get(name) is not None and family not in owners and not family.generic:
+            titles = ", ".join(f.title for f in owners[:-1]) + (" and " if len(owners) > 1 else "") + \
+                owners[-1].title
+            raise InvalidInput(f"`{name}`: only {titles} pipelines take this argument; this is a {family.title} "
+                               "model.")
+    family.check_arguments(kwargs)
 
 
 def _is_count(value: Any) -> bool:
@@ -574,11 +590,4 @@ class CallChecks:
                     "make it with pipe.prepare_ip_adapter_image_embeds.")
 
     def _check_family_arguments(self, kwargs) -> None:
-        for name, owners in family_only_arguments().items():
-            # a generic family takes what its classes take (the signature's check saw to the names)
-            if kwargs.get(name) is not None and self.family not in owners and not self.family.generic:
-                titles = ", ".join(f.title for f in owners[:-1]) + (" and " if len(owners) > 1 else "") + \
-                    owners[-1].title
-                raise InvalidInput(f"`{name}`: only {titles} pipelines take this argument; "
-                                   f"this is a {self.family.title} model.")
-        self.family.check_arguments(kwargs)
+        check_family_arguments(self.family, kwargs)

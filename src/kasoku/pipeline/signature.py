@@ -13,10 +13,12 @@ from __future__ import annotations
 import difflib
 import inspect
 from collections.abc import Iterable, Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ..core.standins import InvalidInput
-from ..model.pipeline_model import Model
+
+if TYPE_CHECKING:
+    from ..model.pipeline_model import Model
 
 # what diffusers' pipelines still take through **kwargs (deprecated, with a warning)
 DEPRECATED = ("callback", "callback_steps")
