@@ -104,7 +104,7 @@ def _piped(*argv: str) -> str:
 
 # what the libraries kasoku calls print for their own developers
 THIRD_PARTY = ("torchvision", "WARNING", "Warning", "xFormers", "[transformers]", "Loading pipeline components",
-               "_registration.py")
+               "Loading weights", "_registration.py")
 
 
 @pytest.mark.integration

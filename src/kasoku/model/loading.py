@@ -339,6 +339,7 @@ def real_module(pipe, attribute: str) -> torch.nn.Module:
         return module
     cls = type(module)
     dtype_argument = "torch_dtype" if cls.__module__.startswith("diffusers") else "dtype"
+    hush_loaded_libraries()  # transformers, imported by now, shows a bar per weights file unless told
     try:
         real = cls.from_pretrained(source, use_safetensors=True, **{dtype_argument: torch.float32}).eval()
     except Exception as error:  # safetensors, transformers and diffusers raise many kinds on a damaged folder

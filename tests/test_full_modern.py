@@ -1,0 +1,68 @@
+"""benchmarks/full_modern.py: its parts are the families' published configurations, a reduced part's estimate comes
+from FLOP counts, and --smoke runs a whole part (torch stage, kasoku's engine, the report) at toy widths."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+SCRIPT = ROOT / "benchmarks" / "full_modern.py"
+
+
+@pytest.fixture(scope="module")
+def full_modern():
+    sys.path.insert(0, str(SCRIPT.parent))
+    spec = importlib.util.spec_from_file_location("full_modern", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["full_modern"] = module  # its dataclasses look their module up
+    spec.loader.exec_module(module)
+    yield module
+    sys.modules.pop("full_modern", None)
+    sys.path.remove(str(SCRIPT.parent))
+
+
+def test_the_published_sizes(full_modern):
+    """Parameter counts of the full-size modules on the meta device: Sana Sprint 0.6B's transformer, its DC-AE,
+    and a full-width Flux.2 klein 4B and Z-Image-Turbo transformer."""
+    def billions(key):
+        part = full_modern.Part.parse(key)
+        module = full_modern.part_spec(part, real=False).load_module()
+        return sum(p.numel() for p in module.parameters()) / 1e9
+
+    assert billions("sana-0.6b/transformer@1024") == pytest.approx(0.59, abs=0.01)
+    assert billions("sana-1.6b/transformer@1024") == pytest.approx(1.6, abs=0.05)
+    assert billions("flux2-klein-4b/transformer@512") == pytest.approx(3.9, abs=0.15)
+    assert billions("z-image-turbo/transformer@512") == pytest.approx(6.15, abs=0.1)
+    assert billions("qwen-image/transformer@512") == pytest.approx(20.4, abs=0.2)
+
+
+def test_a_reduced_part_is_estimated_from_the_whole_transformers_flops(full_modern):
+    part = full_modern.Part.parse("flux2-klein-4b/transformer-1@256")
+    spec = full_modern.part_spec(part, real=False)
+    inputs = {t.name: full_modern._sample_input(t, t.shape_at(spec.profile.opt), __import__("torch").Generator())
+              for t in spec.inputs}
+    ratio = full_modern.whole_ratio(part, inputs)
+    # 5 double- and 20 single-stream blocks against one of each, with the embeddings and output in both
+    assert 8 < ratio < 25
+
+
+@pytest.mark.integration
+def test_smoke_runs_a_part_through_every_stage(tmp_path):
+    results = Path("/tmp/kasoku-full_modern-smoke/results")  # the script's, for --smoke
+    shutil.rmtree(results, ignore_errors=True)
+    done = subprocess.run([sys.executable, str(SCRIPT), "--smoke", "--repeats", "1", "--work", str(tmp_path),
+                           "--parts", "flux2-klein-4b/transformer-1@256", "--contenders", "onnxruntime:fp32"],
+                          capture_output=True, text=True, timeout=900)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    report = json.loads(next(results.glob("*-full_modern.json")).read_text())
+    entry = report["parts"]["flux2-klein-4b/transformer-1@256"]
+    assert entry["torch"]["whole_ratio"] > 1 and entry["torch"]["bf16"]["rel_error_vs_torch"] < 0.05
+    engine = entry["engines"]["onnxruntime:fp32"]
+    assert engine["max_abs_vs_torch"] < 1e-4 and engine["seconds"]
