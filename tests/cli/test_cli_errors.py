@@ -332,12 +332,15 @@ _RUN_AND_SAY_IF_DIFFUSERS_LOADED = ("import sys\nfrom kasoku.cli import main\nco
 
 @pytest.fixture
 def busy_cores():
-    """Every core busy with another process, as on a loaded machine (a second job, another user's export)."""
+    """Every core busy with another process, as on a loaded machine (a second job, another user's export): one
+    spinning process per core, less the suite's other workers (pytest-xdist's), which are busy themselves."""
     import os
     import subprocess
     import sys
 
-    burners = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(os.cpu_count() or 2)]
+    others = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1")) - 1
+    burners = [subprocess.Popen([sys.executable, "-c", "while True: pass"])
+               for _ in range(max(1, (os.cpu_count() or 2) - others))]
     yield len(burners)
     for burner in burners:
         burner.kill()

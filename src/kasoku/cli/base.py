@@ -407,11 +407,14 @@ def options_from_args(args: argparse.Namespace, profile=None, *, cuda_graph: boo
 def check_backend(options, *, cuda_graph: bool = False) -> None:
     """An explicit backend must be installed and build the asked precision (and, with `cuda_graph`,
     replay CUDA graphs): say so before any work."""
-    from ..backends import get_backend
     from ..core.options import FASTEST
 
     names = set(options.backend.values()) if isinstance(options.backend, dict) else {options.backend}
     precisions = set(options.precision.values()) if isinstance(options.precision, dict) else {options.precision}
+    if not names - {"auto"}:
+        return  # `auto` picks among the installed backends later (the runtimes are not imported for a check)
+    from ..backends import get_backend
+
     for name in names - {"auto"}:
         backend = get_backend(name, options)
         backend.require()
