@@ -54,6 +54,7 @@ def test_a_reduced_part_is_estimated_from_the_whole_transformers_flops(full_mode
 
 
 @pytest.mark.integration
+@pytest.mark.slow(reason="a benchmark's own check: three processes that export and build (50 s on 2 cores)")
 def test_smoke_runs_a_part_through_every_stage(tmp_path):
     results = Path("/tmp/kasoku-full_modern-smoke/results")  # the script's, for --smoke
     shutil.rmtree(results, ignore_errors=True)

@@ -109,12 +109,14 @@ THIRD_PARTY = ("torchvision", "WARNING", "Warning", "xFormers", "[transformers]"
 
 @pytest.mark.integration
 def test_compile_piped_prints_kasoku_lines_only_and_verbose_shows_the_rest(tiny_dir, tmp_path):
-    """`kasoku compile`, piped into a log: its stages and table, no third-party warning line; `-v` shows the
-    exporter's own lines again (torch.onnx's note on torchvision's operators, which kasoku does not export)."""
-    quiet = _piped("compile", str(tiny_dir), "--backend", "onnxruntime", "--cache-dir", str(tmp_path / "quiet"))
+    """`kasoku compile` (a text encoder and a VAE), piped into a log: its stages and table, no third-party warning
+    line; `-v` shows the exporter's own lines again (torch.onnx's note on torchvision's operators, which kasoku does
+    not export)."""
+    quiet = _piped("compile", str(tiny_dir), "--components", "text_encoder", "vae_decoder", "--backend",
+                   "onnxruntime", "--cache-dir", str(tmp_path / "quiet"))
     noisy = [line for line in quiet.splitlines() if any(word in line for word in THIRD_PARTY)]
     assert noisy == [], quiet
-    assert "unet: export …" in quiet and "0 reused from the cache" in quiet
+    assert "vae_decoder: export …" in quiet and "0 reused from the cache" in quiet
     import importlib.util
 
     if importlib.util.find_spec("torchvision") is not None:
