@@ -337,9 +337,16 @@ def part_spec(part: Part, real: bool, depth: int | None = None):
     return ComponentSpec(
         name=name, inputs=tuple(TensorSpec(n, shape, dtype, high) for n, shape, dtype, high in inputs),
         outputs=(TensorSpec("out", output),), profile=profile, load_module=lambda: module,
-        weights=lambda: f"{part.key}-seed-{SEED}", config={"part": part.key, **FAMILIES[part.family].transformer},
+        weights=lambda: f"{part.key}-seed-{SEED}", config={"part": part.key, **_published(part)},
         sample_input=_sample_input, graph_kind="vae" if part.kind == "vae_decoder" else "",
         int8="full" if part.kind == "transformer" else "weights")  # kasoku's recipes: a transformer's activations too
+
+
+def _published(part: Part) -> dict[str, Any]:
+    """The family's published configuration of the part's component (what its graph key names)."""
+    family = FAMILIES[part.family]
+    components = {"transformer": family.transformer, "vae_decoder": family.vae, "text_encoder": family.text_encoder}
+    return components[part.kind]
 
 
 def whole_ratio(part: Part, inputs: dict) -> float | None:
