@@ -44,7 +44,6 @@ import json
 import shutil
 import socket
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -55,7 +54,8 @@ import torch
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
-from full_sd35 import _openvino_defaults  # noqa: E402 - the sibling benchmark's peer
+from full_sd15 import _repeat  # noqa: E402 - the sibling benchmarks' timing loop, peer and stage runner
+from full_sd35 import _openvino_defaults, _peak_mb, _run_stage  # noqa: E402
 
 WORK = HERE / ".models" / "modern-work"
 RESULTS = HERE / "results"
@@ -368,21 +368,6 @@ def whole_ratio(part: Part, inputs: dict) -> float | None:
     return counts[0] / counts[1]
 
 
-def _peak_mb() -> float:
-    from kasoku.tools.benchmark import rss_mb
-
-    return rss_mb("VmHWM")
-
-
-def _repeat(fn, repeats: int):
-    samples, out = [], None
-    for _ in range(repeats):
-        start = time.perf_counter()
-        out = fn()
-        samples.append(time.perf_counter() - start)
-    return samples, out
-
-
 def _file(part: Part) -> str:
     return part.key.replace("/", "--")
 
@@ -480,18 +465,6 @@ def _meta_pipeline():
 
 
 # ---- the run -------------------------------------------------------------------------------------------------
-
-
-def _run_stage(args_list: list[str], name: str, work: Path, log) -> dict:
-    """One stage in a fresh process, so that no two copies of the weights share the memory."""
-    out = work / f"stage-{name}.json"
-    log(f"stage {name}")
-    out.unlink(missing_ok=True)
-    result = subprocess.run([sys.executable, __file__, "--stage-json", str(out), *args_list])
-    if result.returncode != 0:  # e.g. refused by kasoku's memory guard: reported, and the run goes on
-        refused = json.loads(out.read_text()) if out.exists() else {}
-        return {"failed": True, "returncode": result.returncode, **refused}
-    return json.loads(out.read_text())
 
 
 def _row(key: str, label: str, run: dict, base: float, floor: float, estimate: float | None) -> str:
@@ -636,12 +609,12 @@ def main(argv: list[str] | None = None) -> int:
     for part in parts:
         entry = report["parts"][part.key] = {"engines": {}}
         entry["torch"] = _run_stage(["--stage", "torch", "--part", part.key, *common], f"torch-{_file(part)}",
-                                    args.work, log)
+                                    args.work, log, script=__file__)
         if not entry["torch"].get("failed"):
             for contender in args.contenders.split(","):
                 entry["engines"][contender] = _run_stage(
                     ["--stage", "engine", "--part", part.key, "--contender", contender, *common],
-                    f"engine-{_file(part)}-{contender.replace(':', '-')}", args.work, log)
+                    f"engine-{_file(part)}-{contender.replace(':', '-')}", args.work, log, script=__file__)
         shutil.rmtree(args.work / "onnx", ignore_errors=True)  # free the disk before the next part
         shutil.rmtree(args.work / "cache", ignore_errors=True)
         write_report(report)  # after each part: what is done so far, in case a later stage is stopped

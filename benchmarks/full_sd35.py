@@ -452,12 +452,13 @@ def loop_markdown(report: dict) -> str:
 # ---- the run -------------------------------------------------------------------------------------------------
 
 
-def _run_stage(args_list: list[str], name: str, work: Path, log) -> dict:
-    """One stage in a fresh process, so that no two copies of the weights share the memory."""
+def _run_stage(args_list: list[str], name: str, work: Path, log, script: str = __file__) -> dict:
+    """One stage of `script` (this benchmark, or a sibling's) in a fresh process, so that no two copies of the weights
+    share the memory."""
     out = work / f"stage-{name}.json"
     log(f"stage {name}")
     out.unlink(missing_ok=True)
-    result = subprocess.run([sys.executable, __file__, "--stage-json", str(out), *args_list])
+    result = subprocess.run([sys.executable, script, "--stage-json", str(out), *args_list])
     if result.returncode != 0:  # e.g. killed for memory, or refused by kasoku: reported, and the run goes on
         refused = json.loads(out.read_text()) if out.exists() else {}
         return {"failed": True, "returncode": result.returncode, **refused}
