@@ -126,6 +126,33 @@ def test_recorded_calls_give_the_denoisers_axes(pixart_model):
     assert "generator" not in {decoder.paths[i] for i, _ in decoder.constants}  # passed along, not computed with
 
 
+def test_a_recording_is_kept_in_the_cache_so_another_process_runs_no_pipeline(tmp_path, monkeypatch):
+    first = Model.of(tiny_family_pipeline("pixart-sigma")).remember_digests_under(tmp_path)
+    recorded = first.family.signatures(first)
+    runs = []
+    original = GenericFamily._recorded_call
+    monkeypatch.setattr(GenericFamily, "_recorded_call",
+                        lambda self, *a, **k: runs.append(a) or original(self, *a, **k))
+    # a new Model of the same pipeline, as another process has it: its recording is read, the pipeline not run
+    again = Model.of(tiny_family_pipeline("pixart-sigma")).remember_digests_under(tmp_path)
+    assert again.family.signatures(again) == recorded and runs == []
+    assert [e.component for e in kasoku.Cache(tmp_path).list()] == ["recording"]
+    # other weights, or a scheduler set otherwise, are another recording
+    changed = tiny_family_pipeline("pixart-sigma")
+    with torch.no_grad():
+        changed.transformer.proj_out.weight.mul_(2)
+    model = Model.of(changed).remember_digests_under(tmp_path)
+    model.family.signatures(model)
+    assert runs, "changed weights were served another pipeline's recording"
+    runs.clear()
+    shifted = tiny_family_pipeline("pixart-sigma")
+    shifted.register_modules(scheduler=type(shifted.scheduler).from_config(shifted.scheduler.config,
+                                                                               num_train_timesteps=500))
+    model = Model.of(shifted).remember_digests_under(tmp_path)
+    model.family.signatures(model)
+    assert runs and len(kasoku.Cache(tmp_path).list()) == 3
+
+
 def test_a_size_the_pipeline_refuses_raises_the_step():
     pipe = tiny_family_pipeline("sana")
     assert pipe.vae_scale_factor * 2 == 4 and _multiple(pipe) == 32  # Sana asks for multiples of 32

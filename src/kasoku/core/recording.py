@@ -22,19 +22,29 @@ from __future__ import annotations
 
 import contextlib
 import inspect
+import logging
+import pickle
 import re
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import torch
 from torch.utils import _pytree as pytree
 
-__all__ = ["Call", "Distribution", "Opaque", "RECORDED_METHODS", "Watched", "canonical_call", "leaf_name", "recording",
-           "unwatched"]
+from .cache import Cache, CacheError
+
+__all__ = ["Call", "Distribution", "Opaque", "RECORDED_METHODS", "RECORDING_FORMAT", "RecordingStore", "Watched",
+           "canonical_call", "leaf_name", "recording", "unwatched"]
+
+log = logging.getLogger(__name__)
 
 # What pipelines call on their components besides forward (a VAE decodes and encodes).
 RECORDED_METHODS = ("forward", "decode", "encode")
+# the recordings' layout in the cache: raised when what a Call keeps changes, so older entries are not read
+RECORDING_FORMAT = 1
+RECORDINGS_FILE = "recordings.pickle"
 
 
 class Watched(torch.Tensor):
@@ -260,3 +270,41 @@ def recording(modules: Mapping[str, torch.nn.Module], methods: tuple[str, ...] =
                 setattr(module, method, before)
             else:
                 delattr(module, method)
+
+
+class RecordingStore:
+    """Recordings kept in the cache, so a model is recorded once per machine: at full size a recording runs the
+    whole pipeline at every probe (Sana Sprint 0.6B's took minutes on two cores), and a warm start would pay it
+    again. The key names everything the calls depend on (the caller's `parts`: the pipeline class, its modules'
+    configs and weight digests, its other components, the probes, the library versions); a miss records, a
+    read-only cache serves what it holds and keeps nothing new. A recording that cannot be pickled (a constant
+    argument of a type pickle cannot write) is simply not kept."""
+
+    def __init__(self, root: str | Path, label: str = ""):
+        self.root, self.label = Path(root), label
+
+    def get(self, parts: dict[str, Any]) -> Any | None:
+        """What `put` kept for `parts`, or None."""
+        entry = Cache(self.root).lookup({"kind": "recording", "format": RECORDING_FORMAT, **parts})
+        if entry is None:
+            return None
+        try:
+            return pickle.loads(entry.file(RECORDINGS_FILE).read_bytes())  # written by `put` on this cache
+        except Exception as error:  # noqa: BLE001 - an unreadable entry is a miss: the pipeline is recorded again
+            log.info("recording %s not read (%s): recording again", entry.key, error)
+            return None
+
+    def put(self, parts: dict[str, Any], value: Any) -> None:
+        """Keep `value` for `parts` where the cache can be written and `value` pickled."""
+        try:
+            data = pickle.dumps(value, protocol=pickle.HIGHEST_PROTOCOL)
+        except (pickle.PicklingError, TypeError, AttributeError) as error:
+            log.info("recording not kept in the cache: %s", error)
+            return
+
+        def build(folder: Path) -> None:
+            (folder / RECORDINGS_FILE).write_bytes(data)
+
+        with contextlib.suppress(CacheError):  # a read-only cache: recorded again next time
+            Cache(self.root).get_or_build({"kind": "recording", "format": RECORDING_FORMAT, **parts}, build,
+                                          describe={"model": self.label, "component": "recording"})

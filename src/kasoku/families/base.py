@@ -52,6 +52,7 @@ class ModelView(Protocol):
 
     pipe: Any
     memo: dict[str, Any]  # what the family learnt of this model once (a generic family's recordings)
+    recordings: Any  # a RecordingStore (kasoku.core.recording) keeping them across processes, or None
 
     def ref(self, path: str) -> ModuleRef: ...
 

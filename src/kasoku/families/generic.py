@@ -18,7 +18,9 @@ from __future__ import annotations
 import copy
 import dataclasses
 import functools
+import hashlib
 import inspect
+import json
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any, ClassVar
 
@@ -46,6 +48,31 @@ TASK_CLASS_SUFFIXES = {"img2img": ("Img2Img", "I2I"), "inpaint": ("Inpaint", "In
 
 class NotCompilable(KasokuError, ValueError):
     """A pipeline kasoku cannot compile any component of, or whose recording failed."""
+
+
+def _config_of(module: Any) -> Any:
+    """A module's configuration as plain data (diffusers' FrozenDict, transformers' PretrainedConfig)."""
+    config = getattr(module, "config", None)
+    if hasattr(config, "to_dict"):
+        return config.to_dict()
+    return dict(config) if isinstance(config, Mapping) else type(module).__name__
+
+
+def _identity_of(component: Any) -> Any:
+    """What a pipeline's non-torch component (a tokenizer, a scheduler, an image processor) does to a call, as plain
+    data: a tokenizer's vocabulary digest and settings, a scheduler's or processor's configuration."""
+    if component is None or isinstance(component, (bool, int, float, str)):
+        return component
+    if hasattr(component, "get_vocab"):  # a tokenizer (or a processor holding one)
+        vocab = json.dumps(sorted(component.get_vocab().items()), default=str)
+        settings = {name: str(getattr(component, name, None)) for name in
+                    ("padding_side", "model_max_length", "chat_template", "all_special_tokens")}
+        return {"class": type(component).__name__, "vocab": hashlib.sha256(vocab.encode()).hexdigest(), **settings}
+    if isinstance(getattr(component, "config", None), Mapping):
+        return {"class": type(component).__name__, **dict(component.config)}
+    if hasattr(component, "to_dict"):
+        return {"class": type(component).__name__, **component.to_dict()}
+    return type(component).__name__
 
 
 @functools.cache
@@ -224,11 +251,19 @@ class GenericFamily(Family):
         """The pipeline's calls at `probes_of(task)`, for every task it has a class for: of its components, or
         (`blocks`) of the blocks of the components kept in torch (:meth:`block_paths`)."""
         names = self.block_paths(model) if blocks else list(self.modules(model))
+        plan = {task: tuple(probes_of(task)) for task in self.pipelines}
+        parts = self._recording_key(model, names, plan) if model.recordings is not None else None
+        kept = model.recordings.get(parts) if parts is not None else None
+        if kept is not None:
+            recordings, one_image = kept
+            if one_image:
+                model.memo.setdefault("one_image", one_image)
+            return recordings
         modules = {name: model.ref(name).load() for name in names}
         found: list[Recording] = []
-        for task in self.pipelines:
+        for task, task_probes in plan.items():
             pipeline = self.task_pipeline(model.pipe, task)
-            for probe in probes_of(task):
+            for probe in task_probes:
                 try:
                     found.append(Recording(probe, task, self._recorded_call(pipeline, task, probe, modules)))
                 except NotCompilable as error:
@@ -238,7 +273,27 @@ class GenericFamily(Family):
                     # compiles it for the one image per call it makes
                     model.memo.setdefault("one_image", f"its pipeline fails in diffusers for {probe.batch} images "
                                                        f"per call ({_cause(error)})")
+        if parts is not None:
+            model.recordings.put(parts, (found, model.memo.get("one_image")))
         return found
+
+    def _recording_key(self, model: ModelView, names: list[str], plan: Mapping[str, tuple[Probe, ...]]
+                       ) -> dict[str, Any]:
+        """What the calls recorded at `plan` depend on: the pipeline classes, the recorded modules, every torch
+        component's configuration and weights, the other components (tokenizers, scheduler, processors), the probes
+        and the libraries that run them."""
+        import diffusers
+        import transformers
+
+        modules = self.modules(model)
+        return {"pipelines": dict(self.pipelines), "recorded": names,
+                "probes": {task: [dataclasses.asdict(p) for p in probes] for task, probes in plan.items()},
+                "weights": {name: model.ref(name).digest() for name in modules},
+                "configs": {name: _config_of(module) for name, module in modules.items()},
+                "others": {name: _identity_of(value) for name, value in model.pipe.components.items()
+                           if name not in modules},
+                "versions": {"torch": torch.__version__, "diffusers": diffusers.__version__,
+                             "transformers": transformers.__version__}}
 
     def _recorded_call(self, pipeline, task: str, probe: Probe, modules: Mapping[str, torch.nn.Module]) -> list:
         first_error = None

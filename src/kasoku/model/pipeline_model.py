@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any
 
 from ..architectures.base import ModuleRef, module_at
 from ..core.components import ComponentSpec, ShapeProfile
+from ..core.recording import RecordingStore
 from ..core.schedulers import few_step_defaults
 from ..core.step_cache import DEFAULT_BRANCH
 from ..families import TASKS, Family, family_of
@@ -42,6 +43,7 @@ class Model:
         self.weights = weights or WeightsFingerprints()
         self.notes: list[str] = []  # what a compile of it says (a VAE swapped for the tiny one)
         self.memo: dict[str, Any] = {}  # what its family learnt of it once (a generic family's recordings)
+        self.recordings: RecordingStore | None = None  # where its recordings are kept across processes
 
     @classmethod
     def of(cls, model: Any, *, label: str | None = None, weights: WeightsFingerprints | None = None) -> Model:
@@ -67,8 +69,10 @@ class Model:
         return model
 
     def remember_digests_under(self, root: str | Path) -> Model:
-        """Remember the digests of folder-loaded weights in this cache folder (a warm start then reads none)."""
+        """Remember what is learnt of this model in this cache folder: the digests of folder-loaded weights and a
+        generic family's recordings (a warm start then reads no weights and runs no pipeline)."""
         self.weights.remember_under(root)
+        self.recordings = RecordingStore(root, self.label)
         return self
 
     # ---- what a family reads: one module at a time ------------------------------------------------

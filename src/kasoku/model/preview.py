@@ -45,6 +45,7 @@ class ConfigPreview:
     configs: dict[str, _Config]
     pipe: Any = None
     memo: dict[str, Any] = field(default_factory=dict)
+    recordings: Any = None  # a preview records nothing
 
     @classmethod
     def of(cls, source: Any) -> ConfigPreview | None:

@@ -599,6 +599,7 @@ def compile(
     options = CompileOptions.of(options, backend=backend, **fields)
     grows = options.profile is None and not options.strict_shapes  # an explicit profile is a promise: strict
     root = cache.root if isinstance(cache, Cache) else Path(cache or options.cache_dir or default_cache_dir())
+    model.remember_digests_under(root)  # before the first question that records a generic pipeline
     recipe = None
     if options.recipe is not None:
         if fields.get("precision") is not None:
