@@ -56,6 +56,10 @@ class ModelView(Protocol):
 
     def ref(self, path: str) -> ModuleRef: ...
 
+    def is_loaded(self, path: str) -> bool: ...
+
+    def release(self, path: str) -> None: ...
+
 
 @dataclass(frozen=True)
 class TextEncoderSlot:

@@ -8,7 +8,8 @@ recorded (:mod:`kasoku.core.recording`). What the pipeline called becomes the co
 `forward` (its attribute's name: ``transformer``, ``text_encoder``), a VAE's ``decode`` and ``encode``
 (``vae_decoder``, ``vae_encoder``), one component per call pattern (:mod:`kasoku.architectures.recorded`).
 
-Recording needs the modules' weights (a folder loaded lazily loads them once); it is kept per model. A module
+Recording needs the modules' weights (a folder loaded lazily loads them for it, then drops them again); it is kept
+per model and in the cache (:class:`~kasoku.core.recording.RecordingStore`). A module
 whose calls cannot become a graph (a constant that changes from call to call), or whose graph does not export
 or build, stays in torch: one line says which and why, and the rest of the pipeline runs on engines.
 """
@@ -259,6 +260,7 @@ class GenericFamily(Family):
             if one_image:
                 model.memo.setdefault("one_image", one_image)
             return recordings
+        lazy = [] if blocks else [name for name in names if not model.is_loaded(name)]
         modules = {name: model.ref(name).load() for name in names}
         found: list[Recording] = []
         for task, task_probes in plan.items():
@@ -275,6 +277,11 @@ class GenericFamily(Family):
                                                        f"per call ({_cause(error)})")
         if parts is not None:
             model.recordings.put(parts, (found, model.memo.get("one_image")))
+        # weights read for the recording only are dropped again: each is read once more when its engine is built,
+        # one component at a time, so a whole pipeline never sits in memory beside an engine build
+        del modules
+        for name in lazy:
+            model.release(name)
         return found
 
     def _recording_key(self, model: ModelView, names: list[str], plan: Mapping[str, tuple[Probe, ...]]

@@ -1,0 +1,112 @@
+"""optimum-intel's OpenVINO pipeline on one of the newest families' folders, in its own virtual environment (its pins
+conflict with kasoku's): run by benchmarks/full_modern_image.py with the peer venv's python, never imported by kasoku.
+
+    <venv>/bin/python benchmarks/peer_modern.py --model DIR --work DIR --latents FILE.npy --out FILE.json
+        [--prompt TEXT] [--size 1024] [--steps 1] [--repeats 2] [--threads 2]
+
+`optimum-cli export openvino --task text-to-image` (timed, with its peak memory; optimum-intel's defaults: the
+weights of a model over 1B parameters in int8), then OVDiffusionPipeline with its defaults (dynamic shapes), a
+warm-up and `--repeats` timed calls (the result), then the same reshaped to the call's static shape where its reshape
+can run the call (under "static"). The seconds of each stage (text encoder, transformer, VAE decode) are read by
+wrapping the pipeline parts' methods. The last image of each run is saved beside the JSON (FILE.npy, the dynamic
+run's; FILE-static.npy).
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.metadata
+import json
+import resource
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from peer_run import export_openvino, peak_mb  # noqa: E402 - the SD peers' export and memory reading
+
+STAGES = {"text_encoder": ("text_encoder", "forward"), "transformer": ("transformer", "forward"),
+          "vae_decoder": ("vae", "decode")}
+
+
+def _clock(pipe) -> dict[str, float]:
+    seconds: dict[str, float] = {}
+    for stage, (attribute, method) in STAGES.items():
+        owner = getattr(pipe, attribute)
+        original = getattr(owner, method)
+
+        def timed(*args, _stage=stage, _original=original, **kwargs):
+            start = time.perf_counter()
+            out = _original(*args, **kwargs)
+            seconds[_stage] = seconds.get(_stage, 0.0) + time.perf_counter() - start
+            return out
+
+        setattr(owner, method, timed)
+    return seconds
+
+
+def timed_calls(pipe, seconds_of: dict[str, float], call: dict, repeats: int) -> dict:
+    start = time.perf_counter()
+    pipe(**call)
+    first = time.perf_counter() - start
+    seconds, stages, image = [], [], None
+    for _ in range(repeats):
+        seconds_of.clear()
+        start = time.perf_counter()
+        image = pipe(**call).images[0]
+        seconds.append(time.perf_counter() - start)
+        stages.append(dict(seconds_of))
+    return {"first_call_s": first, "seconds": seconds, "stages": stages, "image": np.asarray(image, np.float32)}
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", type=Path, required=True)
+    parser.add_argument("--work", type=Path, required=True)
+    parser.add_argument("--latents", type=Path, required=True)
+    parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--prompt", default="a red fox in the snow")
+    parser.add_argument("--size", type=int, default=1024)
+    parser.add_argument("--steps", type=int, default=1)
+    parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--threads", type=int, default=2)
+    args = parser.parse_args()
+    args.work.mkdir(parents=True, exist_ok=True)
+
+    import torch
+    from optimum.intel import OVDiffusionPipeline
+
+    torch.set_num_threads(args.threads)
+    fresh = not (args.work / "optimum-intel-export" / "model_index.json").exists()
+    target, export_s = export_openvino(args.model, args.work)
+    export_peak = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 1024 if fresh else None
+    start = time.perf_counter()
+    pipe = OVDiffusionPipeline.from_pretrained(target, ov_config={"INFERENCE_NUM_THREADS": args.threads})
+    load_s = time.perf_counter() - start
+    pipe.set_progress_bar_config(disable=True)
+    call = {"prompt": args.prompt, "height": args.size, "width": args.size, "num_inference_steps": args.steps,
+            "latents": torch.from_numpy(np.load(args.latents)), "output_type": "np",
+            **({"intermediate_timesteps": None} if args.steps != 2 else {})}
+    seconds_of = _clock(pipe)
+    dynamic = timed_calls(pipe, seconds_of, call, args.repeats)
+    np.save(args.out.with_suffix(".npy"), dynamic.pop("image"))
+    start = time.perf_counter()
+    try:  # optimum-intel's static shapes: its reshape doubles the denoiser's batch for guidance a distilled model
+        pipe.reshape(batch_size=1, height=args.size, width=args.size, num_images_per_prompt=1)  # may not run
+        pipe.compile()
+        static = {"reshape_s": time.perf_counter() - start, **timed_calls(pipe, seconds_of, call, args.repeats)}
+        np.save(args.out.with_name(args.out.stem + "-static.npy"), static.pop("image"))
+    except RuntimeError as error:
+        static = {"failed": str(error).strip().splitlines()[-1]}
+    args.out.write_text(json.dumps({
+        "versions": {name: importlib.metadata.version(name) for name in ("optimum-intel", "openvino", "diffusers",
+                                                                          "transformers", "torch")},
+        "class": type(pipe).__name__, "export_s": export_s, "export_peak_mb": export_peak, "load_s": load_s,
+        **dynamic, "static": static, "peak_mb": peak_mb()}, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
