@@ -311,7 +311,7 @@ def markdown(report: dict) -> str:
         cells.append(f"{run['peak_mb'] / 1024:.1f}")
         lines.append(f"| {name} | " + " | ".join(cells) + " |")
     tokens = base.get("text_tokens")
-    lines += ["", f"FLOPs counted by torch in diffusers' fp32 warm-up: "
+    lines += ["", "FLOPs counted by torch in diffusers' fp32 warm-up: "
               + ", ".join(f"{s} {flops[s] / 1e12:.2f} TFLOP" for s in STAGES if flops.get(s))
               + f"; floor = FLOPs / the fp32 matmul rate. The text encoder ran on {tokens} tokens." if flops else ""]
     for name, run in runs.items():
