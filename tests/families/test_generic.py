@@ -137,6 +137,22 @@ def test_a_recording_is_kept_in_the_cache_so_another_process_runs_no_pipeline(tm
     again = Model.of(tiny_family_pipeline("pixart-sigma")).remember_digests_under(tmp_path)
     assert again.family.signatures(again) == recorded and runs == []
     assert [e.component for e in kasoku.Cache(tmp_path).list()] == ["recording"]
+    # a folder loaded lazily: the recording drops the weights it read, and a warm start (its modules never loaded,
+    # their configs without the folder's name) finds what the cold one kept
+    folder, saved = tmp_path / "pixart", tiny_family_pipeline("pixart-sigma")
+    with torch.no_grad():
+        saved.transformer.proj_out.weight.mul_(3)  # weights of its own: not the pipeline recorded above
+    saved.save_pretrained(folder)
+    cold = Model.load(folder, lazy=True).remember_digests_under(tmp_path)
+    runs.clear()
+    cold.family.signatures(cold)
+    assert runs and not any(cold.is_loaded(name) for name in cold.family.modules(cold))
+    runs.clear()
+    warm = Model.load(folder, lazy=True).remember_digests_under(tmp_path)
+    warm.family.recordings_at(warm, warm.family.optimum_probe(_profile(warm.pipe)))  # (recorded by neither)
+    cold.family.recordings_at(cold, cold.family.optimum_probe(_profile(cold.pipe)))
+    assert warm.family.signatures(warm) == cold.family.signatures(cold)
+    assert len(runs) == 2  # the optimum's two prompts, once: the second model read the first one's recording
     # other weights, or a scheduler set otherwise, are another recording
     changed = tiny_family_pipeline("pixart-sigma")
     with torch.no_grad():
@@ -150,12 +166,27 @@ def test_a_recording_is_kept_in_the_cache_so_another_process_runs_no_pipeline(tm
                                                                                num_train_timesteps=500))
     model = Model.of(shifted).remember_digests_under(tmp_path)
     model.family.signatures(model)
-    assert runs and len(kasoku.Cache(tmp_path).list()) == 3
+    assert runs and len([e for e in kasoku.Cache(tmp_path).list() if e.component == "recording"]) == 5
 
 
 def test_a_size_the_pipeline_refuses_raises_the_step():
     pipe = tiny_family_pipeline("sana")
     assert pipe.vae_scale_factor * 2 == 4 and _multiple(pipe) == 32  # Sana asks for multiples of 32
+
+
+def test_the_denoiser_is_calibrated_on_calls_its_pipeline_takes():
+    """int8 quantizes a recorded denoiser's activations too, calibrated on its pipeline's own calls: Sana Sprint's
+    two steps (SCM refuses others) at its embedded guidance; PixArt-Σ's at most 8 of its 20, its guidance doubling
+    the batch (the plan's own scale then). Every other graph's int8 is weights only."""
+    sprint = Model.of(tiny_family_pipeline("sana-sprint"))
+    specs = sprint.specs(_profile(sprint.pipe), None)
+    assert (specs["transformer"].int8, dict(specs["transformer"].calibration)) == ("full", {"steps": 2,
+                                                                                            "guidance": 4.5})
+    assert {specs[name].int8 for name in specs if name != "transformer"} == {"weights"}
+    pixart = Model.of(tiny_family_pipeline("pixart-sigma"))
+    transformer = pixart.specs(_profile(pixart.pipe), ["transformer"])["transformer"]
+    assert (transformer.int8, dict(transformer.calibration)) == ("full", {"steps": 8})
+    assert pixart.fixed_arguments(_profile(pixart.pipe)) == {"use_resolution_binning": False}
 
 
 def test_only_the_outputs_the_pipeline_reads_are_compiled():

@@ -510,9 +510,12 @@ def _sample_input(signature: Signature):
 
 
 def recorded_spec(signature: Signature, ref: ModuleRef, profile: ShapeProfile, *, takes_lora: bool = False,
-                  one_shape: Callable[[], ComponentSpec] | None = None) -> ComponentSpec:
+                  one_shape: Callable[[], ComponentSpec] | None = None,
+                  calibration: Mapping[str, Any] | None = None) -> ComponentSpec:
     """The component spec of a recorded signature of the module at `ref`; `takes_lora` where diffusers' LoRA loader
-    changes the module, `one_shape` the spec its graph falls back to (see :class:`ComponentSpec`)."""
+    changes the module, `one_shape` the spec its graph falls back to (see :class:`ComponentSpec`). `calibration`
+    (the calls a denoiser is calibrated on) makes its int8 recipe the full one: activations in int8 too, calibrated
+    on what it sees in its pipeline's own denoising loop, as the hand-written denoisers' are."""
     return ComponentSpec(
         name=signature.component,
         inputs=tuple(slot.tensor for slot in signature.inputs),
@@ -527,6 +530,8 @@ def recorded_spec(signature: Signature, ref: ModuleRef, profile: ShapeProfile, *
         takes_lora=takes_lora,
         one_shape=one_shape,
         interleaved="." in ref.path,  # a block: the glue around it runs in torch
+        int8="full" if calibration is not None else "weights",
+        calibration=calibration or {},
     )
 
 

@@ -213,6 +213,7 @@ class Compiler:
         plan = CalibrationPlan(samples=self.options.calibration_samples)
         if spec.profile.guidance is False:  # engines for guidance-free calls are calibrated on such calls
             plan = replace(plan, guidance=1.0)
+        plan = replace(plan, **spec.calibration)  # the calls its pipeline takes (a distilled model's steps)
         return {"kind": "calibration", "component": spec.name, "source": source, "shape": vars(spec.profile.opt),
                 "plan": plan.to_dict(), **backend.calibration_recording(),
                 **({"weights": spec.fingerprint} if self.binds_weights() else {})}

@@ -308,6 +308,9 @@ class ComponentSpec:
     fp16_keep_ops: tuple[str, ...] = ()  # ops that overflow in fp16 in this component, kept fp32
     modules: tuple[str, ...] = ()  # the pipeline attributes whose weights it uses ("vae", "unet", ...)
     int8: str = "weights"  # int8 recipe (kasoku.backends.int8): "weights", or "full" (calibrated activations)
+    # the calibration plan's fields its pipeline's calls need (a distilled model's steps and guidance; see
+    # kasoku.core.options.CalibrationPlan): the calls it is calibrated on are calls its pipeline takes
+    calibration: Mapping[str, Any] = field(default_factory=dict, compare=False)
     takes_lora: bool = False  # LoRA adapters change its weights (diffusers loads them into this component)
     # Weights whose graph names hold one of these stay engine inputs wherever the backend keeps run-time weights
     # (IP-Adapters: a switch binds them); the engine is then keyed on `base_weights`, the digest of the others.

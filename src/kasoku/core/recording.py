@@ -25,6 +25,7 @@ import inspect
 import logging
 import pickle
 import re
+import warnings
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -289,7 +290,9 @@ class RecordingStore:
         if entry is None:
             return None
         try:
-            return pickle.loads(entry.file(RECORDINGS_FILE).read_bytes())  # written by `put` on this cache
+            with warnings.catch_warnings():  # torch's pytree warns of its own legacy leaf class while unpickling
+                warnings.simplefilter("ignore", FutureWarning)
+                return pickle.loads(entry.file(RECORDINGS_FILE).read_bytes())  # written by `put` on this cache
         except Exception as error:  # noqa: BLE001 - an unreadable entry is a miss: the pipeline is recorded again
             log.info("recording %s not read (%s): recording again", entry.key, error)
             return None

@@ -28,6 +28,7 @@ from typing import Any, ClassVar
 import torch
 
 from ..architectures import recorded
+from ..architectures.base import config_dict
 from ..architectures.recorded import EngineRecorded, Probe, Recording, Signature, UncompilableCall
 from ..core.components import ComponentSpec, InvalidProfile, ShapeProfile, default_profile
 from ..core.errors import KasokuError, NotADiffusersPipeline
@@ -44,6 +45,7 @@ PROBE_STEPS = 2
 # max_sequence_length of the two probes: a ratio (7/3) no image dimension has, multiples of 16 (tokenizers pad so)
 PROBE_TOKENS = (48, 112)
 DEFAULT_MAX_TOKENS = 512  # the text-token axes' bound where the pipeline names no max_sequence_length
+CALIBRATION_STEPS = 8  # the most steps an int8 denoiser's calibration runs per prompt (CalibrationPlan's default)
 TASK_CLASS_SUFFIXES = {"img2img": ("Img2Img", "I2I"), "inpaint": ("Inpaint", "Inpainting")}
 
 
@@ -51,24 +53,31 @@ class NotCompilable(KasokuError, ValueError):
     """A pipeline kasoku cannot compile any component of, or whose recording failed."""
 
 
-def _config_of(module: Any) -> Any:
-    """A module's configuration as plain data (diffusers' FrozenDict, transformers' PretrainedConfig)."""
-    config = getattr(module, "config", None)
-    if hasattr(config, "to_dict"):
-        return config.to_dict()
-    return dict(config) if isinstance(config, Mapping) else type(module).__name__
+def _architecture_config(module: Any) -> Any:
+    """A module's configuration without its metadata (`_name_or_path` is the folder it was read from once loaded,
+    and empty on a lazily loaded module: a warm start must find the recording a cold one kept)."""
+    if getattr(module, "config", None) is None:
+        return type(module).__name__
+    return {key: value for key, value in config_dict(module.config).items() if not key.startswith("_")}
 
 
 def _identity_of(component: Any) -> Any:
     """What a pipeline's non-torch component (a tokenizer, a scheduler, an image processor) does to a call, as plain
-    data: a tokenizer's vocabulary digest and settings, a scheduler's or processor's configuration."""
+    data: a tokenizer's digest (its whole fast tokenizer, else its vocabulary) and settings, a scheduler's or
+    processor's configuration."""
     if component is None or isinstance(component, (bool, int, float, str)):
         return component
     if hasattr(component, "get_vocab"):  # a tokenizer (or a processor holding one)
-        vocab = json.dumps(sorted(component.get_vocab().items()), default=str)
+        backend = getattr(component, "backend_tokenizer", None)
+        if backend is not None:  # without the truncation and padding the last call set on it
+            text = json.dumps({k: v for k, v in json.loads(backend.to_str()).items()
+                               if k not in ("truncation", "padding")}, sort_keys=True)
+        else:
+            text = json.dumps(sorted(component.get_vocab().items()), default=str)
         settings = {name: str(getattr(component, name, None)) for name in
                     ("padding_side", "model_max_length", "chat_template", "all_special_tokens")}
-        return {"class": type(component).__name__, "vocab": hashlib.sha256(vocab.encode()).hexdigest(), **settings}
+        return {"class": type(component).__name__, "tokenizer": hashlib.sha256(text.encode()).hexdigest(),
+                **settings}
     if isinstance(getattr(component, "config", None), Mapping):
         return {"class": type(component).__name__, **dict(component.config)}
     if hasattr(component, "to_dict"):
@@ -252,6 +261,8 @@ class GenericFamily(Family):
         """The pipeline's calls at `probes_of(task)`, for every task it has a class for: of its components, or
         (`blocks`) of the blocks of the components kept in torch (:meth:`block_paths`)."""
         names = self.block_paths(model) if blocks else list(self.modules(model))
+        # (before the key: a cold digest reads the weights)
+        lazy = [] if blocks else [name for name in names if not model.is_loaded(name)]
         plan = {task: tuple(probes_of(task)) for task in self.pipelines}
         parts = self._recording_key(model, names, plan) if model.recordings is not None else None
         kept = model.recordings.get(parts) if parts is not None else None
@@ -260,7 +271,6 @@ class GenericFamily(Family):
             if one_image:
                 model.memo.setdefault("one_image", one_image)
             return recordings
-        lazy = [] if blocks else [name for name in names if not model.is_loaded(name)]
         modules = {name: model.ref(name).load() for name in names}
         found: list[Recording] = []
         for task, task_probes in plan.items():
@@ -296,7 +306,7 @@ class GenericFamily(Family):
         return {"pipelines": dict(self.pipelines), "recorded": names,
                 "probes": {task: [dataclasses.asdict(p) for p in probes] for task, probes in plan.items()},
                 "weights": {name: model.ref(name).digest() for name in modules},
-                "configs": {name: _config_of(module) for name, module in modules.items()},
+                "configs": {name: _architecture_config(module) for name, module in modules.items()},
                 "others": {name: _identity_of(value) for name, value in model.pipe.components.items()
                            if name not in modules},
                 "versions": {"torch": torch.__version__, "diffusers": diffusers.__version__,
@@ -607,7 +617,7 @@ class GenericFamily(Family):
         if signature.exact or profile.is_static:
             return one_shape()
         return recorded.recorded_spec(signature, ref, profile, takes_lora=self._takes_lora(signature),
-                                      one_shape=one_shape)
+                                      one_shape=one_shape, calibration=self._calibration(model, signature))
 
     def _spec_at_optimum(self, model: ModelView, signature: Signature, profile: ShapeProfile) -> ComponentSpec:
         found = self.signature_at(model, signature, profile)
@@ -618,9 +628,27 @@ class GenericFamily(Family):
         """The spec of `signature`'s graph of one shape at any call's shape (the compiled one: the recorded call's),
         kept on the model for the engines built later."""
         spec_of = functools.partial(recorded.recorded_spec, ref=model.ref(signature.attribute), profile=profile,
-                                    takes_lora=self._takes_lora(signature))
+                                    takes_lora=self._takes_lora(signature),
+                                    calibration=self._calibration(model, signature))
         model.memo.setdefault("grown_specs", {})[signature.component] = spec_of
         return spec_of
+
+    def _calibration(self, model: ModelView, signature: Signature) -> dict[str, Any] | None:
+        """For the denoiser's forward (its int8 engine's activations are calibrated, as a hand-written denoiser's):
+        the calls of its pipeline it is calibrated on, at most CALIBRATION_STEPS steps (fewer where the pipeline's
+        default is: Sana Sprint takes 2) and, where guidance does not double its batch (an embedded guidance
+        scale), the pipeline's default scale. None for every other graph (their int8 is weights only)."""
+        if signature.method != "forward" or signature.attribute != self.denoiser_attribute(model):
+            return None
+        found: dict[str, Any] = {}
+        steps = self.parameters.get("num_inference_steps")
+        if steps is not None and isinstance(steps.default, int) and steps.default > 0:
+            found["steps"] = min(CALIBRATION_STEPS, steps.default)
+        guidance = self.parameters.get("guidance_scale")
+        if guidance is not None and isinstance(guidance.default, (int, float)) and \
+                not self.doubles_batch({"guidance_scale": guidance.default}, model):
+            found["guidance"] = float(guidance.default)
+        return found
 
     def _takes_lora(self, signature: Signature) -> bool:
         """Whether diffusers' LoRA loader of the class changes the module this graph calls forward on."""

@@ -10,6 +10,7 @@ of it, and it answers them through its family. Families see it as a :class:`~kas
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Iterable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -166,6 +167,23 @@ class Model:
         """The tasks the family has a diffusers class for this model (with ControlNets: a ControlNet class)."""
         classes = self.family.pipelines_for(type(self.pipe).__name__, controlnet=bool(self.controlnets))
         return tuple(task for task in TASKS if task in classes)
+
+    def pipeline_classes(self) -> list[type]:
+        """The class the model's pipeline is, then the family's classes of the other tasks (ControlNet ones with
+        ControlNets)."""
+        return list(dict.fromkeys([type(self.pipe), *(self.pipeline_class(task) for task in self.pipeline_tasks)]))
+
+    def fixed_arguments(self, profile: ShapeProfile) -> dict[str, Any]:
+        """The call arguments engines built for `profile` fix, with their values: the text tokens they were compiled
+        for (`max_sequence_length`; diffusers' default may be another), and no resolution binning (it computes at
+        another size than the engines were built for). Every call on engines takes them: a user's, a calibration's,
+        a diffusers pipeline's compared with it."""
+        compiled = self.family.text_tokens(profile)
+        fixed: dict[str, Any] = {} if compiled is None else {"max_sequence_length": compiled}
+        if all("use_resolution_binning" in inspect.signature(cls.__call__).parameters
+               for cls in self.pipeline_classes()):
+            fixed["use_resolution_binning"] = False
+        return fixed
 
     def pipeline_class(self, task: str):
         """The diffusers class this model runs `task` with (its ControlNet class with ControlNets; the class it

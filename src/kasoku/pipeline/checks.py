@@ -8,7 +8,6 @@ generate` asks it before it compiles anything, a :class:`kasoku.KasokuPipeline` 
 
 from __future__ import annotations
 
-import inspect
 import math
 import numbers
 from collections.abc import Callable, Container, Mapping
@@ -520,12 +519,7 @@ class CallChecks:
         """The call arguments the engines fix, with their values: the T5 tokens they were compiled for
         (`max_sequence_length`; diffusers' default may be another). A diffusers pipeline compared with this one
         takes them too."""
-        compiled = self.family.text_tokens(self.profile)
-        fixed: dict[str, Any] = {} if compiled is None else {"max_sequence_length": compiled}
-        if all("use_resolution_binning" in inspect.signature(cls.__call__).parameters
-               for cls in pipeline_classes(self.model)):
-            fixed["use_resolution_binning"] = False  # binning computes at another size than the engines were built for
-        return fixed
+        return self.model.fixed_arguments(self.profile)
 
     def defaults(self, kwargs) -> dict[str, Any]:
         """What a call omits that the engines fix (see :attr:`fixed_arguments`)."""

@@ -30,8 +30,7 @@ KASOKU_ARGUMENTS = {"control_image": None, "cache_interval": 1, "cache_schedule"
 def pipeline_classes(model: Model) -> list[type]:
     """The class the model's pipeline is, then the family's classes of the other tasks (ControlNet ones with
     ControlNets)."""
-    others = [model.pipeline_class(task) for task in model.pipeline_tasks]
-    return list(dict.fromkeys([type(model.pipe), *others]))
+    return model.pipeline_classes()
 
 
 def call_signature(model: Model, extras: Mapping[str, Any] = KASOKU_ARGUMENTS) -> inspect.Signature:

@@ -50,11 +50,12 @@ class RecordingEngine:
 
 
 def record_inputs(model: Model, engines: dict, component: str, shape: ImageShape, plan: CalibrationPlan,
-                  prompt_inputs: dict | None = None) -> list[dict[str, np.ndarray]]:
+                  prompt_inputs: dict | None = None, fixed: dict | None = None) -> list[dict[str, np.ndarray]]:
     """`component`'s inputs during text-to-image runs of `model`'s family on `engines` (the text
     encoders' and the component's), at `shape`'s size, until `plan.samples` calls. `prompt_inputs`
     (prompt embeddings) stand in for the plan's prompts where no text encoder can run (a benchmark's
-    model with random weights and no text encoders)."""
+    model with random weights and no text encoders). `fixed`: the arguments the engines fix
+    (:meth:`Model.fixed_arguments`)."""
     recorder = RecordingEngine(engines[component], plan.samples)
     runner = EnginePipelines(model, {**engines, component: recorder}, tasks=("txt2img",))
     for index, prompt in enumerate(itertools.cycle(plan.prompts)):
@@ -63,7 +64,7 @@ def record_inputs(model: Model, engines: dict, component: str, shape: ImageShape
         try:
             runner("txt2img", **(prompt_inputs or {"prompt": prompt}), height=shape.height, width=shape.width,
                    num_inference_steps=plan.steps, guidance_scale=plan.guidance,
-                   generator=torch.Generator().manual_seed(plan.seed + index), output_type="latent")
+                   generator=torch.Generator().manual_seed(plan.seed + index), output_type="latent", **(fixed or {}))
         except _Enough:
             break
     return recorder.recorded
@@ -112,7 +113,8 @@ def recorded_samples(compiler: Compiler, model: Model, spec: ComponentSpec, prom
         engines = {name: sub.engine(specs[name], parts["backend"]) for name in names}
         plan = CalibrationPlan.from_dict(parts["plan"])
         with compiler.on_stage(spec.name, f"calibrating on {plan.samples} denoising steps"):
-            samples = record_inputs(model, engines, spec.name, spec.profile.opt, plan, prompt_inputs)
+            samples = record_inputs(model, engines, spec.name, spec.profile.opt, plan, prompt_inputs,
+                                    model.fixed_arguments(spec.profile))
         compiler.records += [StageRecord(r.component, f"calibration {r.stage}", r.status, r.key, r.seconds, r.detail)
                              for r in sub.records]
         compiler.intermediates |= sub.intermediates
