@@ -24,12 +24,11 @@ own process):
   their decoder layers at full width with the whole vocabulary, estimated to the whole stack the same way.
 
 Each component is a ComponentSpec written here around the module and the inputs its pipeline gives it (read from
-diffusers' pipeline code): kasoku's generic path would record them from the pipeline's own calls, which at full
-size took 457 s per process here for Sana Sprint 0.6B (its probes run the whole pipeline eight times), so each of
-this benchmark's processes would pay it once more. The engines are exact-shape (static), as `kasoku generate`
-builds them for a call. Peers not run yet (their environments are not made by this script): optimum-intel's
-OpenVINO pipelines, openvino.genai, stable-diffusion.cpp; `openvino-defaults` is OpenVINO's own API on the same
-ONNX file with its defaults.
+diffusers' pipeline code), so that a part (a transformer with one layer of each kind, 4 layers of a text encoder) can
+be measured where the whole pipeline does not fit or has no loop to run it; benchmarks/full_modern_image.py compiles
+whole pipelines the way a user does (kasoku's generic path, from the pipeline's recorded calls). The engines are
+exact-shape (static), as `kasoku generate` builds them for a call. `openvino-defaults` is OpenVINO's own API on the
+same ONNX file with its defaults; optimum-intel's own pipeline runs in full_modern_image.py.
 
 --smoke runs the same parts at toy widths (a check of this script; results under /tmp/kasoku-full_modern-smoke).
 Writes benchmarks/results/<date>-<host>-full_modern[-TAG].md/.json.

@@ -67,3 +67,37 @@ def test_smoke_runs_a_part_through_every_stage(tmp_path):
     assert entry["torch"]["whole_ratio"] > 1 and entry["torch"]["bf16"]["rel_error_vs_torch"] < 0.05
     engine = entry["engines"]["onnxruntime:fp32"]
     assert engine["max_abs_vs_torch"] < 1e-4 and engine["seconds"]
+
+
+IMAGE_SCRIPT = ROOT / "benchmarks" / "full_modern_image.py"
+
+
+def test_the_whole_image_folder_tokenizes_as_sana_pads(full_modern):
+    """The word-level tokenizer the whole-image folder holds (Gemma's cannot be downloaded): BOS first, one id per
+    word or punctuation run, and Sana's padded length (its instruction's tokens + 300 - 2) as its model_max_length."""
+    spec = importlib.util.spec_from_file_location("full_modern_image", IMAGE_SCRIPT)
+    image = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(image)
+    tokenizer = image.word_tokenizer()
+    ids = tokenizer("a red fox, in the snow").input_ids
+    assert ids[0] == tokenizer.bos_token_id and len(ids) == 8 and tokenizer.unk_token_id not in ids
+    instruction = len(tokenizer.encode(image._instruction()))
+    assert 150 < instruction < 400 and tokenizer.model_max_length == instruction + 298
+
+
+@pytest.mark.integration
+@pytest.mark.slow(reason="a benchmark's own check: the folder, diffusers and a cold and warm kasoku compile (90 s)")
+def test_the_whole_image_smoke_runs_diffusers_and_kasoku_cold_and_warm(tmp_path):
+    results = Path("/tmp/kasoku-full_modern_image-smoke/results")  # the script's, for --smoke
+    shutil.rmtree(results, ignore_errors=True)
+    done = subprocess.run([sys.executable, str(IMAGE_SCRIPT), "--smoke", "--size", "256", "--repeats", "1",
+                           "--work", str(tmp_path), "--contenders", "diffusers:fp32,kasoku:bf16"],
+                          capture_output=True, text=True, timeout=900)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    report = json.loads(next(results.glob("*-full_modern_image.json")).read_text())
+    kasoku = report["contenders"]["kasoku:bf16"]
+    assert kasoku["empty_cache"] and kasoku["psnr_db"] > 30 and set(kasoku["stages"][0]) == {
+        "text_encoder", "transformer", "vae_decoder"}
+    # the warm start reads the recording and the engines: no export, no build, no pipeline run
+    assert {status for _c, _stage, status, _s in kasoku["warm_run"]["compile_stages"]} == {"reused"}
+    assert kasoku["warm_start_s"] < kasoku["compile_s"]
