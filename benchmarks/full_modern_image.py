@@ -341,8 +341,9 @@ def write_report(report: dict) -> None:
     RESULTS.mkdir(parents=True, exist_ok=True)
     stem = RESULTS / f"{report['date']}-{socket.gethostname()}-full_modern_image{'-' + tag if tag else ''}"
     text = markdown(report)
-    stem.with_suffix(".md").write_text(text + "\n")
-    stem.with_suffix(".json").write_text(json.dumps(report, indent=2))
+    # (a tag may hold a dot, "sana-1.6b": the suffixes are appended, never swapped for one)
+    stem.with_name(stem.name + ".md").write_text(text + "\n")
+    stem.with_name(stem.name + ".json").write_text(json.dumps(report, indent=2))
     print(text)
     print(f"wrote {stem}.md and .json")
 
