@@ -517,14 +517,18 @@ def markdown(report: dict) -> str:
 
 
 def write_report(report: dict) -> None:
-    from kasoku.core.console import console
-
     runs = [r for e in report["parts"].values() for r in [e["torch"], *e["engines"].values()]]
     report["peak_mb"] = max((r["peak_mb"] for r in runs if "peak_mb" in r), default=0.0)
+    write_results(RESULTS, "full_modern", report, markdown(report))
+
+
+def write_results(folder: Path, script: str, report: dict, text: str) -> None:
+    """`report` as <folder>/<date>-<host>-<script>[-TAG].json and its table `text` as .md beside it, printed."""
+    from kasoku.core.console import console
+
     tag = report.get("tag")
-    RESULTS.mkdir(parents=True, exist_ok=True)
-    stem = RESULTS / f"{report['date']}-{socket.gethostname()}-full_modern{'-' + tag if tag else ''}"
-    text = markdown(report)
+    folder.mkdir(parents=True, exist_ok=True)
+    stem = folder / f"{report['date']}-{socket.gethostname()}-{script}{'-' + tag if tag else ''}"
     # (a tag may hold a dot, "sana-1.6b": the suffixes are appended, never swapped for one)
     stem.with_name(stem.name + ".md").write_text(text + "\n")
     stem.with_name(stem.name + ".json").write_text(json.dumps(report, indent=2))

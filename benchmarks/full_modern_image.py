@@ -48,7 +48,7 @@ import torch
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
-from full_modern import FAMILIES, SEED, use_smoke_model  # noqa: E402 - the published configurations, one place
+from full_modern import FAMILIES, SEED, use_smoke_model, write_results  # noqa: E402 - the published configurations, one place
 from full_sd15 import peer_python  # noqa: E402 - the peers' environments
 from full_sd35 import _peak_mb, _run_stage  # noqa: E402
 
@@ -337,15 +337,7 @@ def markdown(report: dict) -> str:
 
 
 def write_report(report: dict) -> None:
-    tag = report.get("tag")
-    RESULTS.mkdir(parents=True, exist_ok=True)
-    stem = RESULTS / f"{report['date']}-{socket.gethostname()}-full_modern_image{'-' + tag if tag else ''}"
-    text = markdown(report)
-    # (a tag may hold a dot, "sana-1.6b": the suffixes are appended, never swapped for one)
-    stem.with_name(stem.name + ".md").write_text(text + "\n")
-    stem.with_name(stem.name + ".json").write_text(json.dumps(report, indent=2))
-    print(text)
-    print(f"wrote {stem}.md and .json")
+    write_results(RESULTS, "full_modern_image", report, markdown(report))
 
 
 def main(argv: list[str] | None = None) -> int:
