@@ -150,7 +150,8 @@ def use_smoke_model() -> None:
         FAMILIES["flux2-klein-4b"], transformer={**FAMILIES["flux2-klein-4b"].transformer, "num_attention_heads": 2,
                                                  "attention_head_dim": 32, "joint_attention_dim": 96,
                                                  "axes_dims_rope": (8, 8, 8, 8)},
-        text_encoder={**_QWEN3_4B, **small_text})
+        # its pipeline reads layers 9, 18 and 27, joined into the transformer's 96 = 3 x 32 wide text tokens
+        text_encoder={**_QWEN3_4B, **small_text, "num_hidden_layers": 28, "hidden_size": 32, "head_dim": 16})
     FAMILIES["z-image-turbo"] = dataclasses.replace(FAMILIES["z-image-turbo"], transformer=dict(
         dim=64, n_heads=2, n_kv_heads=2, cap_feat_dim=64, axes_dims=[16, 8, 8]))
     FAMILIES["qwen-image"] = dataclasses.replace(FAMILIES["qwen-image"], transformer=dict(

@@ -1,9 +1,17 @@
 """Whole images of the newest families at full size (random weights): Sana Sprint 0.6B and 1.6B at 1024x1024 in one
-step, end to end, through diffusers (fp32, bf16), kasoku (`KasokuPipeline.from_pretrained` on the folder, as a user
-runs it) and optimum-intel's OpenVINO pipeline (in its own environment), with the time of each stage.
+step, Flux.2 klein 4B at 512x512 in four, end to end, through diffusers (fp32, bf16), kasoku
+(`KasokuPipeline.from_pretrained` on the folder, as a user runs it) and optimum-intel's OpenVINO pipeline (in its
+own environment), with the time of each stage.
 
     python benchmarks/full_modern_image.py [--family sana-0.6b] [--size 1024] [--steps 1]
         [--contenders diffusers:fp32,diffusers:bf16,kasoku:bf16,kasoku:int8,optimum-intel:default] [--repeats 2]
+        [--kasoku-reads fp32|bf16]
+    python benchmarks/full_modern_image.py --family flux2-klein-4b --size 512 --steps 4 \
+        --contenders kasoku:bf16,diffusers:bf16
+
+Flux.2 klein 4B's folder is written and read in bf16 by every contender (its fp32 weights, 32 GB, do not fit in
+24 GiB): its images are compared with diffusers' bf16 image, and its FLOPs counted there. `--kasoku-reads bf16` has
+kasoku read a Sana folder in bf16 too (`torch_dtype=torch.bfloat16`: its bf16 engines then hold bf16 weights).
 
 The pipeline folder is written once (benchmarks/.models/modern-image/<family>-pipeline, fp32 safetensors: 14 GB for
 Sana Sprint 0.6B) from the configurations benchmarks/full_modern.py names, with seeded random weights. Gemma's own
@@ -97,38 +105,85 @@ def pipeline_folder(family: str, work: Path) -> Path:
     folder = work / f"{family}-pipeline"
     if (folder / "model_index.json").exists():
         return folder
-    import diffusers as d
-    import transformers as tr
-
-    config = FAMILIES[family]
-    text = {k: v for k, v in config.text_encoder.items() if k not in ("kind", "max_tokens")}
-    torch.manual_seed(SEED)
-    pipe = d.SanaSprintPipeline(
-        tokenizer=word_tokenizer(), scheduler=d.SCMScheduler(),
-        text_encoder=tr.Gemma2Model(tr.Gemma2Config(**text, pad_token_id=0, bos_token_id=2, eos_token_id=1)).eval(),
-        vae=d.AutoencoderDC(**config.vae).eval(), transformer=d.SanaTransformer2DModel(**config.transformer).eval())
     partial = folder.with_name(folder.name + ".partial")
     shutil.rmtree(partial, ignore_errors=True)
-    pipe.save_pretrained(partial)
+    torch.manual_seed(SEED)
+    (_write_flux2_klein if family.startswith("flux2") else _write_sana)(FAMILIES[family], partial)
     partial.rename(folder)
     return folder
 
 
+def _write_sana(config, folder: Path) -> None:
+    import diffusers as d
+    import transformers as tr
+
+    text = {k: v for k, v in config.text_encoder.items() if k not in ("kind", "max_tokens")}
+    pipe = d.SanaSprintPipeline(
+        tokenizer=word_tokenizer(), scheduler=d.SCMScheduler(),
+        text_encoder=tr.Gemma2Model(tr.Gemma2Config(**text, pad_token_id=0, bos_token_id=2, eos_token_id=1)).eval(),
+        vae=d.AutoencoderDC(**config.vae).eval(), transformer=d.SanaTransformer2DModel(**config.transformer).eval())
+    pipe.save_pretrained(folder)
+
+
+def _write_flux2_klein(config, folder: Path) -> None:
+    """Flux.2 klein 4B in bf16 (its fp32 weights, 32 GB, fit neither this disk's budget nor its memory), one component
+    at a time; the tokenizer is kasoku's small Qwen BPE with Qwen's chat template (the pipeline pads every prompt to
+    its 512 tokens, so the text encoder's work is the real one); klein 4B is step-distilled (no guidance)."""
+    import diffusers as d
+    import transformers as tr
+
+    from kasoku.tools.tiny_families import qwen_tokenizer
+
+    text = {k: v for k, v in config.text_encoder.items() if k not in ("kind", "max_tokens")}
+    parts = {"transformer": lambda: d.Flux2Transformer2DModel(**config.transformer),
+             "text_encoder": lambda: tr.Qwen3ForCausalLM(tr.Qwen3Config(**text, tie_word_embeddings=False)),
+             "vae": lambda: d.AutoencoderKLFlux2(**config.vae)}
+    default = torch.get_default_dtype()
+    torch.set_default_dtype(torch.bfloat16)
+    try:
+        for name, build in parts.items():
+            module = build().eval()
+            module.save_pretrained(folder / name)
+            del module
+    finally:
+        torch.set_default_dtype(default)
+    qwen_tokenizer().save_pretrained(folder / "tokenizer")
+    d.FlowMatchEulerDiscreteScheduler().save_pretrained(folder / "scheduler")
+    (folder / "model_index.json").write_text(json.dumps({
+        "_class_name": "Flux2KleinPipeline", "_diffusers_version": d.__version__,
+        "is_distilled": True, "scheduler": ["diffusers", "FlowMatchEulerDiscreteScheduler"],
+        "text_encoder": ["transformers", "Qwen3ForCausalLM"], "tokenizer": ["transformers", "Qwen2Tokenizer"],
+        "transformer": ["diffusers", "Flux2Transformer2DModel"], "vae": ["diffusers", "AutoencoderKLFlux2"]},
+        indent=2))
+
+
+def reads_bf16(family: str) -> bool:
+    """Whether every contender reads the folder in bf16: Flux.2 klein 4B's fp32 weights (32 GB) do not fit."""
+    return family.startswith("flux2")
+
+
+def kasoku_reads_bf16(args) -> bool:
+    """Whether kasoku reads the folder in bf16: where every contender does, or where `--kasoku-reads bf16` asks it
+    (its bf16 graphs then hold bf16 weights: half the memory of the engines built from fp32)."""
+    return reads_bf16(args.family) or args.kasoku_reads == "bf16"
+
+
 def latents_file(family: str, size: int, work: Path) -> Path:
-    """The initial latents every contender starts from (seed 0)."""
+    """The initial latents every contender starts from (seed 0): Sana's at 1/32 of the image, Flux.2's 128
+    channels at 1/16 (its pipeline packs them)."""
     path = work / f"{family}-latents-{size}.npy"
     if not path.exists():
         channels = FAMILIES[family].transformer["in_channels"]
-        np.save(path, torch.randn((1, channels, size // 32, size // 32),
-                                  generator=torch.Generator().manual_seed(0)).numpy())
+        side = size // (16 if family.startswith("flux2") else 32)
+        np.save(path, torch.randn((1, channels, side, side), generator=torch.Generator().manual_seed(0)).numpy())
     return path
 
 
 def call_arguments(args, latents: np.ndarray) -> dict[str, Any]:
-    """The call every contender makes: one step runs without SCM's intermediate timestep."""
+    """The call every contender makes: Sana Sprint's one step runs without SCM's intermediate timestep."""
+    sana = {"intermediate_timesteps": None} if args.family.startswith("sana") and args.steps != 2 else {}
     return {"prompt": PROMPT, "height": args.size, "width": args.size, "num_inference_steps": args.steps,
-            "latents": torch.from_numpy(latents), "output_type": "np",
-            **({"intermediate_timesteps": None} if args.steps != 2 else {})}
+            "latents": torch.from_numpy(latents), "output_type": "np", **sana}
 
 
 # ---- timing each stage ---------------------------------------------------------------------------------------
@@ -191,12 +246,12 @@ def timed_calls(pipe, clock: StageClock, call: dict, repeats: int, count_flops: 
 
 
 def stage_diffusers(args, precision: str) -> dict:
-    from diffusers import SanaSprintPipeline
+    from diffusers import DiffusionPipeline
 
     folder = pipeline_folder(args.family, args.work)
     start = time.perf_counter()
-    pipe = SanaSprintPipeline.from_pretrained(folder, torch_dtype=torch.float32 if precision == "fp32" else
-                                              torch.bfloat16)
+    pipe = DiffusionPipeline.from_pretrained(folder, torch_dtype=torch.float32 if precision == "fp32" else
+                                             torch.bfloat16)
     pipe.set_progress_bar_config(disable=True)
     load_s = time.perf_counter() - start
     latents = np.load(latents_file(args.family, args.size, args.work))
@@ -204,7 +259,8 @@ def stage_diffusers(args, precision: str) -> dict:
     call["latents"] = call["latents"].to(pipe.dtype)
     clock = StageClock(pipe)
     with torch.no_grad():  # not inference_mode: torch's FLOP counter tracks modules through autograd
-        result = timed_calls(pipe, clock, call, args.repeats, count_flops=precision == "fp32")
+        result = timed_calls(pipe, clock, call, args.repeats,
+                             count_flops=precision == ("bf16" if reads_bf16(args.family) else "fp32"))
     return {"load_s": load_s, **result, "flops_per_stage": clock.flops}
 
 
@@ -220,9 +276,10 @@ def stage_kasoku(args, precision: str) -> dict:
     chosen = {"text_encoder": "int8", "transformer": "int8", "vae_decoder": "bf16"} if precision == "int8" \
         else precision
     profile = ShapeProfile.exact(ImageShape(1, args.size, args.size), guidance=False, multiple=32)
+    read = {"torch_dtype": torch.bfloat16} if kasoku_reads_bf16(args) else {}
     start = time.perf_counter()
     pipe = kasoku.KasokuPipeline.from_pretrained(folder, backend="openvino", precision=chosen, profile=profile,
-                                                 components=components, cache_dir=cache, threads=args.threads)
+                                                 components=components, cache_dir=cache, threads=args.threads, **read)
     compile_s = time.perf_counter() - start
     pipe.set_progress_bar_config(disable=True)
     peak_compile = _peak_mb()
@@ -273,9 +330,16 @@ def _psnr(reference: np.ndarray, image: np.ndarray) -> float:
     return psnr(reference, image)
 
 
+def reference_contender(family: str) -> str:
+    """What every image is compared with, and the FLOPs counted in: diffusers in fp32, or in bf16 where the folder
+    is read in bf16."""
+    return "diffusers:bf16" if reads_bf16(family) else "diffusers:fp32"
+
+
 def markdown(report: dict) -> str:
     runs = report["contenders"]
-    base = runs.get("diffusers:fp32", {})
+    ref_name = reference_contender(report["family"])
+    base = runs.get(ref_name, {})
     flops = base.get("flops_per_stage") or {}
     rate = report["matmul_gflops"] * 1e9
     peers = [statistics.median(r["seconds"]) for name, r in runs.items() if name.startswith("optimum") and
@@ -285,9 +349,10 @@ def markdown(report: dict) -> str:
              f"{report['steps']} step(s), whole image, random weights", "",
              f"{report['date']} · {report['cpu']} ({', '.join(report['flags']) or 'no AVX-512/AMX'}) · "
              f"{report['threads']} threads · torch {report['torch']} · fp32 matmul {report['matmul_gflops']:.0f} "
-             f"GFLOP/s · median of {report['repeats']} after a warm-up · each contender in its own process", "",
-             "| contender | image s (median, min–max) | text encoder s | transformer s | VAE decode s | vs diffusers "
-             "fp32 | vs fastest peer | PSNR vs diffusers fp32 | cold start s | warm start s | peak RSS GiB |",
+             f"GFLOP/s · median of {report['repeats']} after a warm-up · each contender in its own process · kasoku "
+             f"reads the weights in {report.get('kasoku_reads', 'fp32')}", "",
+             "| contender | image s (median, min–max) | text encoder s | transformer s | VAE decode s | vs "
+             f"{ref_name} | vs fastest peer | PSNR vs {ref_name} | cold start s | warm start s | peak RSS GiB |",
              "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     reference = statistics.median(base["seconds"]) if base and not base.get("failed") else None
     for name, run in runs.items():
@@ -311,7 +376,7 @@ def markdown(report: dict) -> str:
         cells.append(f"{run['peak_mb'] / 1024:.1f}")
         lines.append(f"| {name} | " + " | ".join(cells) + " |")
     tokens = base.get("text_tokens")
-    lines += ["", "FLOPs counted by torch in diffusers' fp32 warm-up: "
+    lines += ["", f"FLOPs counted by torch in {ref_name}'s warm-up: "
               + ", ".join(f"{s} {flops[s] / 1e12:.2f} TFLOP" for s in STAGES if flops.get(s))
               + f"; floor = FLOPs / the fp32 matmul rate. The text encoder ran on {tokens} tokens." if flops else ""]
     for name, run in runs.items():
@@ -343,7 +408,8 @@ def write_report(report: dict) -> None:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
-    parser.add_argument("--family", default="sana-0.6b", choices=[f for f in FAMILIES if f.startswith("sana")])
+    parser.add_argument("--family", default="sana-0.6b",
+                        choices=[f for f in FAMILIES if f.startswith(("sana", "flux2"))])
     parser.add_argument("--size", type=int, default=1024)
     parser.add_argument("--steps", type=int, default=1)
     parser.add_argument("--contenders", default=DEFAULT_CONTENDERS, help="KIND:PRECISION, comma-separated")
@@ -351,6 +417,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--threads", type=int, default=torch.get_num_threads())
     parser.add_argument("--work", type=Path, default=WORK, help="the model folder, caches and images (~40 GB disk)")
     parser.add_argument("--tag", default="")
+    parser.add_argument("--kasoku-reads", choices=("fp32", "bf16"), default="fp32",
+                        help="the dtype kasoku reads the folder's weights in (Flux.2 klein: always bf16)")
     parser.add_argument("--reuse", type=lambda text: [c for c in text.split(",") if c], default=[],
                         help="contenders an earlier run in --work measured (its report.json), read instead of run: "
                              "e.g. --reuse diffusers:fp32,optimum-intel:default --contenders kasoku:int8")
@@ -394,9 +462,11 @@ def main(argv: list[str] | None = None) -> int:
     report = {"date": datetime.date.today().isoformat(), "host": socket.gethostname(), "cpu": cpu_name(),
               "flags": cpu_flags(), "threads": args.threads, "torch": torch.__version__, "repeats": args.repeats,
               "matmul_gflops": matmul_gflops(), "family": args.family, "size": args.size, "steps": args.steps,
-              "tag": args.tag, "contenders": {}, "notes": []}
+              "tag": args.tag, "kasoku_reads": "bf16" if kasoku_reads_bf16(args) else "fp32", "contenders": {},
+              "notes": []}
     common = ["--family", args.family, "--size", str(args.size), "--steps", str(args.steps), "--repeats",
               str(args.repeats), "--threads", str(args.threads), "--work", str(args.work),
+              "--kasoku-reads", args.kasoku_reads,
               *(["--smoke"] if args.smoke else [])]
     fresh = ["--fresh-cache"]  # the first kasoku contender starts from an empty cache
     for contender in args.reuse:  # measured by an earlier run in this work folder: read, not run again
@@ -424,13 +494,13 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _compare_images(report: dict, work: Path) -> None:
-    reference = work / "image-diffusers-fp32.npy"
+    reference = work / f"image-{reference_contender(report['family']).replace(':', '-')}.npy"
     if not reference.exists():
         return
     expected = np.load(reference)
     for name, run in report["contenders"].items():
         image = work / f"image-{name.replace(':', '-')}.npy"
-        if not run.get("failed") and image.exists():
+        if not run.get("failed") and image.exists() and name != reference_contender(report["family"]):
             run["psnr_db"] = _psnr(expected, np.load(image))
 
 

@@ -101,3 +101,19 @@ def test_the_whole_image_smoke_runs_diffusers_and_kasoku_cold_and_warm(tmp_path)
     # the warm start reads the recording and the engines: no export, no build, no pipeline run
     assert {status for _c, _stage, status, _s in kasoku["warm_run"]["compile_stages"]} == {"reused"}
     assert kasoku["warm_start_s"] < kasoku["compile_s"]
+
+
+@pytest.mark.integration
+@pytest.mark.slow(reason="a benchmark's own check: Flux.2 klein's bf16 folder, diffusers, kasoku cold and warm")
+def test_the_flux2_klein_smoke_reads_the_folder_in_bf16_everywhere(tmp_path):
+    results = Path("/tmp/kasoku-full_modern_image-smoke/results")
+    shutil.rmtree(results, ignore_errors=True)
+    done = subprocess.run([sys.executable, str(IMAGE_SCRIPT), "--smoke", "--family", "flux2-klein-4b", "--size", "256",
+                           "--steps", "2", "--repeats", "1", "--work", str(tmp_path), "--contenders",
+                           "diffusers:bf16,kasoku:bf16"], capture_output=True, text=True, timeout=900)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    report = json.loads(next(results.glob("*-full_modern_image.json")).read_text())
+    kasoku = report["contenders"]["kasoku:bf16"]
+    assert report["kasoku_reads"] == "bf16" and kasoku["psnr_db"] > 30  # against diffusers' bf16 image
+    assert set(kasoku["precisions"].values()) == {"bf16"}
+    assert {status for _c, _stage, status, _s in kasoku["warm_run"]["compile_stages"]} == {"reused"}

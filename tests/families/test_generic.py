@@ -149,8 +149,9 @@ def test_a_recording_is_kept_in_the_cache_so_another_process_runs_no_pipeline(tm
     assert runs and not any(cold.is_loaded(name) for name in cold.family.modules(cold))
     runs.clear()
     warm = Model.load(folder, lazy=True).remember_digests_under(tmp_path)
-    warm.family.recordings_at(warm, warm.family.optimum_probe(_profile(warm.pipe)))  # (recorded by neither)
-    cold.family.recordings_at(cold, cold.family.optimum_probe(_profile(cold.pipe)))
+    txt2img = ("txt2img",)
+    warm.family.recordings_at(warm, warm.family.optimum_probe(_profile(warm.pipe)), txt2img)  # (recorded by neither)
+    cold.family.recordings_at(cold, cold.family.optimum_probe(_profile(cold.pipe)), txt2img)
     assert warm.family.signatures(warm) == cold.family.signatures(cold)
     assert len(runs) == 2  # the optimum's two prompts, once: the second model read the first one's recording
     # other weights, or a scheduler set otherwise, are another recording
@@ -167,6 +168,18 @@ def test_a_recording_is_kept_in_the_cache_so_another_process_runs_no_pipeline(tm
     model = Model.of(shifted).remember_digests_under(tmp_path)
     model.family.signatures(model)
     assert runs and len([e for e in kasoku.Cache(tmp_path).list() if e.component == "recording"]) == 5
+    # the folder read in bf16 is called in bf16: a recording of its own, which a warm start finds (transformers
+    # writes the dtype it read into a loaded module's config, not into the meta stand-in's)
+    runs.clear()
+    cold = Model.load(folder, lazy=True, torch_dtype=torch.bfloat16).remember_digests_under(tmp_path)
+    cold.family.signatures(cold)  # (its modules read, recorded and released: their configs now say bfloat16)
+    cold.family.recordings_at(cold, cold.family.optimum_probe(_profile(cold.pipe)), txt2img)
+    assert runs
+    runs.clear()
+    warm = Model.load(folder, lazy=True, torch_dtype=torch.bfloat16).remember_digests_under(tmp_path)
+    warm.family.recordings_at(warm, warm.family.optimum_probe(_profile(warm.pipe)), txt2img)
+    assert warm.family.signatures(warm) == cold.family.signatures(cold)
+    assert not runs, [a[1:3] for a in runs]
 
 
 def test_a_size_the_pipeline_refuses_raises_the_step():
@@ -362,6 +375,9 @@ def test_a_graph_whose_text_follows_the_prompt_is_a_graph_of_one_shape_per_call(
     text = {slot.tensor.name: slot.tensor.dims for slot in found.inputs}["encoder_hidden_states"]
     assert text[1].is_free  # as long as the prompt: two prompts recorded at one shape differ there
     assert all(isinstance(d, int) for slot in found.at_call().inputs for d in slot.tensor.dims)
+    # text-to-image's graph of one shape is found in text-to-image's calls: the other tasks' pipelines are not run
+    # at the optimum for it (at full size, minutes of a cold start)
+    assert {tasks for _probe, tasks in qwen_model.memo["recordings_at"]} == {("txt2img",)}
 
 
 @pytest.mark.integration
@@ -403,6 +419,9 @@ def test_a_call_unlike_the_recorded_ones_is_refused_in_one_line(generic_cache):
         transformer(latents, encoder_hidden_states=torch.zeros(2, 48, 32), timestep=torch.zeros(2),
                     encoder_attention_mask=torch.ones(2, 48, dtype=torch.int64), added_cond_kwargs={
                         "resolution": None, "aspect_ratio": None}, return_dict=True)
+    # an image where the model has no image-to-image class: one line, not a KeyError from deep inside
+    with pytest.raises(InvalidInput, match="PixArtSigma has no img2img pipeline in diffusers"):
+        fast(prompt="a red fox", image=np.zeros((64, 64, 3), np.uint8))
 
 
 def test_a_pipeline_with_no_torch_component_is_refused_first():
@@ -587,6 +606,47 @@ def test_reduced_precisions_keep_their_contract(precision, generic_cache):
 @pytest.mark.parametrize("family", ["flux2-klein", "cogview4"])
 def test_reduced_precisions_keep_their_contract_on_more_families(family, precision, generic_cache):
     _check_precision(family, precision, generic_cache)
+
+
+@pytest.mark.integration
+def test_a_pipeline_read_in_bf16_builds_bf16_graphs_and_is_left_in_bf16(generic_cache, tmp_path):
+    """A generic pipeline in bf16 (a live one, and a folder read with diffusers' `torch_dtype`) compiles bf16 graphs:
+    the weights, the engines' inputs and outputs and their compute in bf16 (half the memory of fp32 at full size),
+    images as close to diffusers' own bf16 pipeline as bf16 engines are to fp32; fp32 asked of it builds bf16 and
+    says why; a backend without bf16 is refused before a graph is built; the user's pipeline stays in bf16."""
+    from kasoku.core.options import InvalidOptions
+    from kasoku.core.parity import TOLERANCES, Precision
+
+    pipe = tiny_family_pipeline("pixart-sigma").to(torch.bfloat16)
+    cache = generic_cache / "bf16"
+    fast = kasoku.compile(pipe, "openvino", profile=_profile(pipe), cache_dir=cache)
+    report = fast.compile_report
+    assert set(report.precisions.values()) == {"bf16"} and set(report.backends.values()) == {"openvino"}
+    assert any("its weights were read in bfloat16, so its engine computes in bf16 (asked: fp32)" in note
+               for note in report.notes)
+    assert {module.dtype for module in (pipe.transformer, pipe.text_encoder, pipe.vae)} == {torch.bfloat16}
+    text = fast.engines["text_encoder"].spec  # token ids in: only `in_bf16` tells its graph from the fp32 one
+    assert text.in_bf16 and dataclasses.replace(text, in_bf16=False).architecture != text.architecture
+    engine = fast.engines["transformer"]
+    out = engine.run(engine.spec.sample_inputs(engine.spec.profile.opt))
+    assert {tensor.dtype for tensor in out.values()} == {torch.bfloat16}
+    call = _arguments(pipe)
+    bound = TOLERANCES[Precision.BF16].image_psnr_db
+    assert psnr(_images(pipe, **call).astype(np.float32), _images(fast, **call)) >= bound
+
+    with pytest.raises(InvalidOptions, match="read in bfloat16.*onnxruntime backend cannot build bf16"):
+        kasoku.compile(pipe, "onnxruntime", profile=_profile(pipe), cache_dir=cache)
+    with pytest.raises(InvalidOptions, match="int8 engines are built from weights read in float32"):
+        kasoku.compile(pipe, "openvino", precision="int8", profile=_profile(pipe), cache_dir=cache)
+
+    folder = tmp_path / "pixart"
+    tiny_family_pipeline("pixart-sigma").save_pretrained(folder)
+    read = kasoku.KasokuPipeline.from_pretrained(folder, "openvino", torch_dtype=torch.bfloat16,
+                                                 profile=_profile(pipe), cache_dir=cache)
+    assert set(read.compile_report.precisions.values()) == {"bf16"}
+    assert all(read.model.in_bf16(name) for name in ("text_encoder", "transformer", "vae"))
+    own = type(pipe).from_pretrained(folder, torch_dtype=torch.bfloat16)  # T5 keeps its `wo` layers in fp32
+    assert psnr(_images(own, **call).astype(np.float32), _images(read, **call)) >= bound
 
 
 # ---- LoRA through the class's own diffusers loader ---------------------------------------------------------

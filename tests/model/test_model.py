@@ -68,3 +68,43 @@ def test_a_live_pipeline_is_named_in_the_cache_by_its_weights(tiny_pipe, tiny_sp
     assert live_label(Model.of(tiny_pipe), tiny_specs) == label  # the same weights, the same name
     other = tiny_pipeline(seed=1)
     assert live_label(Model.of(other), tiny_specs) != label
+
+
+def test_a_pipeline_read_in_bf16_keeps_its_dtypes_where_a_family_compiles_them(tiny_pipe, tiny_dir):
+    """diffusers' from_pipe casts every module to fp32 in place; kasoku's task pipelines keep the user's dtypes. A
+    hand-written family compiles from fp32 copies (its graphs are written in fp32), leaving the user's modules as they
+    are; a folder read in bf16 reads bf16 weights (counted at 2 bytes each by the memory guard)."""
+    import copy
+
+    import torch
+
+    from kasoku.families.base import from_pipe
+
+    pipe = copy.deepcopy(tiny_pipe).to(torch.bfloat16)
+    img2img = Model.of(pipe).family.task_pipeline(pipe, "img2img")
+    assert img2img.unet is pipe.unet and pipe.unet.dtype == torch.bfloat16
+    assert from_pipe(type(pipe), pipe).vae.dtype == torch.bfloat16
+
+    model = Model.of(pipe)
+    assert model.pipe.unet.dtype == torch.float32 and model.pipe.unet is not pipe.unet
+    assert pipe.unet.dtype == torch.bfloat16 and not model.in_bf16("unet")
+    assert torch.equal(model.pipe.unet.conv_in.weight, pipe.unet.conv_in.weight.float())
+
+    lazy = Model.load(tiny_dir, lazy=True, torch_dtype=torch.bfloat16)
+    assert lazy.pipe.unet.dtype == torch.float32  # relabelled on the meta device: SD reads fp32
+    assert lazy.weight_bytes("unet") == 4 * sum(p.numel() for p in lazy.pipe.unet.parameters())
+
+
+def test_from_pretrained_takes_diffusers_dtype_names_and_refuses_what_it_cannot_read(tiny_dir):
+    import torch
+
+    from kasoku import KasokuPipeline
+    from kasoku.core.options import InvalidOptions
+    from kasoku.pipeline.kasoku_pipeline import loading_dtype
+
+    assert loading_dtype(torch.bfloat16) is torch.bfloat16 and loading_dtype(dtype="bfloat16") is torch.bfloat16
+    assert loading_dtype() is None
+    with pytest.raises(InvalidOptions, match="float32 or torch.bfloat16"):
+        KasokuPipeline.from_pretrained(tiny_dir, torch_dtype=torch.float16)
+    with pytest.raises(InvalidOptions, match="disagree"):
+        KasokuPipeline.from_pretrained(tiny_dir, torch_dtype=torch.float32, dtype=torch.bfloat16)

@@ -43,6 +43,7 @@ from ..core.errors import KasokuError
 from ..core.recording import Call, Distribution, Opaque, canonical_call
 from ..core.standins import EngineModule, InvalidInput
 from ..core.step_cache import FirstBlockRun
+from ..core.weights import floating_dtype
 from .base import ModuleRef, config_dict
 
 __all__ = ["EngineRecorded", "Probe", "Recording", "Signature", "UncompilableCall", "recorded_spec", "signatures"]
@@ -464,7 +465,7 @@ def _output(path: str, index: int, observed: list[tuple[Probe, Call]], axes: _Ax
     if isinstance(first, Distribution):
         shapes = [(probe, kind.shape) for probe, kind in kinds]
         dims = tuple(axes.fit([(probe, shape[d]) for probe, shape in shapes]) for d in range(len(first.shape)))
-        return RecordedOutput(index, TensorSpec(path, dims), first)
+        return RecordedOutput(index, TensorSpec(path, dims, first.dtype), first)
     shape, dtype = first
     dims = tuple(axes.fit([(probe, kind[0][d]) for probe, kind in kinds]) for d in range(len(shape)))
     return RecordedOutput(index, TensorSpec(path, dims, dtype))
@@ -532,6 +533,7 @@ def recorded_spec(signature: Signature, ref: ModuleRef, profile: ShapeProfile, *
         interleaved="." in ref.path,  # a block: the glue around it runs in torch
         int8="full" if calibration is not None else "weights",
         calibration=calibration or {},
+        in_bf16=floating_dtype(ref.module) == torch.bfloat16,
     )
 
 

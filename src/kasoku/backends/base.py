@@ -30,7 +30,7 @@ from typing import Any, ClassVar
 import numpy as np
 import torch
 
-from ..core.components import ComponentSpec, Precision, ShapeOutOfProfile
+from ..core.components import ComponentSpec, Precision, ShapeOutOfProfile, TensorSpec
 from ..core.errors import KasokuError
 from ..core.options import CompileOptions, InvalidOptions, check_cuda_graph_profile
 from ..core.weights import WeightBindingError
@@ -221,7 +221,15 @@ class Engine(ABC):
         """Empty output tensors of the right shapes on the engine's device (for runtimes that write
         into memory they are given)."""
         shapes = self.spec.output_shapes({name: tuple(t.shape) for name, t in feeds.items()})
-        return {name: torch.empty(shape, dtype=self.dtype, device=self.device) for name, shape in shapes.items()}
+        dtypes = {t.name: self.io_dtype(t) for t in self.spec.outputs}
+        return {name: torch.empty(shape, dtype=dtypes[name], device=self.device) for name, shape in shapes.items()}
+
+    def io_dtype(self, tensor: TensorSpec) -> torch.dtype:
+        """The dtype a tensor crosses into or out of the engine in: the engine's for floating-point tensors, except
+        those a bf16 graph declares (a module read in bf16: the graph takes and gives what it was called with)."""
+        if not tensor.dtype.is_floating_point or tensor.dtype == torch.bfloat16:
+            return tensor.dtype
+        return self.dtype
 
     def _check_inputs(self, inputs: Mapping[str, Any]) -> dict[str, torch.Tensor]:
         expected = self.spec.input_names
@@ -254,8 +262,7 @@ class Engine(ABC):
                         f"have {size} and {value.shape[i]} (shapes {tuple(inputs[first].shape)} and "
                         f"{tuple(value.shape)})."
                     )
-            dtype = tensor.dtype if not tensor.dtype.is_floating_point else self.dtype
-            feeds[tensor.name] = value.to(device=self.device, dtype=dtype).contiguous()
+            feeds[tensor.name] = value.to(device=self.device, dtype=self.io_dtype(tensor)).contiguous()
         return feeds
 
     def _check_axis(self, input_name: str, index: int, axis_name: str, value: int) -> None:

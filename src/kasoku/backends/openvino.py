@@ -99,20 +99,16 @@ class OpenVinoEngine(Engine):
         self._blob = blob  # the mapped blob (or the bound weights) the compiled model may read: it lives as long
 
     def _run(self, feeds: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        import openvino as ov
-
         outputs = self.output_buffers(feeds)
         for name, tensor in (*feeds.items(), *outputs.items()):
-            self.request.set_tensor(name, ov.Tensor(tensor.numpy(), shared_memory=True))
+            self.request.set_tensor(name, ov_tensor(tensor))
         self.request.infer()
         return outputs
 
     def _on_bind(self, initial: bool) -> None:
         """Run-time weights are set on the request once; each inference reads them from there."""
-        import openvino as ov
-
         for name, tensor in self._bound.items():
-            self.request.set_tensor(name, ov.Tensor(as_numpy(tensor), shared_memory=True))
+            self.request.set_tensor(name, ov_tensor(tensor))
 
 
 def _take_cached_blob(blob_dir: Path, path: Path) -> bool:
@@ -143,6 +139,16 @@ def _int8_step(spec: ComponentSpec, calibrated: bool) -> tuple[str, str]:
             CALIBRATED_MEMORY_REMEDY)
 
 
+def ov_tensor(tensor: torch.Tensor):
+    """An OpenVINO tensor sharing a contiguous CPU tensor's memory; bfloat16 (a pipeline loaded in bf16: its graph
+    takes and gives bf16) crosses as its bits, since numpy has no bfloat16."""
+    import openvino as ov
+
+    if tensor.dtype == torch.bfloat16:
+        return ov.Tensor(tensor.view(torch.int16).numpy(), ov.Shape(list(tensor.shape)), ov.Type.bf16)
+    return ov.Tensor(as_numpy(tensor), shared_memory=True)
+
+
 def bind_constants(model, constants: dict[str, torch.Tensor]):
     """`model` (read from an architecture graph) with each weight parameter in `constants` replaced by a
     Constant sharing the tensor's memory."""
@@ -151,7 +157,7 @@ def bind_constants(model, constants: dict[str, torch.Tensor]):
     for parameter in list(model.get_parameters()):
         name = parameter.get_friendly_name()
         if name in constants:
-            constant = ov.op.Constant(ov.Tensor(as_numpy(constants[name]), shared_memory=True))
+            constant = ov.op.Constant(ov_tensor(constants[name]), shared_memory=True)
             constant.set_friendly_name(name)
             parameter.output(0).replace(constant.output(0))
             model.remove_parameter(parameter)

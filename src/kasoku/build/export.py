@@ -343,7 +343,8 @@ def check_onnx_parity(
     session = session or ort_session(path, weights=weights)
 
     def run(feeds):
-        return dict(zip(spec.output_names, session.run(list(spec.output_names), feeds)))
+        arrays = {name: value.numpy() if isinstance(value, torch.Tensor) else value for name, value in feeds.items()}
+        return dict(zip(spec.output_names, session.run(list(spec.output_names), arrays)))
 
     results = parity_against_torch(spec, run, shapes, precision, seed=1)
     raise_on_failure(results, f"{stage} of {spec.name}")

@@ -304,6 +304,9 @@ class ComponentSpec:
     )
     # precision -> why this component is built in fp32 when that precision is asked for (SDXL's VAE in fp16)
     fp32_for: Mapping[Precision, str] = field(default_factory=dict, compare=False)
+    # its module's weights are bf16 (a pipeline read in bf16): its graph takes, computes and gives bf16, and fp32 or
+    # fp16 asked of it builds bf16
+    in_bf16: bool = False
     graph_kind: str = ""  # what ONNX Runtime's transformer optimizer calls this graph: clip, unet, vae
     fp16_keep_ops: tuple[str, ...] = ()  # ops that overflow in fp16 in this component, kept fp32
     modules: tuple[str, ...] = ()  # the pipeline attributes whose weights it uses ("vae", "unet", ...)
@@ -334,7 +337,26 @@ class ComponentSpec:
     def precision_for(self, requested: Precision | str) -> Precision:
         """The precision this component is built in when `requested` is asked for."""
         requested = Precision(requested)
-        return Precision.FP32 if requested in self.fp32_for else requested
+        if requested in self.fp32_for:
+            return Precision.FP32
+        if self.in_bf16 and requested in (Precision.FP32, Precision.FP16):
+            return Precision.BF16
+        return requested
+
+    def refusal(self, precision: Precision | str) -> str | None:
+        """Why it cannot be built in `precision` (None: it can): int8's quantization and calibration take fp32
+        weights and numpy samples, which a component read in bf16 does not have."""
+        if self.in_bf16 and Precision(precision) == Precision.INT8:
+            return (f"{self.name}'s weights were read in bfloat16, and int8 engines are built from weights read in "
+                    "float32: compile it in bf16, or read the weights in float32 for int8")
+        return None
+
+    def precision_reason(self, requested: Precision | str) -> str:
+        """Why it is built in another precision than `requested` (see `precision_for`)."""
+        requested = Precision(requested)
+        if requested in self.fp32_for:
+            return self.fp32_for[requested]
+        return f"its weights were read in bfloat16, so its engine computes in bf16 (asked: {requested.value})"
 
     @functools.cached_property
     def module(self) -> torch.nn.Module:
@@ -429,6 +451,7 @@ class ComponentSpec:
             "config": _jsonable(self.config),
             "inputs": [(t.name, [str(d) for d in t.dims], str(t.dtype)) for t in self.inputs],
             "outputs": [(t.name, [str(d) for d in t.dims]) for t in self.outputs],
+            **({"in_bf16": True} if self.in_bf16 else {}),  # its weights and outputs in bf16 (inputs may be ids)
         }
         return hashlib.sha256(json.dumps(described, sort_keys=True).encode()).hexdigest()
 
@@ -439,24 +462,23 @@ class ComponentSpec:
 
     @torch.no_grad()
     def run_torch(self, inputs: Mapping[str, np.ndarray | torch.Tensor]) -> dict[str, np.ndarray]:
-        """The reference: the eager torch module on named inputs."""
-        args = [torch.as_tensor(np.asarray(inputs[name])) for name in self.input_names]
+        """The reference: the eager torch module on named inputs (a bf16 module's outputs as fp32 arrays)."""
+        args = [inputs[name] if isinstance(inputs[name], torch.Tensor) else torch.as_tensor(np.asarray(inputs[name]))
+                for name in self.input_names]
         with exportable_attention():
             outputs = self.module(*args)
-        return {name: out.detach().cpu().numpy() for name, out in zip(self.output_names, outputs)}
+        return {name: (out.detach().cpu().float() if out.dtype == torch.bfloat16 else out.detach().cpu()).numpy()
+                for name, out in zip(self.output_names, outputs)}
 
 
-# Config entries that say how a module was saved, not what its graph is: a pipeline saved to a folder and loaded
-# back gains them (transformers writes `architectures` and `dtype`) and must keep its architecture key. A dtype
-# other than fp32 stays: it changes the graph's weight inputs.
-_NOT_ARCHITECTURE = frozenset({"architectures", "transformers_version"})
-_FP32_NAMES = (None, "float32", "torch.float32")
+# Config entries that say how a module was saved or read, not what its graph is: a pipeline saved to a folder and
+# loaded back gains them (transformers writes `architectures`, and `dtype`: the file's in a meta stand-in, the one
+# read in once loaded) and must keep its architecture key. The dtype the graph's weights take is `in_bf16`.
+_NOT_ARCHITECTURE = frozenset({"architectures", "transformers_version", "dtype", "torch_dtype"})
 
 
 def _architecture_entry(key: str, value) -> bool:
-    if key.startswith("_") or key in _NOT_ARCHITECTURE:
-        return False
-    return not (key in ("dtype", "torch_dtype") and (value in _FP32_NAMES or str(value) in _FP32_NAMES))
+    return not (key.startswith("_") or key in _NOT_ARCHITECTURE)
 
 
 def _jsonable(value):

@@ -112,3 +112,15 @@ def limited_to_free_memory(what: str, remedy: str) -> Iterator[None]:
                       f"(less {floor / GIB:.1f} GiB kept for the rest of the machine)") from error
     finally:
         resource.setrlimit(resource.RLIMIT_DATA, (soft, hard))
+
+
+def return_freed_memory() -> None:
+    """Hand back to the system the memory glibc keeps after large frees. A full-size pipeline's recorded runs free
+    gigabytes of activations that stay in the process's heap, which the memory guard then sees as used (Sana Sprint
+    1.6B's first compile was refused for them). A no-op where the C library is not glibc."""
+    import ctypes
+
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass

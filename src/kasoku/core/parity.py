@@ -22,6 +22,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass
 
 import numpy as np
+import torch
 
 from .components import Precision
 from .errors import KasokuError
@@ -184,14 +185,15 @@ def parity_against_torch(
     seed: int = 0,
     references: dict | None = None,
 ) -> list[OutputParity]:
-    """`run` (named numpy inputs -> named outputs) against the torch component of `spec` on the
+    """`run` (named torch inputs -> named outputs) against the torch component of `spec` on the
     same random inputs, at each image shape. `references` remembers torch's outputs across calls
     (several engines of one component are checked against one torch run)."""
     results: list[OutputParity] = []
     for shape in shapes:
-        inputs = {k: v.numpy() for k, v in spec.sample_inputs(shape, seed=seed).items()}
+        inputs = spec.sample_inputs(shape, seed=seed)  # torch tensors: a bf16 graph's have no numpy dtype
         # keyed by the inputs themselves: a component's graph of one shape draws other inputs than its dynamic one
-        key = (spec.name, tuple((name, value.shape, hash(value.tobytes())) for name, value in inputs.items()))
+        key = (spec.name, tuple((name, tuple(value.shape), str(value.dtype), hash(_bytes(value)))
+                                for name, value in inputs.items()))
         expected = references.get(key) if references is not None else None
         if expected is None:
             expected = spec.run_torch(inputs)
@@ -199,6 +201,10 @@ def parity_against_torch(
                 references[key] = expected
         results += compare_outputs(spec.name, str(shape), expected, run(inputs), precision)
     return results
+
+
+def _bytes(tensor) -> bytes:
+    return tensor.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
 
 
 def raise_on_failure(results: list[OutputParity], stage: str) -> None:
@@ -221,7 +227,6 @@ def psnr(reference: np.ndarray, actual: np.ndarray, peak: float = 1.0) -> float:
 def ssim(reference: np.ndarray, actual: np.ndarray, peak: float = 1.0) -> float:
     """Mean structural similarity (Wang et al. 2004: 11x11 Gaussian window, sigma 1.5, K1 0.01, K2 0.03)
     of images with values in [0, peak], HWC or NHWC, averaged over channels and images."""
-    import torch
     import torch.nn.functional as F
 
     def nchw(images):

@@ -86,6 +86,7 @@ class Distribution:
     kind: type
     shape: tuple[int, ...]
     deterministic: bool = False
+    dtype: torch.dtype = torch.float32
 
     @staticmethod
     def holds(value: Any) -> bool:
@@ -214,7 +215,8 @@ def _described(leaf: Any) -> Any:
     if isinstance(leaf, torch.Tensor):
         return tuple(leaf.shape), leaf.dtype
     if Distribution.holds(leaf):
-        return Distribution(type(leaf), tuple(leaf.parameters.shape), bool(getattr(leaf, "deterministic", False)))
+        return Distribution(type(leaf), tuple(leaf.parameters.shape), bool(getattr(leaf, "deterministic", False)),
+                            leaf.parameters.dtype)
     return leaf if isinstance(leaf, CONSTANT_TYPES) else Opaque(type(leaf))
 
 

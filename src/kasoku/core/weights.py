@@ -207,6 +207,16 @@ def bind_named_parts(engine, module: torch.nn.Module, parts: Iterable[str]) -> N
     engine.bind({**engine.bound, **{name: current[name] for name in named_parts(engine.bound, parts)}})
 
 
+def floating_dtype(module: torch.nn.Module) -> torch.dtype:
+    """The dtype a module's weights were loaded in: that of most of its floating-point parameters (diffusers and
+    transformers keep a few small modules in fp32 in a bf16 model)."""
+    counts: dict[torch.dtype, int] = {}
+    for parameter in module.parameters():
+        if parameter.is_floating_point():
+            counts[parameter.dtype] = counts.get(parameter.dtype, 0) + parameter.numel()
+    return max(counts, key=counts.get, default=torch.float32)
+
+
 def as_numpy(tensor: torch.Tensor) -> np.ndarray:
     """A CPU tensor's memory as a numpy array (no copy; bfloat16 has no numpy type and is refused)."""
     if tensor.dtype == torch.bfloat16:

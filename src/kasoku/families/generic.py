@@ -32,9 +32,11 @@ from ..architectures.base import config_dict
 from ..architectures.recorded import EngineRecorded, Probe, Recording, Signature, UncompilableCall
 from ..core.components import ComponentSpec, InvalidProfile, ShapeProfile, default_profile
 from ..core.errors import KasokuError, NotADiffusersPipeline
+from ..core.memory import return_freed_memory
 from ..core.recording import recording
 from ..core.standins import EngineTimes
 from ..core.step_cache import DEFAULT_BRANCH, FIRST_BLOCK, TAYLORSEER
+from ..core.weights import floating_dtype
 from .base import TASKS, Family, ModelView, TextEncoderSlot
 
 __all__ = ["GenericFamily", "NotCompilable", "generic_family", "is_diffusers_pipeline", "pipeline_classes", "probes"]
@@ -55,10 +57,13 @@ class NotCompilable(KasokuError, ValueError):
 
 def _architecture_config(module: Any) -> Any:
     """A module's configuration without its metadata (`_name_or_path` is the folder it was read from once loaded,
-    and empty on a lazily loaded module: a warm start must find the recording a cold one kept)."""
+    and empty on a lazily loaded module: a warm start must find the recording a cold one kept), nor the dtype
+    transformers writes into it when it loads the weights (the file's on a meta stand-in, the one read in once
+    loaded: the recording is keyed by the dtype the module is read in)."""
     if getattr(module, "config", None) is None:
         return type(module).__name__
-    return {key: value for key, value in config_dict(module.config).items() if not key.startswith("_")}
+    return {key: value for key, value in config_dict(module.config).items()
+            if not key.startswith("_") and key not in ("dtype", "torch_dtype")}
 
 
 def _identity_of(component: Any) -> Any:
@@ -263,7 +268,7 @@ class GenericFamily(Family):
         names = self.block_paths(model) if blocks else list(self.modules(model))
         # (before the key: a cold digest reads the weights)
         lazy = [] if blocks else [name for name in names if not model.is_loaded(name)]
-        plan = {task: tuple(probes_of(task)) for task in self.pipelines}
+        plan = {task: found for task in self.pipelines if (found := tuple(probes_of(task)))}
         parts = self._recording_key(model, names, plan) if model.recordings is not None else None
         kept = model.recordings.get(parts) if parts is not None else None
         if kept is not None:
@@ -292,13 +297,14 @@ class GenericFamily(Family):
         del modules
         for name in lazy:
             model.release(name)
+        return_freed_memory()
         return found
 
     def _recording_key(self, model: ModelView, names: list[str], plan: Mapping[str, tuple[Probe, ...]]
                        ) -> dict[str, Any]:
         """What the calls recorded at `plan` depend on: the pipeline classes, the recorded modules, every torch
-        component's configuration and weights, the other components (tokenizers, scheduler, processors), the probes
-        and the libraries that run them."""
+        component's configuration, dtype and weights, the other components (tokenizers, scheduler, processors), the
+        probes and the libraries that run them."""
         import diffusers
         import transformers
 
@@ -307,6 +313,7 @@ class GenericFamily(Family):
                 "probes": {task: [dataclasses.asdict(p) for p in probes] for task, probes in plan.items()},
                 "weights": {name: model.ref(name).digest() for name in modules},
                 "configs": {name: _architecture_config(module) for name, module in modules.items()},
+                "dtypes": {name: str(floating_dtype(module)) for name, module in modules.items()},
                 "others": {name: _identity_of(value) for name, value in model.pipe.components.items()
                            if name not in modules},
                 "versions": {"torch": torch.__version__, "diffusers": diffusers.__version__,
@@ -439,14 +446,24 @@ class GenericFamily(Family):
         value = default.default if default is not None and "true_cfg_scale" not in self.parameters else None
         return isinstance(value, (int, float)) and value > 1
 
-    def recordings_at(self, model: ModelView, probe: Probe, *, blocks: bool = False) -> list[Recording]:
-        """The pipeline's calls at one probe, for every task, with two prompts of their own: what differs between
-        them follows the prompt, not the shape (kept on the model per probe); of the blocks with `blocks`."""
+    def recordings_at(self, model: ModelView, probe: Probe, tasks: tuple[str, ...], *, blocks: bool = False
+                      ) -> list[Recording]:
+        """The pipeline's calls at one probe, for `tasks`, with two prompts of their own: what differs between them
+        follows the prompt, not the shape (kept on the model per probe and tasks); of the blocks with `blocks`."""
         memo = model.memo.setdefault("block_recordings_at" if blocks else "recordings_at", {})
-        if probe not in memo:
-            memo[probe] = self._recordings(model, lambda task: (probe, dataclasses.replace(probe, prompt=1)),
-                                           blocks=blocks)
-        return memo[probe]
+        if (probe, tasks) not in memo:
+            memo[probe, tasks] = self._recordings(
+                model, lambda task: (probe, dataclasses.replace(probe, prompt=1)) if task in tasks else (),
+                blocks=blocks)
+        return memo[probe, tasks]
+
+    def _task_groups(self) -> list[tuple[str, ...]]:
+        """The tasks a graph of one shape is looked for in, in turn: text-to-image first, whose calls most compiles
+        ask for, then the others (at full size each task recorded is whole pipeline runs: Flux.2 klein 4B's img2img
+        and inpaint at 512x512 add minutes to a text-to-image compile)."""
+        first = tuple(task for task in self.pipelines if task == "txt2img")
+        rest = tuple(task for task in self.pipelines if task != "txt2img")
+        return [group for group in (first, rest) if group]
 
     def signature_at(self, model: ModelView, signature: Signature, profile: ShapeProfile) -> Signature:
         """`signature`'s graph of one shape: its call pattern as recorded at the profile's optimum (twice, with two
@@ -458,11 +475,12 @@ class GenericFamily(Family):
         shown = [probe] + ([dataclasses.replace(probe, guidance=not probe.guidance)]
                            if self.guided(model) is not None and profile.guidance is None else [])
         for at in shown:
-            recordings = self.recordings_at(model, at, blocks=blocks)
-            for found in recorded.signatures(recordings, signature.attribute, max_tokens=self.max_tokens()):
-                if found.pattern == signature.pattern:
-                    model.memo.setdefault("signatures_at", {})[signature.component] = found
-                    return found
+            for tasks in self._task_groups():
+                recordings = self.recordings_at(model, at, tasks, blocks=blocks)
+                for found in recorded.signatures(recordings, signature.attribute, max_tokens=self.max_tokens()):
+                    if found.pattern == signature.pattern:
+                        model.memo.setdefault("signatures_at", {})[signature.component] = found
+                        return found
         raise UncompilableCall(f"the pipeline does not call {signature.component} as it did at the probes when it "
                                f"makes {recorded.described_probe(probe)}: no graph of that one shape.")
 

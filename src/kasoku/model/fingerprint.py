@@ -11,7 +11,7 @@ LoRA changes hundreds of tensors at once.
 
 A module that kasoku loaded itself from a diffusers folder is remembered by its weights files:
 the digest is stored under `<cache>/fingerprints/`, keyed by each file's path, size and
-modification time, so a warm start never reads the weights at all (see
+modification time and the dtype the module is read in, so a warm start never reads the weights at all (see
 :func:`kasoku.model.loading.load_pipeline` with ``lazy=True``). A live module handed to kasoku is always
 hashed: its weights may have changed in memory since it was loaded (a fused LoRA, say).
 """
@@ -28,7 +28,7 @@ from pathlib import Path
 import torch
 
 from ..core.cache import atomic_write_text
-from ..core.weights import bindable_tensors
+from ..core.weights import bindable_tensors, floating_dtype
 
 THREADS = 2
 FINGERPRINTS = "fingerprints"
@@ -125,7 +125,11 @@ class WeightsFingerprints:
         if source is None or self.root is None:
             return None
         files = weights_files(source)
-        return self.root / f"{_files_key(files, config_dict(module))}.json" if files else None
+        # read in another dtype, the same files are other tensors; transformers writes the dtype it read into a
+        # loaded module's config (not into the meta stand-in's), so the config's own entry is left out
+        described = {key: value for key, value in config_dict(module).items() if key not in ("dtype", "torch_dtype")}
+        described["read_in"] = str(floating_dtype(module))
+        return self.root / f"{_files_key(files, described)}.json" if files else None
 
     def known_without_loading(self, pipe, attribute: str) -> bool:
         """Whether the digest can be had without reading weights from disk (computed, remembered, or of a live

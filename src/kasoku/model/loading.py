@@ -8,6 +8,7 @@ that finds every engine in the cache therefore reads configs, tokenizers and the
 
 from __future__ import annotations
 
+import copy
 import importlib
 import os
 from pathlib import Path
@@ -19,7 +20,9 @@ from ..architectures.base import module_at
 from ..core.cache import unreadable_files
 from ..core.console import hush_loaded_libraries
 from ..core.errors import KasokuError, NotADiffusersPipeline
+from ..core.weights import floating_dtype
 from ..families import FAMILIES, SUPPORTED_PIPELINES, detect_family, family_of, read_model_index
+from ..families.base import from_pipe
 
 __all__ = ["ModelNotFound", "NotADiffusersPipeline", "SUPPORTED_PIPELINES", "load_pipeline", "load_controlnets",
            "read_model_index", "real_module", "own_module", "lazy_source", "release_module", "model_label", "module_at"]
@@ -129,10 +132,10 @@ def load_pipeline(model: Any, *, torch_dtype: torch.dtype = torch.float32, lazy:
                   tiny_vae=None):
     """A diffusers pipeline from a folder, a hub id (when online) or a live pipeline.
 
-    With `lazy` (folders only), the torch models are built on the meta device; :func:`real_module`
-    loads one when its weights are needed. `controlnet` (ControlNet folders or models, one or a list,
-    see :func:`load_controlnets`) makes it the family's ControlNet pipeline of the same task; `tiny_vae`
-    (an AutoencoderTiny or its folder) replaces its VAE (see :func:`with_tiny_vae`)."""
+    With `lazy` (folders only), the torch models are built on the meta device in `torch_dtype`;
+    :func:`real_module` loads one, in that dtype, when its weights are needed. `controlnet` (ControlNet folders
+    or models, one or a list, see :func:`load_controlnets`) makes it the family's ControlNet pipeline of the same
+    task; `tiny_vae` (an AutoencoderTiny or its folder) replaces its VAE (see :func:`with_tiny_vae`)."""
     from diffusers import DiffusionPipeline
 
     hush_loaded_libraries()  # a CLI's quiet: diffusers' loading bars are set once it is imported
@@ -141,7 +144,7 @@ def load_pipeline(model: Any, *, torch_dtype: torch.dtype = torch.float32, lazy:
     else:
         source = _source(model)
         folder = Path(source) if Path(source).is_dir() else None
-        empty = _meta_models(folder) if lazy and folder else {}
+        empty = _meta_models(folder, torch_dtype) if lazy and folder else {}
         try:
             pipe = DiffusionPipeline.from_pretrained(source, dtype=torch_dtype, use_safetensors=True, **{
                 **(_absent_components(folder) if folder else {}), "safety_checker": None, **empty})
@@ -272,7 +275,7 @@ def with_tiny_vae(pipe, source: Any, *, lazy: bool = False):
         raise NotADiffusersPipeline(f"the tiny VAE has {have} latent channels but this pipeline's VAE has {want}; "
                                     "give the tiny VAE of its family (TAESD for SD 1.x/2.x, TAESDXL for SDXL, TAESD3 "
                                     "for SD3, TAEF1 for Flux).")
-    new = type(pipe).from_pipe(pipe, vae=tiny)
+    new = from_pipe(type(pipe), pipe, vae=tiny)
     new.set_progress_bar_config(disable=True)
     return new
 
@@ -299,8 +302,8 @@ def _absent_components(folder: Path) -> dict[str, None]:
             if isinstance(entry, list) and entry and entry[0] is None}
 
 
-def _meta_models(folder: Path) -> dict[str, torch.nn.Module]:
-    """Each torch model of the folder built from its config on the meta device (no weights read)."""
+def _meta_models(folder: Path, dtype: torch.dtype = torch.float32) -> dict[str, torch.nn.Module]:
+    """Each torch model of the folder built from its config on the meta device in `dtype` (no weights read)."""
     from accelerate import init_empty_weights
     from diffusers import ModelMixin
 
@@ -313,8 +316,29 @@ def _meta_models(folder: Path) -> dict[str, torch.nn.Module]:
             else:
                 module = cls(cls.config_class.from_pretrained(folder / name))
         setattr(module, _LAZY_SOURCE, folder / name)
-        models[name] = module.eval()
+        models[name] = module.to(dtype).eval()
     return models
+
+
+def in_compiled_dtypes(pipe, *, keeps_bf16: bool):
+    """`pipe`, or a pipeline of its class on the same components where each torch module kasoku does not compile
+    in its own dtype is in float32. bf16 stays bf16 where the graphs come from recorded calls (`keeps_bf16`: a
+    generic family's graph takes, computes and gives the dtypes its module was called with, at half the memory of
+    fp32); the hand-written architectures' graphs are written in fp32, and fp16 has no fast path on a CPU. A module
+    still on the meta device is relabelled (its weights are then read in fp32); a loaded one is copied, so the
+    user's pipeline keeps its modules as they are."""
+    copies = {}
+    for name, module in pipe.components.items():
+        if not isinstance(module, torch.nn.Module):
+            continue
+        dtype = floating_dtype(module)
+        if dtype == torch.float32 or (dtype == torch.bfloat16 and keeps_bf16):
+            continue
+        if lazy_source(module) is not None:
+            module.to(torch.float32)  # kasoku's own meta-device stand-in: nothing to read or copy
+        else:
+            copies[name] = copy.deepcopy(module).to(torch.float32)
+    return from_pipe(type(pipe), pipe, **copies) if copies else pipe
 
 
 def lazy_source(module: Any) -> Path | None:
@@ -332,7 +356,7 @@ def _put_module(pipe, path: str, module: torch.nn.Module) -> None:
 
 def real_module(pipe, attribute: str) -> torch.nn.Module:
     """The module at `attribute` (a dotted path, see :func:`module_at`) with its weights: loaded from
-    its folder (and put on `pipe`) when it is still a meta-device stand-in."""
+    its folder (and put on `pipe`), in the stand-in's dtype, when it is still a meta-device stand-in."""
     module = module_at(pipe, attribute)
     source = lazy_source(module)
     if source is None:
@@ -341,7 +365,7 @@ def real_module(pipe, attribute: str) -> torch.nn.Module:
     dtype_argument = "torch_dtype" if cls.__module__.startswith("diffusers") else "dtype"
     hush_loaded_libraries()  # transformers, imported by now, shows a bar per weights file unless told
     try:
-        real = cls.from_pretrained(source, use_safetensors=True, **{dtype_argument: torch.float32}).eval()
+        real = cls.from_pretrained(source, use_safetensors=True, **{dtype_argument: floating_dtype(module)}).eval()
     except Exception as error:  # safetensors, transformers and diffusers raise many kinds on a damaged folder
         raise damaged_component(source, error) from None
     setattr(real, _LOADED_LAZILY, source)
@@ -372,4 +396,4 @@ def release_module(pipe, attribute: str) -> None:
         empty = type(module).from_config(module.config) if isinstance(module, ModelMixin) else \
             type(module)(module.config)
     setattr(empty, _LAZY_SOURCE, source)
-    _put_module(pipe, attribute, empty.eval())
+    _put_module(pipe, attribute, empty.to(floating_dtype(module)).eval())

@@ -13,19 +13,27 @@ from __future__ import annotations
 import inspect
 from collections.abc import Iterable
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
+
+import torch
 
 from ..architectures.base import ModuleRef, module_at
 from ..core.components import ComponentSpec, ShapeProfile
 from ..core.recording import RecordingStore
 from ..core.schedulers import few_step_defaults
 from ..core.step_cache import DEFAULT_BRANCH
+from ..core.weights import floating_dtype
 from ..families import TASKS, Family, family_of
 from .fingerprint import WeightsFingerprints
-from .loading import lazy_source, load_pipeline, model_label, own_module, real_module, release_module
-
-if TYPE_CHECKING:
-    import torch
+from .loading import (
+    in_compiled_dtypes,
+    lazy_source,
+    load_pipeline,
+    model_label,
+    own_module,
+    real_module,
+    release_module,
+)
 
 __all__ = ["Model", "TINY_VAE_NOTE", "component_specs"]
 
@@ -39,7 +47,7 @@ class Model:
 
     def __init__(self, pipe, *, label: str | None = None, weights: WeightsFingerprints | None = None):
         self.family: Family = family_of(pipe)  # an unsupported pipeline fails here, naming the supported ones
-        self.pipe = pipe
+        self.pipe = in_compiled_dtypes(pipe, keeps_bf16=self.family.generic)
         self.label = label or model_label(pipe)
         self.weights = weights or WeightsFingerprints()
         self.notes: list[str] = []  # what a compile of it says (a VAE swapped for the tiny one)
@@ -54,16 +62,18 @@ class Model:
         return cls(model, label=label, weights=weights)
 
     @classmethod
-    def load(cls, source: Any, *, lazy: bool = False, controlnet=None, tiny_vae=None, label: str | None = None
-             ) -> Model:
+    def load(cls, source: Any, *, lazy: bool = False, controlnet=None, tiny_vae=None, label: str | None = None,
+             torch_dtype: torch.dtype | None = None) -> Model:
         """A folder, a hub id (when online), a live pipeline or a Model, with `controlnet` (folders or models)
         added and its VAE swapped for `tiny_vae` (an AutoencoderTiny or its folder); with `lazy`, a folder's
-        modules are built on the meta device and loaded when needed."""
+        modules are built on the meta device and loaded when needed. A folder's weights are read in `torch_dtype`
+        (float32 unless given; a generic pipeline in bf16 compiles bf16 graphs from them, at half the memory)."""
         if isinstance(source, Model):
             if controlnet is None and tiny_vae is None:
                 return source
             source = source.pipe
-        pipe = load_pipeline(source, lazy=lazy, controlnet=controlnet, tiny_vae=tiny_vae)
+        pipe = load_pipeline(source, lazy=lazy, controlnet=controlnet, tiny_vae=tiny_vae,
+                             **({"torch_dtype": torch_dtype} if torch_dtype is not None else {}))
         model = cls(pipe, label=label or model_label(source))
         if tiny_vae is not None:
             model.notes.append(TINY_VAE_NOTE)
@@ -88,9 +98,14 @@ class Model:
                          base_digest=lambda: self.weights.base_of(self.pipe, path))
 
     def weight_bytes(self, path: str) -> int:
-        """The bytes of the module's weights in fp32 (counted on the meta device too: nothing is read)."""
+        """The bytes of the module's weights in the dtype they are (or will be) read in (counted on the meta device
+        too: nothing is read)."""
         module = module_at(self.pipe, path)
-        return sum(t.numel() for t in (*module.parameters(), *module.buffers())) * 4
+        return sum(t.numel() * t.element_size() for t in (*module.parameters(), *module.buffers()))
+
+    def in_bf16(self, path: str) -> bool:
+        """Whether the module's weights are (or will be) read in bfloat16, which its graph then computes in."""
+        return floating_dtype(module_at(self.pipe, path)) == torch.bfloat16
 
     def digest_known(self, path: str) -> bool:
         """Whether the module's weight digest can be had without reading its weights from disk."""

@@ -270,14 +270,17 @@ class CallChecks:
 
     def _check_latents(self, latents, shape: ImageShape) -> None:
         """Given latents of an image-shaped layout (not a transformer's packed tokens, Flux's) must be the call's:
-        (images, the VAE's latent channels, height / its factor, width / its factor)."""
+        (images, the VAE's latent channels, height / its factor, width / its factor); a generic pipeline's may also
+        hold them patchified into channels (Flux.2's 2x2 patches: 4x the channels at half the height and width)."""
         dims = tuple(getattr(latents, "shape", ()))
         config = getattr(getattr(self.model.pipe, "vae", None), "config", None)
         factor = getattr(self.model.pipe, "vae_scale_factor", None)
         if len(dims) != 4 or config is None or not factor or "latent_channels" not in config:
             return
         expected = (shape.batch, config.latent_channels, shape.height // factor, shape.width // factor)
-        if dims != expected:
+        patchified = self.family.generic and dims[0] == shape.batch and math.prod(dims) == math.prod(expected) and \
+            dims[2] * expected[3] == dims[3] * expected[2]
+        if dims != expected and not patchified:
             raise InvalidInput(f"`latents` has shape {dims} but this call ({shape.batch} image(s) of {shape.height}x"
                                f"{shape.width}) takes {expected}: images x the VAE's latent channels x height / "
                                f"{factor} x width / {factor}.")

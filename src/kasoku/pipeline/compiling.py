@@ -14,12 +14,19 @@ import time
 from pathlib import Path
 from typing import Any
 
-from ..backends import Engine
+from ..backends import Engine, UnsupportedPrecision, get_backend
 from ..build.compiler import Compiler, CompileReport, StageHook, _no_hook, requested_components
 from ..core.cache import Cache, default_cache_dir
 from ..core.components import ComponentSpec
 from ..core.errors import KasokuError
-from ..core.memory import GIB, MEMORY_CHECK_ENV, NotEnoughMemory, available_memory, checks_memory
+from ..core.memory import (
+    GIB,
+    MEMORY_CHECK_ENV,
+    NotEnoughMemory,
+    available_memory,
+    checks_memory,
+    return_freed_memory,
+)
 from ..core.options import FASTEST, CompileOptions, InvalidOptions, Precision
 from ..core.weights import run_time_weights
 from ..model.loading import model_label
@@ -64,6 +71,7 @@ def compile_components(
     if options.precision == FASTEST:
         options, notes = _fastest(model, specs, options, cache, on_stage)
     check_lora_targets(model, specs, options)
+    check_bf16_components(specs, options)
     compiler = Compiler(cache, options, on_stage=on_stage, label=label)
     check_memory(model, {name: spec for name, spec in specs.items() if not _surely_cached(compiler, model, spec)},
                  compiler)
@@ -79,6 +87,7 @@ def compile_components(
                 if attr in spec.modules:
                     spec.forget_module()
             model.release(attr)
+        return_freed_memory()
 
     engines, chosen = compiler.compile(specs, on_done=release_unneeded)
     parts = model.family.part_specs(model, next(iter(specs.values())).profile if specs else model.default_profile(),
@@ -132,7 +141,7 @@ def _grown_engine(compiler: Compiler, chosen: dict[str, str], spec: ComponentSpe
     return compiler.engine(spec, chosen[spec.name])
 
 
-# What building one component's engine holds at once, in units of its fp32 weights: the torch module and the
+# What building one component's engine holds at once, in units of its weights: the torch module and the
 # engine's own copy (measured at full size: the SDXL U-Net, 10.3 GB, peaked at 22.5 GiB on OpenVINO).
 BUILD_FOOTPRINT = 2.0
 # A build the guard stopped is tried again once this much more memory is free than when it stopped: what the
@@ -153,6 +162,24 @@ def check_lora_targets(model: Model, specs: dict[str, ComponentSpec], options: C
                              "(matched as the end of a module's path), or the preset attention.")
 
 
+def check_bf16_components(specs: dict[str, ComponentSpec], options: CompileOptions) -> None:
+    """A component whose weights were read in bf16 is built in bf16 (not int8): a backend named for it must build
+    bf16 (`auto` chooses among those that do)."""
+    for name, spec in specs.items():
+        refused = spec.refusal(options.precision_of(name))
+        if refused:
+            raise InvalidOptions(f"{refused}.")
+        backend = options.backend_for(name)
+        if not spec.in_bf16 or backend == "auto":
+            continue
+        try:
+            get_backend(backend, options).check_precision(Precision.BF16)
+        except UnsupportedPrecision as error:
+            raise InvalidOptions(f"{name}'s weights were read in bfloat16, so its engine computes in bf16, and "
+                                 f"{error} Compile it with backend='openvino' (or 'auto'), or read the weights in "
+                                 "float32.") from None
+
+
 def _surely_cached(compiler: Compiler, model: Model, spec: ComponentSpec) -> bool:
     """Whether `spec`'s engine is in the cache, asked only where that reads no weights (a module whose digest is
     not known yet is taken to be built)."""
@@ -167,7 +194,7 @@ def _digests_known(model: Model, spec: ComponentSpec) -> bool:
 def check_memory(model: Model, specs: dict[str, ComponentSpec], compiler: Compiler | None = None) -> None:
     """Refuse, before any weight is read, a component whose engine build would not fit in the memory this machine
     has free: an out-of-memory kill mid-build loses the work and says nothing. The build holds about
-    BUILD_FOOTPRINT x the component's fp32 weights (the module loaded for it is counted only where it is not
+    BUILD_FOOTPRINT x the component's weights (the module loaded for it is counted only where it is not
     in memory already). With the `compiler`, a build that ran out of memory here before (the cache remembers the
     builds the memory guard stopped) is refused too while not RETRY_MARGIN more memory is free than then, asked
     only where that reads no weights."""
@@ -180,11 +207,14 @@ def check_memory(model: Model, specs: dict[str, ComponentSpec], compiler: Compil
         needed = weights * (BUILD_FOOTPRINT - (1.0 if loaded else 0.0))
         if needed > free:
             t5 = "; SD3 runs without its T5, text_encoder_3=None" if name == "text_encoder_3" else ""
+            fp32 = [path for path in spec.modules if not model.in_bf16(path)]
+            bf16 = (" Read its weights in bf16 (`KasokuPipeline.from_pretrained(..., torch_dtype=torch.bfloat16)`, "
+                    "or a pipeline loaded so) to halve it." if model.family.generic and fp32 else "")
             raise NotEnoughMemory(
-                f"{name} has {weights / GIB:.1f} GiB of fp32 weights; building its engine needs about "
-                f"{needed / GIB:.1f} GiB and this machine has {free / GIB:.1f} GiB free. Leave it out (`components=` / "
-                f"`--components`, without {name}{t5}), build it on a machine with more memory, or set "
-                f"{MEMORY_CHECK_ENV}=0 to try anyway.", free)
+                f"{name} has {weights / GIB:.1f} GiB of {'fp32' if fp32 else 'bf16'} weights; building its engine "
+                f"needs about {needed / GIB:.1f} GiB and this machine has {free / GIB:.1f} GiB free.{bf16} Leave it "
+                f"out (`components=` / `--components`, without {name}{t5}), build it on a machine with more memory, "
+                f"or set {MEMORY_CHECK_ENV}=0 to try anyway.", free)
         stop = compiler.memory_stop(spec) if compiler is not None and _digests_known(model, spec) else None
         if stop is not None and free < stop["free_bytes"] + RETRY_MARGIN:
             raise NotEnoughMemory(f"{name}: this build ran out of memory here before, with "
@@ -238,5 +268,5 @@ def precision_notes(specs: dict[str, ComponentSpec], options: CompileOptions) ->
     for name, spec in specs.items():
         asked = options.precision_of(name)
         if spec.precision_for(asked) != asked:
-            notes.append(f"{name}: {spec.fp32_for[asked]}.")
+            notes.append(f"{name}: {spec.precision_reason(asked)}.")
     return notes

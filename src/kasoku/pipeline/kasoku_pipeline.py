@@ -123,13 +123,18 @@ class KasokuPipeline(PipelineSurface):
 
     @classmethod
     def from_pretrained(cls, path_or_id, backend: str | None = None, *, controlnet=None, tiny_vae=None,
-                        options: CompileOptions | None = None, on_stage=None, **fields) -> KasokuPipeline:
+                        options: CompileOptions | None = None, on_stage=None, torch_dtype=None, dtype=None,
+                        **fields) -> KasokuPipeline:
         """Load a diffusers folder (or hub id when online) and compile it (from the cache when built).
 
         `controlnet`: ControlNet folders or models (one, or a list for several), run with the family's
         ControlNet pipelines. `tiny_vae`: an AutoencoderTiny (TAESD) or its folder in place of the VAE. The
-        torch weights are read only for components whose engines are not in the cache yet."""
-        model = Model.load(path_or_id, lazy=True, controlnet=controlnet, tiny_vae=tiny_vae, label=str(path_or_id))
+        torch weights are read only for components whose engines are not in the cache yet. `torch_dtype` (or
+        diffusers' newer `dtype`): the dtype the weights are read in, float32 (the default) or bfloat16: a
+        pipeline compiled from recorded calls then builds bf16 graphs at half the memory (the newest families at
+        full size); the hand-written families compile from float32 whatever it is."""
+        model = Model.load(path_or_id, lazy=True, controlnet=controlnet, tiny_vae=tiny_vae, label=str(path_or_id),
+                           torch_dtype=loading_dtype(torch_dtype, dtype))
         return compile(model, backend, options=options, on_stage=on_stage, label=str(path_or_id), **fields)
 
     # ---- the diffusers surface -----------------------------------------------------------------
@@ -171,6 +176,7 @@ class KasokuPipeline(PipelineSurface):
         if self._image_is_control and control_image is None and mask_image is None:
             image, control_image = None, image  # diffusers' meaning in this class
         task = self.task(image, mask_image)
+        self._check_task(task, image)
         owner = self.model.pipeline_class(task)
         for name in ignored_arguments(task, owner, kwargs):
             warnings.warn(f"`{name}` is ignored in {task}: {owner.__name__} takes the size of `image`, as diffusers "
@@ -203,6 +209,16 @@ class KasokuPipeline(PipelineSurface):
             run = self._runtime.step_cache_run(task, caching)
         self.last_step_cache = run
         return self._runtime(task, step_cache=run, prompt=prompt, **kwargs)
+
+    def _check_task(self, task: str, image) -> None:
+        """A call whose images make it a task the model has no diffusers class for (Flux.2 klein's own `image`, its
+        reference images, is not img2img) is refused in one line."""
+        if task in self.model.pipeline_tasks:
+            return
+        hint = (f"; a text given by position is `image` here ({type(self.model.pipe).__name__}'s first parameter): "
+                "give it as prompt=..." if isinstance(image, str) else "")
+        raise InvalidInput(f"{self.family.title} has no {task} pipeline in diffusers, and kasoku does not run its "
+                           f"class's own `image` input: call it without `image`{hint}.")
 
     def _by_name(self, args: tuple, kwargs: dict[str, Any]) -> dict[str, Any]:
         """Positional arguments named as the signature orders them (diffusers' class's own order)."""
@@ -615,6 +631,21 @@ def compile(
         report.notes.insert(0, recipe.note)
     return KasokuPipeline(model, engines, options.profile, report, options=options, cache_root=root, label=label,
                           cache=cache, recipe=recipe, grows=grows)
+
+
+def loading_dtype(torch_dtype=None, dtype=None):
+    """The dtype `from_pretrained` reads weights in, from diffusers' two names for it; None: float32."""
+    import torch
+
+    if torch_dtype is not None and dtype is not None and torch_dtype != dtype:
+        raise InvalidOptions(f"`torch_dtype` ({torch_dtype}) and `dtype` ({dtype}) disagree; give one.")
+    chosen = dtype if dtype is not None else torch_dtype
+    if isinstance(chosen, str):
+        chosen = getattr(torch, chosen.removeprefix("torch."), chosen)
+    if chosen is not None and chosen not in (torch.float32, torch.bfloat16):
+        raise InvalidOptions(f"kasoku reads weights in torch.float32 or torch.bfloat16, not {chosen}; for fp16 "
+                             "engines read them in float32 and compile with precision='fp16'.")
+    return chosen
 
 
 def python_stages(component: str, stage: str):
