@@ -448,7 +448,7 @@ class ComponentSpec:
         """Digest of what the graph is, whatever its weights: name, config and tensors."""
         described = {
             "name": self.graph_id,
-            "config": _jsonable(self.config),
+            "config": architecture_config(self.config),
             "inputs": [(t.name, [str(d) for d in t.dims], str(t.dtype)) for t in self.inputs],
             "outputs": [(t.name, [str(d) for d in t.dims]) for t in self.outputs],
             **({"in_bf16": True} if self.in_bf16 else {}),  # its weights and outputs in bf16 (inputs may be ids)
@@ -477,13 +477,19 @@ class ComponentSpec:
 _NOT_ARCHITECTURE = frozenset({"architectures", "transformers_version", "dtype", "torch_dtype"})
 
 
-def _architecture_entry(key: str, value) -> bool:
+def architecture_config(config: Mapping) -> dict:
+    """A module's config as plain data, without the entries that say how it was saved or read (`_name_or_path`,
+    `architectures`, `dtype`, ...): what the keys of its graph, its recording and its weights' digest memo read."""
+    return _jsonable(config)
+
+
+def _architecture_entry(key: str) -> bool:
     return not (key.startswith("_") or key in _NOT_ARCHITECTURE)
 
 
 def _jsonable(value):
     if isinstance(value, Mapping):
-        return {str(k): _jsonable(v) for k, v in value.items() if _architecture_entry(str(k), v)}
+        return {str(k): _jsonable(v) for k, v in value.items() if _architecture_entry(str(k))}
     if isinstance(value, (list, tuple)):
         return [_jsonable(v) for v in value]
     if isinstance(value, (str, int, float, bool)) or value is None:

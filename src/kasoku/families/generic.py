@@ -30,7 +30,7 @@ import torch
 from ..architectures import recorded
 from ..architectures.base import config_dict
 from ..architectures.recorded import EngineRecorded, Probe, Recording, Signature, UncompilableCall
-from ..core.components import ComponentSpec, InvalidProfile, ShapeProfile, default_profile
+from ..core.components import ComponentSpec, InvalidProfile, ShapeProfile, architecture_config, default_profile
 from ..core.errors import KasokuError, NotADiffusersPipeline
 from ..core.memory import return_freed_memory
 from ..core.recording import recording
@@ -57,13 +57,12 @@ class NotCompilable(KasokuError, ValueError):
 
 def _architecture_config(module: Any) -> Any:
     """A module's configuration without its metadata (`_name_or_path` is the folder it was read from once loaded,
-    and empty on a lazily loaded module: a warm start must find the recording a cold one kept), nor the dtype
-    transformers writes into it when it loads the weights (the file's on a meta stand-in, the one read in once
-    loaded: the recording is keyed by the dtype the module is read in)."""
+    and empty on a lazily loaded module; transformers writes the dtype it read into a loaded module's config, not
+    into the meta stand-in's): a warm start must find the recording a cold one kept. The read dtype is keyed by
+    itself (`dtypes`)."""
     if getattr(module, "config", None) is None:
         return type(module).__name__
-    return {key: value for key, value in config_dict(module.config).items()
-            if not key.startswith("_") and key not in ("dtype", "torch_dtype")}
+    return architecture_config(config_dict(module.config))
 
 
 def _identity_of(component: Any) -> Any:

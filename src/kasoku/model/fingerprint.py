@@ -27,7 +27,9 @@ from pathlib import Path
 
 import torch
 
+from ..architectures.base import config_dict
 from ..core.cache import atomic_write_text
+from ..core.components import architecture_config
 from ..core.weights import bindable_tensors, floating_dtype
 
 THREADS = 2
@@ -125,10 +127,9 @@ class WeightsFingerprints:
         if source is None or self.root is None:
             return None
         files = weights_files(source)
-        # read in another dtype, the same files are other tensors; transformers writes the dtype it read into a
-        # loaded module's config (not into the meta stand-in's), so the config's own entry is left out
-        described = {key: value for key, value in config_dict(module).items() if key not in ("dtype", "torch_dtype")}
-        described["read_in"] = str(floating_dtype(module))
+        # read in another dtype, the same files are other tensors (the config's own dtype entry, which transformers
+        # sets once a module is loaded, is left out with the rest of its metadata)
+        described = {**architecture_config(config_dict(module.config)), "read_in": str(floating_dtype(module))}
         return self.root / f"{_files_key(files, described)}.json" if files else None
 
     def known_without_loading(self, pipe, attribute: str) -> bool:
@@ -199,9 +200,3 @@ class WeightsFingerprints:
         for module in modules:  # a lazy module and the real one that replaced it share a digest
             self._computed[id(module)] = digest
         return digest
-
-
-def config_dict(module) -> dict:
-    """A diffusers or transformers module's config as a plain dict."""
-    config = module.config
-    return config.to_dict() if hasattr(config, "to_dict") else dict(config)
