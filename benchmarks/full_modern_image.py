@@ -31,7 +31,9 @@ Contenders:
   encoder's weights in int8, the VAE in bf16.
 - `optimum-intel:default`: `optimum-cli export openvino` of the same folder (timed) and its OVDiffusionPipeline with
   its defaults (benchmarks/peer_modern.py, in benchmarks/.peers/optimum-intel, made when missing).
-  openvino.genai 2026.4 has no Sana pipeline (its Text2ImagePipeline runs Flux.2 klein, Z-Image and Qwen-Image).
+- `openvino-genai:default`: openvino.genai's Text2ImagePipeline on that export, its defaults; it takes a seed, not
+  latents, so its image starts from its own noise (no PSNR). openvino.genai 2026.4 has no Sana pipeline (its
+  Text2ImagePipeline runs Flux.2 klein, Z-Image and Qwen-Image).
 
 Writes benchmarks/results/<date>-<host>-full_modern_image[-TAG].md/.json.
 """
@@ -66,7 +68,8 @@ PROMPT = "a red fox in the snow at dawn, soft light, detailed fur"
 DEFAULT_CONTENDERS = "diffusers:fp32,diffusers:bf16,kasoku:bf16,kasoku:int8,optimum-intel:default"
 STAGES = {"text_encoder": ("text_encoder", "forward"), "transformer": ("transformer", "forward"),
           "vae_decoder": ("vae", "decode")}
-PEER_ENV = "optimum-intel"
+PEER_ENV = "optimum-intel"  # optimum-intel and openvino.genai, in one environment
+PEERS = ("optimum-intel", "openvino-genai")
 
 
 # ---- the model folder --------------------------------------------------------------------------------------
@@ -293,14 +296,15 @@ def stage_kasoku(args, precision: str) -> dict:
             "notes": report.notes}
 
 
-def stage_peer(args) -> dict:
-    out = args.work / "peer" / "result.json"
+def stage_peer(args, runner: str) -> dict:
+    out = args.work / "peer" / ("result.json" if runner == "optimum-intel" else f"result-{runner}.json")
     out.parent.mkdir(parents=True, exist_ok=True)
     folder = pipeline_folder(args.family, args.work)
-    subprocess.run([str(peer_python(PEER_ENV)), str(HERE / "peer_modern.py"), "--model", str(folder), "--work",
-                    str(args.work / "peer"), "--latents", str(latents_file(args.family, args.size, args.work)),
-                    "--prompt", PROMPT, "--size", str(args.size), "--steps", str(args.steps), "--repeats",
-                    str(args.repeats), "--threads", str(args.threads), "--out", str(out)], check=True)
+    subprocess.run([str(peer_python(PEER_ENV)), str(HERE / "peer_modern.py"), "--runner", runner,
+                    "--model", str(folder), "--work", str(args.work / "peer"),
+                    "--latents", str(latents_file(args.family, args.size, args.work)), "--prompt", PROMPT,
+                    "--size", str(args.size), "--steps", str(args.steps), "--repeats", str(args.repeats),
+                    "--threads", str(args.threads), "--out", str(out)], check=True)
     result = json.loads(out.read_text())
     result["image"] = np.load(out.with_suffix(".npy"))
     return result
@@ -314,7 +318,7 @@ def run_stage(args) -> dict:
     elif kind == "kasoku":
         result = stage_kasoku(args, precision)
     else:
-        result = stage_peer(args)
+        result = stage_peer(args, kind)
     image = result.pop("image")
     np.save(args.work / f"image-{args.contender.replace(':', '-')}{'-warm' if args.warm else ''}.npy", image)
     result["peak_mb"] = max(_peak_mb(), result.get("peak_mb", 0.0))
@@ -342,7 +346,7 @@ def markdown(report: dict) -> str:
     base = runs.get(ref_name, {})
     flops = base.get("flops_per_stage") or {}
     rate = report["matmul_gflops"] * 1e9
-    peers = [statistics.median(r["seconds"]) for name, r in runs.items() if name.startswith("optimum") and
+    peers = [statistics.median(r["seconds"]) for name, r in runs.items() if name.startswith(PEERS) and
              not r.get("failed")]
     fastest_peer = min(peers) if peers else None
     lines = [f"# kasoku full_modern_image: {FAMILIES[report['family']].title} {report['size']}x{report['size']}, "
@@ -368,7 +372,8 @@ def markdown(report: dict) -> str:
                   for s in STAGES]
         cells.append(f"{reference / median:.2f}×" if reference else "—")
         cells.append(f"{fastest_peer / median:.2f}×" if fastest_peer else "—")
-        cells.append(f"{run['psnr_db']:.1f} dB" if run.get("psnr_db") is not None else "—")
+        cells.append(f"{run['psnr_db']:.1f} dB" if run.get("psnr_db") is not None else
+                     "— (its own noise)" if run.get("own_noise") else "—")
         started = ("" if not name.startswith("kasoku") else " (empty cache)" if run.get("empty_cache") else
                    " (its recording and graphs cached)")
         cells.append(f"{cold:.0f}{started}" if cold is not None else "—")
@@ -500,7 +505,8 @@ def _compare_images(report: dict, work: Path) -> None:
     expected = np.load(reference)
     for name, run in report["contenders"].items():
         image = work / f"image-{name.replace(':', '-')}.npy"
-        if not run.get("failed") and image.exists() and name != reference_contender(report["family"]):
+        if not run.get("failed") and not run.get("own_noise") and image.exists() and \
+                name != reference_contender(report["family"]):
             run["psnr_db"] = _psnr(expected, np.load(image))
 
 

@@ -16,7 +16,9 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -24,12 +26,40 @@ from pathlib import Path
 
 import numpy as np
 
+MEMORY_FLOOR_GIB = 1.0  # what a peer's export may leave the machine before it is stopped
+
 
 def peak_mb() -> float:
     for line in Path("/proc/self/status").read_text().splitlines():
         if line.startswith("VmHWM:"):
             return int(line.split()[1]) / 1024
     return float("nan")
+
+
+def available_gib() -> float:
+    """MemAvailable of /proc/meminfo, in GiB."""
+    for line in Path("/proc/meminfo").read_text().splitlines():
+        if line.startswith("MemAvailable:"):
+            return int(line.split()[1]) / 2**20
+    return float("inf")
+
+
+def run_within_memory(command: list[str]) -> None:
+    """Run `command`; stop it (and this process, with the reason) when the machine's available memory falls under
+    MEMORY_FLOOR_GIB. A peer that does not fit is reported as such, never left to the kernel's OOM killer, which may
+    kill another process than the one that ran out."""
+    process = subprocess.Popen(command, start_new_session=True)
+    while process.poll() is None:
+        available = available_gib()
+        if available < MEMORY_FLOOR_GIB:
+            os.killpg(process.pid, signal.SIGKILL)
+            process.wait()
+            raise SystemExit(f"{Path(command[0]).name} {command[1]} stopped by the benchmark's memory guard: "
+                             f"{available:.2f} GiB of the machine's memory were left available (floor "
+                             f"{MEMORY_FLOOR_GIB} GiB)")
+        time.sleep(0.2)
+    if process.returncode:
+        raise subprocess.CalledProcessError(process.returncode, command)
 
 
 def ensure_vocab_files(model: Path) -> None:
@@ -50,8 +80,8 @@ def export_openvino(model: Path, work: Path) -> tuple[Path, float]:
         return target, json.loads((target / "kasoku-export-seconds.json").read_text())["seconds"]
     shutil.rmtree(target, ignore_errors=True)
     start = time.perf_counter()
-    subprocess.run([str(Path(sys.executable).parent / "optimum-cli"), "export", "openvino", "--model", str(model),
-                    "--task", "text-to-image", str(target)], check=True)
+    run_within_memory([str(Path(sys.executable).parent / "optimum-cli"), "export", "openvino", "--model", str(model),
+                       "--task", "text-to-image", str(target)])
     seconds = time.perf_counter() - start
     (target / "kasoku-export-seconds.json").write_text(json.dumps({"seconds": seconds}))
     return target, seconds

@@ -117,3 +117,19 @@ def test_the_flux2_klein_smoke_reads_the_folder_in_bf16_everywhere(tmp_path):
     assert report["kasoku_reads"] == "bf16" and kasoku["psnr_db"] > 30  # against diffusers' bf16 image
     assert set(kasoku["precisions"].values()) == {"bf16"}
     assert {status for _c, _stage, status, _s in kasoku["warm_run"]["compile_stages"]} == {"reused"}
+
+
+def test_a_peer_export_that_runs_the_machine_out_of_memory_is_stopped_with_the_reason(monkeypatch):
+    """The peers' export runs under the benchmark's memory guard: a child past the floor is killed (its whole
+    process group) and the run says why, instead of the kernel's OOM killer choosing a process."""
+    sys.path.insert(0, str(SCRIPT.parent))
+    try:
+        import peer_run
+    finally:
+        sys.path.remove(str(SCRIPT.parent))
+    peer_run.run_within_memory([sys.executable, "-c", "pass"])  # memory to spare: it runs to its end
+    with pytest.raises(subprocess.CalledProcessError):
+        peer_run.run_within_memory([sys.executable, "-c", "raise SystemExit(3)"])
+    monkeypatch.setattr(peer_run, "MEMORY_FLOOR_GIB", peer_run.available_gib() + 1024)  # no machine has that much
+    with pytest.raises(SystemExit, match="stopped by the benchmark's memory guard"):
+        peer_run.run_within_memory([sys.executable, "-c", "import time; time.sleep(60)"])

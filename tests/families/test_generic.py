@@ -202,6 +202,35 @@ def test_the_denoiser_is_calibrated_on_calls_its_pipeline_takes():
     assert pixart.fixed_arguments(_profile(pixart.pipe)) == {"use_resolution_binning": False}
 
 
+def test_a_bf16_denoiser_whose_calibration_does_not_fit_gets_int8_weights_and_says_why(monkeypatch):
+    """NNCF calibrates on an fp32 model: a denoiser read in bf16 whose calibration would not fit in this machine's
+    memory (a 4B transformer, 7.3 GiB in bf16, on 24 GiB) is quantized weight-only, and the compile report says why;
+    one that fits, or one read in fp32, is calibrated."""
+    from kasoku.architectures.recorded import int8_recipe
+    from kasoku.core import memory
+    from kasoku.core.components import Precision
+    from kasoku.core.options import CompileOptions
+    from kasoku.pipeline.compiling import precision_notes
+
+    monkeypatch.setattr(memory, "machine_memory", lambda: 24 * memory.GIB)
+    def large(dtype):  # 8 GiB of weights in bf16
+        return torch.nn.Linear(64 * 1024, 64 * 1024, device="meta", dtype=dtype)
+
+    assert int8_recipe(large(torch.float32), calibrated=True) == {"int8": "full"}
+    assert int8_recipe(torch.nn.Linear(8, 8).bfloat16(), calibrated=True) == {"int8": "full"}
+    assert int8_recipe(large(torch.bfloat16), calibrated=False) == {"int8": "weights"}
+    recipe = int8_recipe(large(torch.bfloat16), calibrated=True)
+    assert recipe["int8"] == "weights" and "8.0 GiB of bf16 weights would hold about 40 GiB" in recipe["int8_note"]
+
+    pixart = Model.of(tiny_family_pipeline("pixart-sigma").to(torch.bfloat16))
+    monkeypatch.setattr(memory, "machine_memory", lambda: memory.GIB)  # less than the floor: nothing fits
+    spec = pixart.specs(_profile(pixart.pipe), ["transformer"])["transformer"]
+    assert spec.int8 == "weights"
+    notes = precision_notes({"transformer": spec}, CompileOptions(precision=Precision.INT8))
+    assert notes == [f"transformer: {spec.int8_note}."]
+    assert precision_notes({"transformer": spec}, CompileOptions(precision=Precision.BF16)) == []
+
+
 def test_only_the_outputs_the_pipeline_reads_are_compiled():
     model = Model.of(tiny_family_pipeline("flux2-klein"))
     (encoder,) = model.family.signatures(model)["text_encoder"]
@@ -613,9 +642,11 @@ def test_a_pipeline_read_in_bf16_builds_bf16_graphs_and_is_left_in_bf16(generic_
     """A generic pipeline in bf16 (a live one, and a folder read with diffusers' `torch_dtype`) compiles bf16 graphs:
     the weights, the engines' inputs and outputs and their compute in bf16 (half the memory of fp32 at full size),
     images as close to diffusers' own bf16 pipeline as bf16 engines are to fp32; fp32 asked of it builds bf16 and
-    says why; a backend without bf16 is refused before a graph is built; the user's pipeline stays in bf16."""
+    says why; int8 is quantized from the bf16 weights (the transformer calibrated on its bf16 calls) within int8's
+    contract; a backend without bf16 is refused before a graph is built; the user's pipeline stays in bf16."""
     from kasoku.core.options import InvalidOptions
     from kasoku.core.parity import TOLERANCES, Precision
+    from tests.conftest import linear_layer_precisions
 
     pipe = tiny_family_pipeline("pixart-sigma").to(torch.bfloat16)
     cache = generic_cache / "bf16"
@@ -636,8 +667,19 @@ def test_a_pipeline_read_in_bf16_builds_bf16_graphs_and_is_left_in_bf16(generic_
 
     with pytest.raises(InvalidOptions, match="read in bfloat16.*onnxruntime backend cannot build bf16"):
         kasoku.compile(pipe, "onnxruntime", profile=_profile(pipe), cache_dir=cache)
-    with pytest.raises(InvalidOptions, match="int8 engines are built from weights read in float32"):
-        kasoku.compile(pipe, "openvino", precision="int8", profile=_profile(pipe), cache_dir=cache)
+    int8 = kasoku.compile(pipe, "openvino", precision="int8", profile=_profile(pipe), cache_dir=cache)
+    assert set(int8.compile_report.precisions.values()) == {"int8"}
+    stages = int8.compile_report.stages
+    entry = next(s for s in stages if s.component == "transformer" and s.stage == "engine")
+    assert entry.detail["int8"]["recipe"] == "full" and entry.detail["int8"]["calibration_samples"] > 0
+    engine = int8.engines["transformer"]  # calibrated on bf16 calls, quantized from its bf16 weights
+    assert {"u8", "i8"} & set(linear_layer_precisions(engine))  # its linear layers compute in int8
+    out = engine.run(engine.spec.sample_inputs(engine.spec.profile.opt))
+    assert {tensor.dtype for tensor in out.values()} == {torch.bfloat16}
+    assert {module.dtype for module in (pipe.transformer, pipe.text_encoder, pipe.vae)} == {torch.bfloat16}
+    contract = TOLERANCES[Precision.INT8]
+    call = _arguments(pipe, num_inference_steps=contract.image_steps)
+    assert psnr(_images(pipe, **call).astype(np.float32), _images(int8, **call)) >= contract.image_psnr_db
 
     folder = tmp_path / "pixart"
     tiny_family_pipeline("pixart-sigma").save_pretrained(folder)

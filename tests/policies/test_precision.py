@@ -98,6 +98,49 @@ def test_weights_behind_a_transpose_are_folded_into_the_matmul_and_then_compress
     assert _stores_int8_weights(weights_only(folded))
 
 
+def _bf16_linear():
+    """x @ W.T + b read in bf16: its input, weight, bias and output bf16, as a graph of a pipeline read in bf16."""
+    import openvino as ov
+    import openvino.opset13 as ops
+
+    rng = np.random.default_rng(0)
+    weight = rng.standard_normal((32, 64)).astype(np.float32) / 8
+    x = ops.parameter([4, 64], ov.Type.bf16, name="x")
+    product = ops.matmul(x, ops.constant(weight, ov.Type.bf16), False, True)
+    return ov.Model([ops.add(product, ops.constant(np.ones(32, np.float32), ov.Type.bf16))], [x]), weight
+
+
+def _run_bf16(model, x: np.ndarray) -> torch.Tensor:
+    import openvino as ov
+
+    from kasoku.backends.openvino import ov_tensor
+
+    request = ov.Core().compile_model(model, "CPU", {"INFERENCE_PRECISION_HINT": "bf16"}).create_infer_request()
+    given, out = torch.from_numpy(x).bfloat16(), torch.empty((x.shape[0], 32), dtype=torch.bfloat16)
+    request.set_input_tensor(ov_tensor(given))  # shares `given`'s memory, which must outlive the inference
+    request.set_output_tensor(ov_tensor(out))
+    request.infer()
+    return out.float()
+
+
+def test_a_graph_read_in_bf16_is_quantized_from_its_bf16_weights_and_keeps_bf16_inputs_and_outputs():
+    import openvino as ov
+
+    from kasoku.backends.int8 import full
+
+    model, weight = _bf16_linear()
+    rng = np.random.default_rng(1)
+    samples = [{"x": rng.standard_normal((4, 64)).astype(np.float32)} for _ in range(4)]  # recorded: fp32 copies
+    quantized = full(model, samples)
+    assert [port.get_element_type() for port in (*quantized.inputs, *quantized.outputs)] == [ov.Type.bf16] * 2
+    kinds = {(op.get_type_name(), op.get_output_element_type(0).get_type_name()) for op in quantized.get_ordered_ops()}
+    assert ("Constant", "i8") in kinds and ("FakeQuantize", "f32") in kinds  # int8 weights and activations
+    x = samples[0]["x"]
+    expected = torch.from_numpy(x @ weight.T + 1)
+    error = (_run_bf16(quantized, x) - expected).abs().max() / expected.abs().max()
+    assert error < 0.05
+
+
 # ---- who builds what --------------------------------------------------------------------------------
 
 

@@ -40,6 +40,7 @@ from torch.utils import _pytree as pytree
 
 from ..core.components import Axis, ComponentSpec, ShapeProfile, TensorSpec
 from ..core.errors import KasokuError
+from ..core.memory import GIB, fits_this_machine
 from ..core.recording import Call, Distribution, Opaque, canonical_call
 from ..core.standins import EngineModule, InvalidInput
 from ..core.step_cache import FirstBlockRun
@@ -531,10 +532,32 @@ def recorded_spec(signature: Signature, ref: ModuleRef, profile: ShapeProfile, *
         takes_lora=takes_lora,
         one_shape=one_shape,
         interleaved="." in ref.path,  # a block: the glue around it runs in torch
-        int8="full" if calibration is not None else "weights",
+        **int8_recipe(ref.module, calibrated=calibration is not None),
         calibration=calibration or {},
         in_bf16=floating_dtype(ref.module) == torch.bfloat16,
     )
+
+
+# What NNCF's calibration of a graph read in bf16 holds, in multiples of its bf16 weights: the weights, and the fp32
+# model NNCF computes its statistics with (OpenVINO's fp32 compile of a 0.5 GB bf16 weight took 2.0 GB more).
+CALIBRATION_HOLDS_BF16_WEIGHTS = 5
+
+
+def int8_recipe(module: torch.nn.Module, calibrated: bool) -> dict[str, str]:
+    """The int8 recipe of a graph of `module` (ComponentSpec's `int8`, and `int8_note`): a denoiser's is calibrated
+    ("full"), unless its weights are read in bf16 and that calibration would not fit in this machine's memory; then
+    weights only, which needs no calibration, with the reason."""
+    if not calibrated:
+        return {"int8": "weights"}
+    if floating_dtype(module) != torch.bfloat16:
+        return {"int8": "full"}
+    weights = sum(t.numel() * t.element_size() for t in (*module.parameters(), *module.buffers()))
+    if fits_this_machine(CALIBRATION_HOLDS_BF16_WEIGHTS * weights):
+        return {"int8": "full"}
+    held = CALIBRATION_HOLDS_BF16_WEIGHTS * weights / GIB
+    return {"int8": "weights", "int8_note": (
+        f"int8 weights only: calibrating its activations from its {weights / GIB:.1f} GiB of bf16 weights would hold "
+        f"about {held:.0f} GiB (NNCF computes its statistics on an fp32 model), more than this machine has")}
 
 
 def _configuration(module: torch.nn.Module) -> dict[str, Any]:

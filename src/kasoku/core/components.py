@@ -311,6 +311,7 @@ class ComponentSpec:
     fp16_keep_ops: tuple[str, ...] = ()  # ops that overflow in fp16 in this component, kept fp32
     modules: tuple[str, ...] = ()  # the pipeline attributes whose weights it uses ("vae", "unet", ...)
     int8: str = "weights"  # int8 recipe (kasoku.backends.int8): "weights", or "full" (calibrated activations)
+    int8_note: str = field(default="", compare=False)  # why a denoiser's int8 is weights only (said when int8 is asked)
     # the calibration plan's fields its pipeline's calls need (a distilled model's steps and guidance; see
     # kasoku.core.options.CalibrationPlan): the calls it is calibrated on are calls its pipeline takes
     calibration: Mapping[str, Any] = field(default_factory=dict, compare=False)
@@ -342,14 +343,6 @@ class ComponentSpec:
         if self.in_bf16 and requested in (Precision.FP32, Precision.FP16):
             return Precision.BF16
         return requested
-
-    def refusal(self, precision: Precision | str) -> str | None:
-        """Why it cannot be built in `precision` (None: it can): int8's quantization and calibration take fp32
-        weights and numpy samples, which a component read in bf16 does not have."""
-        if self.in_bf16 and Precision(precision) == Precision.INT8:
-            return (f"{self.name}'s weights were read in bfloat16, and int8 engines are built from weights read in "
-                    "float32: compile it in bf16, or read the weights in float32 for int8")
-        return None
 
     def precision_reason(self, requested: Precision | str) -> str:
         """Why it is built in another precision than `requested` (see `precision_for`)."""

@@ -57,7 +57,19 @@ def process_memory(field: str = "VmRSS") -> int | None:
 
 def memory_floor() -> int:
     """The memory a guarded step leaves free, in bytes."""
-    return max(FLOOR_BYTES, int(FLOOR_SHARE * (_kib_field("/proc/meminfo", "MemTotal") or 0)))
+    return max(FLOOR_BYTES, int(FLOOR_SHARE * (machine_memory() or 0)))
+
+
+def machine_memory() -> int | None:
+    """MemTotal of /proc/meminfo in bytes (None where there is none)."""
+    return _kib_field("/proc/meminfo", "MemTotal")
+
+
+def fits_this_machine(nbytes: int) -> bool:
+    """Whether a step holding `nbytes` fits in this machine's memory less the floor (True where that is not known, or
+    the checks are off): a decision that depends on the machine, not on what else runs now."""
+    total = machine_memory()
+    return not checks_memory() or total is None or nbytes <= total - memory_floor()
 
 
 def checks_memory() -> bool:

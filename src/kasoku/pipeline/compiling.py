@@ -71,7 +71,7 @@ def compile_components(
     if options.precision == FASTEST:
         options, notes = _fastest(model, specs, options, cache, on_stage)
     check_lora_targets(model, specs, options)
-    check_bf16_components(specs, options)
+    check_bf16_backends(specs, options)
     compiler = Compiler(cache, options, on_stage=on_stage, label=label)
     check_memory(model, {name: spec for name, spec in specs.items() if not _surely_cached(compiler, model, spec)},
                  compiler)
@@ -162,13 +162,10 @@ def check_lora_targets(model: Model, specs: dict[str, ComponentSpec], options: C
                              "(matched as the end of a module's path), or the preset attention.")
 
 
-def check_bf16_components(specs: dict[str, ComponentSpec], options: CompileOptions) -> None:
-    """A component whose weights were read in bf16 is built in bf16 (not int8): a backend named for it must build
+def check_bf16_backends(specs: dict[str, ComponentSpec], options: CompileOptions) -> None:
+    """A component whose weights were read in bf16 computes in bf16 (or int8): a backend named for it must build
     bf16 (`auto` chooses among those that do)."""
     for name, spec in specs.items():
-        refused = spec.refusal(options.precision_of(name))
-        if refused:
-            raise InvalidOptions(f"{refused}.")
         backend = options.backend_for(name)
         if not spec.in_bf16 or backend == "auto":
             continue
@@ -269,4 +266,6 @@ def precision_notes(specs: dict[str, ComponentSpec], options: CompileOptions) ->
         asked = options.precision_of(name)
         if spec.precision_for(asked) != asked:
             notes.append(f"{name}: {spec.precision_reason(asked)}.")
+        elif asked == Precision.INT8 and spec.int8_note:
+            notes.append(f"{name}: {spec.int8_note}.")
     return notes

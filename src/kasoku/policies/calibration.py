@@ -45,8 +45,14 @@ class RecordingEngine:
     def run(self, inputs):
         if len(self.recorded) >= self.samples:
             raise _Enough
-        self.recorded.append({k: np.array(torch.as_tensor(v).detach().cpu().numpy()) for k, v in inputs.items()})
+        self.recorded.append({k: _numpy_copy(v) for k, v in inputs.items()})
         return self._engine.run(inputs)
+
+
+def _numpy_copy(value) -> np.ndarray:
+    """A numpy copy of an engine input; bf16 (a pipeline read in bf16) as fp32, what NNCF calibrates with."""
+    tensor = torch.as_tensor(value).detach().cpu()
+    return np.array((tensor.float() if tensor.dtype == torch.bfloat16 else tensor).numpy())
 
 
 def record_inputs(model: Model, engines: dict, component: str, shape: ImageShape, plan: CalibrationPlan,

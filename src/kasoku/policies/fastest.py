@@ -65,10 +65,6 @@ def choose_precisions(model: Model, specs: dict[str, ComponentSpec], options: Co
     for name in sorted(measured, key=lambda n: -seconds[n][Precision.FP32]):
         tried = []
         for precision in CANDIDATES:
-            refused = specs[name].refusal(precision)
-            if refused:
-                tried.append(f"{precision.value} cannot be built ({refused})")
-                continue
             trial = {**chosen, name: precision}
             try:
                 engines = engines_for(trial)
