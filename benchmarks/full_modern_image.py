@@ -296,16 +296,25 @@ def stage_kasoku(args, precision: str) -> dict:
             "notes": report.notes}
 
 
+class PeerFailed(RuntimeError):
+    """A peer's run ended with an error it wrote down (its export stopped by the memory watchdog, say)."""
+
+
 def stage_peer(args, runner: str) -> dict:
     out = args.work / "peer" / ("result.json" if runner == "optimum-intel" else f"result-{runner}.json")
     out.parent.mkdir(parents=True, exist_ok=True)
+    out.unlink(missing_ok=True)
     folder = pipeline_folder(args.family, args.work)
-    subprocess.run([str(peer_python(PEER_ENV)), str(HERE / "peer_modern.py"), "--runner", runner,
-                    "--model", str(folder), "--work", str(args.work / "peer"),
-                    "--latents", str(latents_file(args.family, args.size, args.work)), "--prompt", PROMPT,
-                    "--size", str(args.size), "--steps", str(args.steps), "--repeats", str(args.repeats),
-                    "--threads", str(args.threads), "--out", str(out)], check=True)
+    ran = subprocess.run([str(peer_python(PEER_ENV)), str(HERE / "peer_modern.py"), "--runner", runner,
+                          "--model", str(folder), "--work", str(args.work / "peer"),
+                          "--latents", str(latents_file(args.family, args.size, args.work)), "--prompt", PROMPT,
+                          "--size", str(args.size), "--steps", str(args.steps), "--repeats", str(args.repeats),
+                          "--threads", str(args.threads), "--out", str(out)])
+    if not out.exists():
+        raise subprocess.CalledProcessError(ran.returncode, ran.args)
     result = json.loads(out.read_text())
+    if result.get("failed"):
+        raise PeerFailed(result["error"])
     result["image"] = np.load(out.with_suffix(".npy"))
     return result
 
@@ -449,9 +458,9 @@ def main(argv: list[str] | None = None) -> int:
 
         try:
             result = run_stage(args)
-        except KasokuError as error:  # kasoku refused (memory, say): the report says why
+        except (KasokuError, PeerFailed) as error:  # refused or stopped (memory, say): the report says why
             args.stage_json.write_text(json.dumps({"failed": True, "returncode": 1, "error": str(error)}))
-            print(f"kasoku refused: {error}")
+            print(f"{args.contender} stopped: {error}")
             return 1
         args.stage_json.write_text(json.dumps(result, indent=2, default=str))
         return 0

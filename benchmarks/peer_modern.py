@@ -148,7 +148,11 @@ def main() -> int:
 
     torch.set_num_threads(args.threads)
     fresh = not (args.work / "optimum-intel-export" / "model_index.json").exists()
-    target, export_s = export_openvino(args.model, args.work)
+    try:
+        target, export_s = export_openvino(args.model, args.work)
+    except SystemExit as stopped:  # the memory watchdog's reason, for the report
+        args.out.write_text(json.dumps({"failed": True, "error": str(stopped)}))
+        raise
     export_peak = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 1024 if fresh else None
     result = RUNNERS[args.runner](args, target)
     versions = ("optimum-intel", "openvino", "diffusers", "transformers", "torch")

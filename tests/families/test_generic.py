@@ -674,6 +674,7 @@ def test_a_pipeline_read_in_bf16_builds_bf16_graphs_and_is_left_in_bf16(generic_
     assert entry.detail["int8"]["recipe"] == "full" and entry.detail["int8"]["calibration_samples"] > 0
     engine = int8.engines["transformer"]  # calibrated on bf16 calls, quantized from its bf16 weights
     assert {"u8", "i8"} & set(linear_layer_precisions(engine))  # its linear layers compute in int8
+    assert "u8" in linear_layer_precisions(int8.engines["text_encoder"])  # int8 weights in OpenVINO's linear layers
     out = engine.run(engine.spec.sample_inputs(engine.spec.profile.opt))
     assert {tensor.dtype for tensor in out.values()} == {torch.bfloat16}
     assert {module.dtype for module in (pipe.transformer, pipe.text_encoder, pipe.vae)} == {torch.bfloat16}

@@ -16,12 +16,14 @@ Two recipes, chosen per component by its spec (`ComponentSpec.int8`):
   has no VNNI or AMX, whose int8 products do not saturate (OpenVINO's saturation note); on an AVX2-only CPU the tiny
   U-Net missed the int8 contract without it (with the hybrid recipe: relative error 0.219 against 0.2).
 
-A graph read in bf16 (its weights, inputs and outputs bf16) keeps its bf16 weights. Weight compression reads them as
-they are; the calibrated recipe quantizes the graph widened (:func:`widened`: every bf16 weight behind a
-Convert to fp32, the decompression form NNCF reads weights through, and fp32 inputs for the fp32 samples NNCF
-calibrates with), then gives the quantized graph its bf16 inputs and outputs back (:func:`with_bf16_io`). On the Zen 5
-of docs/BENCHMARKS.md, two linear layers of Flux.2's width over 1536 tokens: 819 GFLOP/s in bf16, 937 with int8
-weights, 1580 with int8 weights and activations.
+A graph read in bf16 (its weights, inputs and outputs bf16) is quantized from its bf16 weights: both recipes run on
+the graph widened (:func:`widened`: every bf16 weight behind a Convert to fp32, the decompression form NNCF reads
+weights through, and fp32 inputs for the fp32 samples NNCF calibrates with), and the quantized graph gets its bf16
+inputs and outputs back (:func:`with_bf16_io`). Compressed as they are, bf16 weights decompress through fp16, which
+OpenVINO's CPU plugin does not fuse into its linear layers: it decompressed them on every call. On the Zen 5 of
+docs/BENCHMARKS.md, two linear layers of Flux.2's width over 1536 tokens took 219 ms in bf16, 201 ms with int8 weights
+compressed in bf16, 169 ms compressed widened (u8 weights in its FullyConnected kernels), and 108 ms with int8
+activations too (the full recipe).
 
 Before any recipe, weights that reach a MatMul through a Transpose are folded into the MatMul's own
 `transpose_b` (:func:`fold_weight_transposes`): torch's exporter writes every `nn.Linear` on a 3-D input so,
@@ -174,16 +176,9 @@ def with_bf16_io(model, inputs: Sequence[str], outputs: Sequence[int]):
 
 def full(model, samples: Sequence[dict[str, Any]]):
     """int8 weights and activations wherever NNCF quantizes, calibrated on `samples` (see the module docstring)."""
+    nncf = _nncf()
     if not samples:
         raise QuantizationError("full int8 needs calibration samples; none were recorded.")
-    if read_in_bf16(model):
-        inputs, outputs = widened(model)
-        return with_bf16_io(_calibrated(model, samples), inputs, outputs)
-    return _calibrated(model, samples)
-
-
-def _calibrated(model, samples: Sequence[dict[str, Any]]):
-    nncf = _nncf()
     # SmoothQuant and bias correction off: each holds another copy of the weights while it works (4-layer SD3.5
     # width: peak anonymous memory 5.2 GB with both, 2.7 GB without, for a 2.2 GB model), for the same speed; the
     # tiny SD3's 20-step image against fp32 was 33.9 dB with both, 37.0 dB without.
@@ -201,6 +196,8 @@ def quantize(model, recipe: str, samples: Sequence[dict[str, Any]] | None = None
     if recipe not in RECIPES:
         raise ValueError(f"unknown int8 recipe {recipe!r}; recipes are {RECIPES}")
     model = fold_weight_transposes(model)
-    if recipe == "weights":
-        return weights_only(model)
-    return full(model, samples or [])
+    if not read_in_bf16(model):
+        return weights_only(model) if recipe == "weights" else full(model, samples or [])
+    inputs, outputs = widened(model)
+    quantized = weights_only(model) if recipe == "weights" else full(model, samples or [])
+    return with_bf16_io(quantized, inputs, outputs)
