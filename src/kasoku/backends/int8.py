@@ -22,8 +22,8 @@ weights through, and fp32 inputs for the fp32 samples NNCF calibrates with), and
 inputs and outputs back (:func:`with_bf16_io`). Compressed as they are, bf16 weights decompress through fp16, which
 OpenVINO's CPU plugin does not fuse into its linear layers: it decompressed them on every call. On the Zen 5 of
 docs/BENCHMARKS.md, two linear layers of Flux.2's width over 1536 tokens took 219 ms in bf16, 201 ms with int8 weights
-compressed in bf16, 169 ms compressed widened (u8 weights in its FullyConnected kernels), and 108 ms with int8
-activations too (the full recipe).
+compressed in bf16, 169 ms compressed widened (u8 weights in its FullyConnected kernels), and about 110 ms with
+int8 activations too (the full recipe).
 
 Before any recipe, weights that reach a MatMul through a Transpose are folded into the MatMul's own
 `transpose_b` (:func:`fold_weight_transposes`): torch's exporter writes every `nn.Linear` on a 3-D input so,
@@ -196,8 +196,6 @@ def quantize(model, recipe: str, samples: Sequence[dict[str, Any]] | None = None
     if recipe not in RECIPES:
         raise ValueError(f"unknown int8 recipe {recipe!r}; recipes are {RECIPES}")
     model = fold_weight_transposes(model)
-    if not read_in_bf16(model):
-        return weights_only(model) if recipe == "weights" else full(model, samples or [])
-    inputs, outputs = widened(model)
+    bf16_io = widened(model) if read_in_bf16(model) else None
     quantized = weights_only(model) if recipe == "weights" else full(model, samples or [])
-    return with_bf16_io(quantized, inputs, outputs)
+    return quantized if bf16_io is None else with_bf16_io(quantized, *bf16_io)
