@@ -51,18 +51,29 @@ def _clock(pipe) -> dict[str, float]:
     return seconds
 
 
-def timed_calls(pipe, seconds_of: dict[str, float], call: dict, repeats: int) -> dict:
+def timed_calls(generate, repeats: int) -> dict:
+    """A warm-up call of `generate` (-> the image, the seconds of each stage), then `repeats` timed ones."""
     start = time.perf_counter()
-    pipe(**call)
+    generate()
     first = time.perf_counter() - start
     seconds, stages, image = [], [], None
     for _ in range(repeats):
-        seconds_of.clear()
         start = time.perf_counter()
-        image = pipe(**call).images[0]
+        image, stage = generate()
         seconds.append(time.perf_counter() - start)
-        stages.append(dict(seconds_of))
+        stages.append(stage)
     return {"first_call_s": first, "seconds": seconds, "stages": stages, "image": np.asarray(image, np.float32)}
+
+
+def clocked_call(pipe, call: dict):
+    """`pipe(**call)` as `timed_calls` takes it, each stage timed by wrapping the pipeline parts' methods."""
+    seconds_of = _clock(pipe)
+
+    def generate():
+        seconds_of.clear()
+        return pipe(**call).images[0], dict(seconds_of)
+
+    return generate
 
 
 def run_optimum(args, target: Path) -> dict:
@@ -80,14 +91,14 @@ def run_optimum(args, target: Path) -> dict:
     call = {"prompt": args.prompt, "height": args.size, "width": args.size, "num_inference_steps": args.steps,
             "latents": torch.from_numpy(np.load(args.latents)), "output_type": "np",
             **({"intermediate_timesteps": None} if sana else {})}
-    seconds_of = _clock(pipe)
-    dynamic = timed_calls(pipe, seconds_of, call, args.repeats)
+    generate = clocked_call(pipe, call)
+    dynamic = timed_calls(generate, args.repeats)
     np.save(args.out.with_suffix(".npy"), dynamic.pop("image"))
     start = time.perf_counter()
     try:  # optimum-intel's static shapes: its reshape doubles the denoiser's batch for guidance a distilled model
         pipe.reshape(batch_size=1, height=args.size, width=args.size, num_images_per_prompt=1)  # may not run
         pipe.compile()
-        static = {"reshape_s": time.perf_counter() - start, **timed_calls(pipe, seconds_of, call, args.repeats)}
+        static = {"reshape_s": time.perf_counter() - start, **timed_calls(generate, args.repeats)}
         np.save(args.out.with_name(args.out.stem + "-static.npy"), static.pop("image"))
     except (RuntimeError, ValueError, TypeError) as error:  # its reshape's refusals differ per pipeline class
         static = {"failed": f"{type(error).__name__}: {str(error).strip().splitlines()[-1]}"}
@@ -112,18 +123,9 @@ def run_genai(args, target: Path) -> dict:
                   "vae_decoder": metrics.get_vae_decoder_infer_duration() / 1e3}
         return np.asarray(image.data)[0].astype(np.float32) / 255.0, stages
 
-    start = time.perf_counter()
-    generate()
-    first = time.perf_counter() - start
-    seconds, stages, image = [], [], None
-    for _ in range(args.repeats):
-        start = time.perf_counter()
-        image, stage = generate()
-        seconds.append(time.perf_counter() - start)
-        stages.append(stage)
-    np.save(args.out.with_suffix(".npy"), image)
-    return {"class": "Text2ImagePipeline", "load_s": load_s, "first_call_s": first, "seconds": seconds,
-            "stages": stages, "own_noise": True}
+    result = timed_calls(generate, args.repeats)
+    np.save(args.out.with_suffix(".npy"), result.pop("image"))
+    return {"class": "Text2ImagePipeline", "load_s": load_s, **result, "own_noise": True}
 
 
 RUNNERS = {"optimum-intel": run_optimum, "openvino-genai": run_genai}

@@ -44,7 +44,7 @@ from ..core.memory import GIB, fits_this_machine
 from ..core.recording import Call, Distribution, Opaque, canonical_call
 from ..core.standins import EngineModule, InvalidInput
 from ..core.step_cache import FirstBlockRun
-from ..core.weights import floating_dtype
+from ..core.weights import floating_dtype, weight_bytes
 from .base import ModuleRef, config_dict
 
 __all__ = ["EngineRecorded", "Probe", "Recording", "Signature", "UncompilableCall", "recorded_spec", "signatures"]
@@ -551,7 +551,7 @@ def int8_recipe(module: torch.nn.Module, calibrated: bool) -> dict[str, str]:
         return {"int8": "weights"}
     if floating_dtype(module) != torch.bfloat16:
         return {"int8": "full"}
-    weights = sum(t.numel() * t.element_size() for t in (*module.parameters(), *module.buffers()))
+    weights = weight_bytes(module)
     if fits_this_machine(CALIBRATION_HOLDS_BF16_WEIGHTS * weights):
         return {"int8": "full"}
     held = CALIBRATION_HOLDS_BF16_WEIGHTS * weights / GIB

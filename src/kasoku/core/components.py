@@ -456,12 +456,13 @@ class ComponentSpec:
     @torch.no_grad()
     def run_torch(self, inputs: Mapping[str, np.ndarray | torch.Tensor]) -> dict[str, np.ndarray]:
         """The reference: the eager torch module on named inputs (a bf16 module's outputs as fp32 arrays)."""
+        from .weights import numpy_of  # here: core.weights imports onnx, which importing the specs need not
+
         args = [inputs[name] if isinstance(inputs[name], torch.Tensor) else torch.as_tensor(np.asarray(inputs[name]))
                 for name in self.input_names]
         with exportable_attention():
             outputs = self.module(*args)
-        return {name: (out.detach().cpu().float() if out.dtype == torch.bfloat16 else out.detach().cpu()).numpy()
-                for name, out in zip(self.output_names, outputs)}
+        return {name: numpy_of(out) for name, out in zip(self.output_names, outputs)}
 
 
 # Config entries that say how a module was saved or read, not what its graph is: a pipeline saved to a folder and

@@ -217,6 +217,17 @@ def floating_dtype(module: torch.nn.Module) -> torch.dtype:
     return max(counts, key=counts.get, default=torch.float32)
 
 
+def weight_bytes(module: torch.nn.Module) -> int:
+    """The bytes of a module's weights in the dtype they are in (a meta-device module's too: nothing is read)."""
+    return sum(t.numel() * t.element_size() for t in (*module.parameters(), *module.buffers()))
+
+
+def numpy_of(tensor: torch.Tensor) -> np.ndarray:
+    """A tensor as a CPU numpy array; bfloat16, which numpy has no type for, widened to float32 (a copy)."""
+    tensor = tensor.detach().cpu()
+    return (tensor.float() if tensor.dtype == torch.bfloat16 else tensor).numpy()
+
+
 def as_numpy(tensor: torch.Tensor) -> np.ndarray:
     """A CPU tensor's memory as a numpy array (no copy; bfloat16 has no numpy type and is refused)."""
     if tensor.dtype == torch.bfloat16:

@@ -22,7 +22,7 @@ from ..core.components import ComponentSpec, ShapeProfile
 from ..core.recording import RecordingStore
 from ..core.schedulers import few_step_defaults
 from ..core.step_cache import DEFAULT_BRANCH
-from ..core.weights import floating_dtype
+from ..core.weights import floating_dtype, weight_bytes
 from ..families import TASKS, Family, family_of
 from .fingerprint import WeightsFingerprints
 from .loading import (
@@ -100,8 +100,7 @@ class Model:
     def weight_bytes(self, path: str) -> int:
         """The bytes of the module's weights in the dtype they are (or will be) read in (counted on the meta device
         too: nothing is read)."""
-        module = module_at(self.pipe, path)
-        return sum(t.numel() * t.element_size() for t in (*module.parameters(), *module.buffers()))
+        return weight_bytes(module_at(self.pipe, path))
 
     def in_bf16(self, path: str) -> bool:
         """Whether the module's weights are (or will be) read in bfloat16, which its graph then computes in."""

@@ -23,6 +23,7 @@ import torch
 from ..build.compiler import Compiler, StageRecord
 from ..core.components import ComponentSpec, ImageShape, Precision
 from ..core.options import CALIBRATION_PROMPTS, CalibrationPlan  # noqa: F401 - the plan's home is options
+from ..core.weights import numpy_of
 from ..model.pipeline_model import Model
 from ..runtime.engine_pipelines import EnginePipelines
 
@@ -45,14 +46,9 @@ class RecordingEngine:
     def run(self, inputs):
         if len(self.recorded) >= self.samples:
             raise _Enough
-        self.recorded.append({k: _numpy_copy(v) for k, v in inputs.items()})
+        # copies (an engine's input buffers are reused), bf16 ones as fp32: what NNCF calibrates with
+        self.recorded.append({k: np.array(numpy_of(torch.as_tensor(v))) for k, v in inputs.items()})
         return self._engine.run(inputs)
-
-
-def _numpy_copy(value) -> np.ndarray:
-    """A numpy copy of an engine input; bf16 (a pipeline read in bf16) as fp32, what NNCF calibrates with."""
-    tensor = torch.as_tensor(value).detach().cpu()
-    return np.array((tensor.float() if tensor.dtype == torch.bfloat16 else tensor).numpy())
 
 
 def record_inputs(model: Model, engines: dict, component: str, shape: ImageShape, plan: CalibrationPlan,
