@@ -108,3 +108,22 @@ def test_from_pretrained_takes_diffusers_dtype_names_and_refuses_what_it_cannot_
         KasokuPipeline.from_pretrained(tiny_dir, torch_dtype=torch.float16)
     with pytest.raises(InvalidOptions, match="disagree"):
         KasokuPipeline.from_pretrained(tiny_dir, torch_dtype=torch.float32, dtype=torch.bfloat16)
+
+
+def test_a_weights_digest_is_kept_only_while_its_module_lives():
+    # a digest kept under a dead module's id would be served to the next module created at its address
+    import gc
+    import weakref
+    from types import SimpleNamespace
+
+    import torch
+
+    from kasoku.model.fingerprint import WeightsFingerprints
+
+    pipe, weights = SimpleNamespace(transformer=torch.nn.Linear(4, 4)), WeightsFingerprints()
+    first = weights.of(pipe, "transformer")
+    gone = weakref.ref(pipe.transformer)
+    pipe.transformer = torch.nn.Linear(4, 4)
+    gc.collect()
+    assert gone() is None and len(weights._computed) == 0
+    assert weights.of(pipe, "transformer") != first and len(weights._computed) == 1

@@ -22,6 +22,7 @@ import concurrent.futures
 import hashlib
 import json
 import os
+import weakref
 import zlib
 from pathlib import Path
 
@@ -93,9 +94,12 @@ class WeightsFingerprints:
 
     def __init__(self, root: str | Path | None = None):
         self.root = Path(root) / FINGERPRINTS if root is not None else None
-        self._computed: dict[int, str] = {}
-        self._pending: dict[int, concurrent.futures.Future] = {}
-        self._base: dict[int, str] = {}  # digests without the adapters loaded into a module since
+        # keyed by the module itself, weakly: once a module is gone its id is the next object's, and a digest
+        # kept under the id would be served to whatever module is created at that address
+        self._computed: weakref.WeakKeyDictionary[torch.nn.Module, str] = weakref.WeakKeyDictionary()
+        self._pending: weakref.WeakKeyDictionary[torch.nn.Module, concurrent.futures.Future] = \
+            weakref.WeakKeyDictionary()
+        self._base: weakref.WeakKeyDictionary[torch.nn.Module, str] = weakref.WeakKeyDictionary()  # (adapters out)
 
     def remember_under(self, root: str | Path) -> None:
         """Remember digests of folder-loaded modules under `root` (a cache folder) from now on, unless a
@@ -110,13 +114,12 @@ class WeightsFingerprints:
         from .loading import lazy_source, module_at
 
         modules = [module_at(pipe, a) for a in dict.fromkeys(attributes)]
-        todo = [m for m in modules if lazy_source(m) is None and id(m) not in self._computed
-                and id(m) not in self._pending]
+        todo = [m for m in modules if lazy_source(m) is None and m not in self._computed and m not in self._pending]
         if not todo:
             return
         pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="kasoku-fingerprint")
         for module in todo:
-            self._pending[id(module)] = pool.submit(module_fingerprint, module)
+            self._pending[module] = pool.submit(module_fingerprint, module)
         pool.shutdown(wait=False)
 
     def _memo(self, module) -> Path | None:
@@ -138,7 +141,7 @@ class WeightsFingerprints:
         from .loading import lazy_source, module_at
 
         module = module_at(pipe, attribute)
-        if id(module) in self._computed or id(module) in self._pending or lazy_source(module) is None:
+        if module in self._computed or module in self._pending or lazy_source(module) is None:
             return True
         memo = self._memo(module)
         return memo is not None and memo.is_file()
@@ -149,10 +152,10 @@ class WeightsFingerprints:
         from .loading import lazy_source, module_at, real_module
 
         module = module_at(pipe, attribute)
-        if id(module) in self._computed:
-            return self._computed[id(module)]
-        if id(module) in self._pending:
-            return self._remember(digest=self._pending.pop(id(module)).result(), modules=[module])
+        if module in self._computed:
+            return self._computed[module]
+        if module in self._pending:
+            return self._remember(digest=self._pending.pop(module).result(), modules=[module])
         source = lazy_source(module)
         memo = self._memo(module)
         if memo is not None and memo.is_file():
@@ -178,25 +181,25 @@ class WeightsFingerprints:
         from .loading import module_at
 
         module = module_at(pipe, attribute)
-        if id(module) in self._base:
-            return self._base[id(module)]
+        if module in self._base:
+            return self._base[module]
         if not projection_layers(module):
             return self.of(pipe, attribute)
         skip = named_parts(bindable_tensors(module), ADAPTER_PARTS)
         return self.remember_base(module, module_fingerprint(module, skip))
 
     def remember_base(self, module: torch.nn.Module, digest: str) -> str:
-        self._base[id(module)] = digest
+        self._base[module] = digest
         return digest
 
     def forget(self, module: torch.nn.Module) -> None:
         """Drop what is known of `module`'s digest (its weights changed in memory)."""
-        self._computed.pop(id(module), None)
-        pending = self._pending.pop(id(module), None)
+        self._computed.pop(module, None)
+        pending = self._pending.pop(module, None)
         if pending is not None:
             pending.cancel()
 
     def _remember(self, *, digest: str, modules: list[torch.nn.Module]) -> str:
         for module in modules:  # a lazy module and the real one that replaced it share a digest
-            self._computed[id(module)] = digest
+            self._computed[module] = digest
         return digest
