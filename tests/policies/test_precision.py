@@ -14,7 +14,8 @@ import torch
 
 import kasoku
 from kasoku.backends import UnsupportedPrecision, get_backend
-from kasoku.backends.openvino import native_bf16
+from kasoku.backends.base import has_int8_dot_product
+from kasoku.backends.openvino import DYNAMIC_QUANTIZATION_GROUP, native_bf16, openvino_config
 from kasoku.cli import main
 from kasoku.core.components import ImageShape, Precision, ShapeProfile
 from kasoku.core.parity import TOLERANCES, compare_output, psnr, ssim
@@ -115,7 +116,7 @@ def _run_bf16(model, x: np.ndarray) -> torch.Tensor:
 
     from kasoku.backends.openvino import ov_tensor
 
-    request = ov.Core().compile_model(model, "CPU", {"INFERENCE_PRECISION_HINT": "bf16"}).create_infer_request()
+    request = ov.Core().compile_model(model, "CPU", openvino_config(Precision.INT8, None)).create_infer_request()
     given, out = torch.from_numpy(x).bfloat16(), torch.empty((x.shape[0], 32), dtype=torch.bfloat16)
     request.set_input_tensor(ov_tensor(given))  # shares `given`'s memory, which must outlive the inference
     request.set_output_tensor(ov_tensor(out))
@@ -133,13 +134,13 @@ def test_bf16_weights_compressed_to_int8_run_in_int8_linear_kernels():
 
     model, weight = _bf16_linear()
     compressed = quantize(model, "weights")
-    compiled = ov.Core().compile_model(compressed, "CPU", {"INFERENCE_PRECISION_HINT": "bf16"})
+    compiled = ov.Core().compile_model(compressed, "CPU", openvino_config(Precision.INT8, None))
     layers = [(op.get_rt_info()["layerType"].astype(str), op.get_rt_info()["runtimePrecision"].astype(str))
               for op in compiled.get_runtime_model().get_ordered_ops() if "layerType" in op.get_rt_info()]
     assert ("FullyConnected", "u8") in layers and not any(kind == "MatMul" for kind, _ in layers)
     x = np.random.default_rng(1).standard_normal((4, 64)).astype(np.float32)
     expected = torch.from_numpy(x @ weight.T + 1)
-    assert (_run_bf16(compressed, x) - expected).abs().max() / expected.abs().max() < 0.02
+    assert (_run_bf16(compressed, x) - expected).abs().max() / expected.abs().max() < 0.02  # (activations int8 too where it has VNNI)
 
 
 def test_a_graph_read_in_bf16_is_quantized_from_its_bf16_weights_and_keeps_bf16_inputs_and_outputs():
@@ -235,6 +236,9 @@ def test_int8_is_calibrated_once_and_keeps_its_contract(tiny_pipe, fp32_openvino
     assert text.detail["int8"]["recipe"] == "weights"
     again = kasoku.compile(tiny_pipe, "openvino", precision="int8", cache_dir=precision_cache)
     assert {s.status for s in again.compile_report.stages} == {"reused"}
+    if has_int8_dot_product():  # the int8-weight layers' activations are quantized on the fly by groups of 128
+        dynamic = again.engines["text_encoder"].compiled.get_property("DYNAMIC_QUANTIZATION_GROUP_SIZE")
+        assert dynamic == DYNAMIC_QUANTIZATION_GROUP
     expected, actual = _images(fp32_openvino), _images(again)
     contract = TOLERANCES[Precision.INT8]
     assert psnr(expected, actual) >= contract.image_psnr_db and ssim(expected, actual) >= contract.image_ssim

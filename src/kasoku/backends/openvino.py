@@ -33,7 +33,16 @@ import torch
 from ..core.components import ComponentSpec, Precision
 from ..core.memory import limited_to_free_memory
 from ..core.weights import as_numpy
-from .base import Availability, Backend, BackendUnavailable, Engine, UnsupportedPrecision, load_bound, save_bound
+from .base import (
+    Availability,
+    Backend,
+    BackendUnavailable,
+    Engine,
+    UnsupportedPrecision,
+    has_int8_dot_product,
+    load_bound,
+    save_bound,
+)
 
 BLOB_FILE = "model.blob"
 # OpenVINO's model cache writes its blob as one XML line (the runtime's version) and then what export_model writes.
@@ -43,6 +52,12 @@ _IN_BF16 = "this component in bf16 (--precision bf16, or a precision per compone
 INT8_MEMORY_REMEDY = f"Build {_IN_BF16}"
 CALIBRATED_MEMORY_REMEDY = f"Build the int8 engine for smaller images (--height/--width), or {_IN_BF16}"
 _HINTS = {Precision.FP32: "f32", Precision.FP16: "f16", Precision.BF16: "bf16"}
+# OpenVINO's CPU plugin quantizes the activations of a linear layer with int8 weights as it runs it, per group of
+# this many input channels, and multiplies in its int8 kernels: its default group (32) leaves much of the int8
+# rate unused. On the Zen 5 of docs/BENCHMARKS.md (VNNI), two linear layers of Flux.2's width over 1536 tokens took
+# 164 ms with 32, 121 ms with 128 and 209 ms in bf16 (relative RMS error against fp32 0.95% and 1.16%); Sana's and
+# Qwen3's widths gave 128 too (64, 192 and 256 were slower). Set where the CPU multiplies int8 natively (VNNI, AMX).
+DYNAMIC_QUANTIZATION_GROUP = 128
 NO_BF16 = ("this CPU has no native bf16 (neither AVX512-BF16 nor AMX, OpenVINO's BF16 capability): OpenVINO "
            "would emulate it slowly or run fp32")
 
@@ -66,11 +81,14 @@ def inference_hint(precision: Precision) -> str:
 
 def openvino_config(precision: Precision, threads: int | None) -> dict[str, Any]:
     """compile_model / import_model properties: explicit inference precision (an imported blob takes
-    the importer's, so it is given again at load), latency mode, optional thread count."""
+    the importer's, so it is given again at load), latency mode, optional thread count, and for int8 engines the
+    group their activations are quantized by on the fly (an imported blob takes the importer's too)."""
     config: dict[str, Any] = {
         "INFERENCE_PRECISION_HINT": inference_hint(precision),
         "PERFORMANCE_HINT": "LATENCY",
     }
+    if Precision(precision) == Precision.INT8 and has_int8_dot_product():
+        config["DYNAMIC_QUANTIZATION_GROUP_SIZE"] = DYNAMIC_QUANTIZATION_GROUP
     if threads:
         config["INFERENCE_NUM_THREADS"] = int(threads)
     return config
