@@ -3,8 +3,10 @@
 Two recipes, chosen per component by its spec (`ComponentSpec.int8`):
 
 - "weights" (text encoders, the VAE, the ControlNets): weight-only int8 (`nncf.compress_weights`, INT8_ASYM),
-  data-free. OpenVINO's CPU plugin widens compressed MatMul weights inside its bf16 or fp32 kernels; compressed
-  convolutions are decompressed when the model is compiled, so they save disk and memory, not time.
+  data-free. OpenVINO's CPU plugin runs compressed MatMul weights in its FullyConnected kernels: where the CPU has
+  VNNI or AMX it quantizes their activations on the fly (by groups of channels, `openvino.DYNAMIC_QUANTIZATION_GROUP`)
+  and multiplies in int8, else it widens the weights inside its bf16 or fp32 kernels; compressed convolutions are
+  decompressed when the model is compiled, so they save disk and memory, not time.
 - "full" (the denoisers: U-Net and transformers): int8 weights and activations for every layer NNCF quantizes
   (convolutions, linear layers, the attention's products), calibrated on the denoiser's inputs recorded during the
   pipeline's own denoising runs (see :mod:`kasoku.policies.calibration`): preset MIXED, transformer model type, no
@@ -22,8 +24,9 @@ weights through, and fp32 inputs for the fp32 samples NNCF calibrates with), and
 inputs and outputs back (:func:`with_bf16_io`). Compressed as they are, bf16 weights decompress through fp16, which
 OpenVINO's CPU plugin does not fuse into its linear layers: it decompressed them on every call. On the Zen 5 of
 docs/BENCHMARKS.md, two linear layers of Flux.2's width over 1536 tokens took 219 ms in bf16, 201 ms with int8 weights
-compressed in bf16, 169 ms compressed widened (u8 weights in its FullyConnected kernels), and about 110 ms with
-int8 activations too (the full recipe).
+compressed in bf16, 169 ms compressed widened (u8 weights in its FullyConnected kernels, activations quantized by
+OpenVINO's default groups of 32), 121 ms so with groups of 128, and about 110 ms with calibrated int8 activations
+(the full recipe).
 
 Before any recipe, weights that reach a MatMul through a Transpose are folded into the MatMul's own
 `transpose_b` (:func:`fold_weight_transposes`): torch's exporter writes every `nn.Linear` on a 3-D input so,

@@ -54,9 +54,10 @@ CALIBRATED_MEMORY_REMEDY = f"Build the int8 engine for smaller images (--height/
 _HINTS = {Precision.FP32: "f32", Precision.FP16: "f16", Precision.BF16: "bf16"}
 # OpenVINO's CPU plugin quantizes the activations of a linear layer with int8 weights as it runs it, per group of
 # this many input channels, and multiplies in its int8 kernels: its default group (32) leaves much of the int8
-# rate unused. On the Zen 5 of docs/BENCHMARKS.md (VNNI), two linear layers of Flux.2's width over 1536 tokens took
-# 164 ms with 32, 121 ms with 128 and 209 ms in bf16 (relative RMS error against fp32 0.95% and 1.16%); Sana's and
-# Qwen3's widths gave 128 too (64, 192 and 256 were slower). Set where the CPU multiplies int8 natively (VNNI, AMX).
+# rate unused. benchmarks/int8_linear_groups.py on the Zen 5 of docs/BENCHMARKS.md (VNNI): two linear layers of
+# Flux.2's width over 1536 tokens took 183 ms with groups of 32, 128 ms with 128 (122-141 ms with 192 or 256, 161 ms
+# with 512) and 216 ms in bf16, at 1.52% and 1.66% relative RMS error against float64 (int8 weights alone 1.25%);
+# Qwen3's and Sana's widths were fastest with 128 too. Set where the CPU multiplies int8 natively (VNNI, AMX).
 DYNAMIC_QUANTIZATION_GROUP = 128
 NO_BF16 = ("this CPU has no native bf16 (neither AVX512-BF16 nor AMX, OpenVINO's BF16 capability): OpenVINO "
            "would emulate it slowly or run fp32")
