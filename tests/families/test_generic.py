@@ -17,7 +17,7 @@ import torch
 
 import kasoku
 from kasoku.architectures.recorded import signatures
-from kasoku.core.components import ShapeProfile
+from kasoku.core.components import ShapeOutOfProfile, ShapeProfile
 from kasoku.core.parity import psnr
 from kasoku.core.recording import _flatten_with_paths
 from kasoku.core.standins import InvalidInput
@@ -239,6 +239,21 @@ def test_only_the_outputs_the_pipeline_reads_are_compiled():
     assert [o.tensor.name for o in encoder.outputs] == ["hidden_states_9", "hidden_states_18", "hidden_states_27"]
 
 
+def test_a_graph_the_tasks_call_with_more_tokens_per_image_spans_them_all():
+    """Flux.2 klein's inpainting appends the reference image's tokens to the image's: one transformer graph whose
+    token axis takes twice text-to-image's, fitted to the image size (a free axis was bounded by the probes' sizes
+    and refused calls at full size, the int8 calibration's first)."""
+    model = Model.of(tiny_family_pipeline("flux2-klein"))
+    (transformer,) = model.family.signatures(model)["transformer"]
+    axis = transformer.inputs[0].tensor.dynamic_axes[1]
+    assert axis.dims == ("height", "width") and axis.scales == (axis.scale, 2 * axis.scale)
+    profile = model.default_profile()
+    spec = model.specs(profile, ["transformer"])["transformer"]
+    _, span = spec.axes()[axis.name]
+    least, most = profile.min.height * profile.min.width, profile.max.height * profile.max.width
+    assert (span.min, span.max) == (least * axis.scale, 2 * most * axis.scale)
+
+
 def test_model_outputs_flatten_with_their_keys():
     from diffusers.models.autoencoders.vae import DiagonalGaussianDistribution
     from diffusers.models.modeling_outputs import AutoencoderKLOutput
@@ -440,6 +455,25 @@ def test_inpaint_matches_diffusers(generic_cache):
 
 
 @pytest.mark.integration
+def test_inpainting_and_text_to_image_share_one_graph_across_the_profile(generic_cache):
+    """Flux.2 klein's transformer takes twice the tokens when inpainting: both tasks run on its one engine at the
+    profile's largest size, as diffusers computes them."""
+    from diffusers import Flux2KleinInpaintPipeline
+    from PIL import Image
+
+    pipe, fast = compiled("flux2-klein", "onnxruntime", generic_cache)
+    size = _profile(pipe).max.height
+    call = {**_arguments(pipe), "height": size, "width": size}
+    assert psnr(_images(pipe, **call), _images(fast, **call)) >= MIN_PSNR
+    image = Image.fromarray((np.indices((size, size)).sum(0) * 2 % 255).astype(np.uint8)).convert("RGB")
+    mask = np.zeros((size, size), np.uint8)
+    mask[size // 4:-size // 4, size // 4:-size // 4] = 255
+    reference = Flux2KleinInpaintPipeline(**pipe.components)
+    call = _arguments(reference, image=image, mask_image=Image.fromarray(mask), strength=1.0, height=size, width=size)
+    assert psnr(_images(reference, **call), _images(fast, **call)) >= MIN_PSNR
+
+
+@pytest.mark.integration
 def test_a_call_unlike_the_recorded_ones_is_refused_in_one_line(generic_cache):
     _, fast = compiled("pixart-sigma", "onnxruntime", generic_cache)
     transformer = fast._pipes["txt2img"].transformer
@@ -448,6 +482,14 @@ def test_a_call_unlike_the_recorded_ones_is_refused_in_one_line(generic_cache):
         transformer(latents, encoder_hidden_states=torch.zeros(2, 48, 32), timestep=torch.zeros(2),
                     encoder_attention_mask=torch.ones(2, 48, dtype=torch.int64), added_cond_kwargs={
                         "resolution": None, "aspect_ratio": None}, return_dict=True)
+    # a prompt longer than compiled: the remedy is longer prompts, not an image size
+    encoder = fast.engines["text_encoder"]
+    (_, span), = (axis for axis in encoder.spec.axes().values() if axis[0].is_free)
+    longer = {t.name: torch.ones((1, span.max + 1), dtype=torch.int64) for t in encoder.spec.inputs}
+    with pytest.raises(ShapeOutOfProfile, match=rf"is {span.max + 1}, outside the engine's 1\.\.{span.max}, which no "
+                                                r"image size changes\. "
+                                                r"Compile for longer prompts \(`kasoku compile MODEL --text-tokens N`"):
+        encoder.run(longer)
     # an image where the model has no image-to-image class: one line, not a KeyError from deep inside
     with pytest.raises(InvalidInput, match="PixArtSigma has no img2img pipeline in diffusers"):
         fast(prompt="a red fox", image=np.zeros((64, 64, 3), np.uint8))

@@ -54,6 +54,7 @@ RECORDED_GRAPH_VERSION = 2
 IMAGE_DIMS = ("batch", "height", "width")
 # every product of the image dimensions an axis may scale, simplest first
 PRODUCTS = tuple(combo for size in (1, 2, 3) for combo in itertools.combinations(IMAGE_DIMS, size))
+MAX_TASK_SCALES = 3  # an axis at more scales of the image than this is not fitted as one (a free axis instead)
 
 
 class UncompilableCall(KasokuError, ValueError):
@@ -389,6 +390,9 @@ class _AxisNamer:
             opt = observations[0][1]
             return Axis.free("text_tokens" if offset == 0 else f"text_tokens_plus{offset}", opt, 1,
                              self.max_tokens + offset)
+        fitted = _image_axis_per_task(observations)
+        if fitted is not None:
+            return fitted
         key = tuple(sorted(set(observations), key=repr))
         if key not in self.free:
             opt = observations[0][1]
@@ -424,6 +428,24 @@ def _token_offset(observations: list[tuple[Probe, int]]) -> int | None:
         return None
     offsets = {value - probe.tokens for probe, value in observations}
     return offsets.pop() if len(offsets) == 1 and min(offsets | {0}) >= 0 else None
+
+
+def _image_axis_per_task(observations: list[tuple[Probe, int]]) -> Axis | None:
+    """A product of image dimensions taken at a few scales (:attr:`Axis.scales`), each of which gives the sizes seen
+    at two image sizes or more: the pipeline's tasks call one graph with more or fewer tokens per image (Flux.2
+    klein's inpainting appends the reference image's tokens). A free axis in its place was bounded by the probes'
+    small sizes, and refused every full-size call."""
+    for dims in PRODUCTS:
+        if len(dims) < 2 or "batch" in dims:
+            continue
+        products: dict[Fraction, set[int]] = {}
+        for probe, value in observations:
+            products.setdefault(Fraction(value, probe.product(dims)), set()).add(probe.product(dims))
+        if len(products) <= MAX_TASK_SCALES and all(len(seen) > 1 for seen in products.values()):
+            probe, value = observations[0]  # the optimum's
+            scale = Fraction(value, probe.product(dims))
+            return Axis(f"{_axis_name(dims, scale)}_per_task", dims, scale, scales=(min(products), max(products)))
+    return None
 
 
 def _axis_name(dims: Sequence[str], scale: Fraction) -> str:

@@ -269,6 +269,11 @@ class Engine(ABC):
         axis, rng = self._axes[axis_name]
         if rng.min <= value <= rng.max and value % rng.step == 0:
             return
+        if axis.is_free:  # no image dimension gives it: a prompt's tokens
+            raise ShapeOutOfProfile(
+                f"{self.spec.name} input {input_name!r} dimension {index} ({axis_name}) is {value}, outside the "
+                f"engine's {rng.min}..{rng.max}, which no image size changes. Compile for longer prompts "
+                f"(`kasoku compile MODEL --text-tokens N`, or `ShapeProfile.text_tokens` in Python).")
         profile = self.spec.profile
         image = ", ".join(f"{dim} {profile.range_text(dim)}" for dim in axis.dims)
         flags = " ".join(f"--{dim} MIN:MAX" for dim in axis.dims)

@@ -194,11 +194,16 @@ class Axis:
     # A free axis (a prompt's tokens): no image dimension gives it (`of` is empty); it is `scale` at the profile's
     # optimum and ranges over `bounds` (min, max) whatever the image shape.
     bounds: tuple[int, int] | None = None
+    # (least, largest) scale where the pipeline's tasks call the module at several scales of the image (Flux.2
+    # klein's inpainting appends the reference image's tokens to the image's: twice text-to-image's). `scale` is the
+    # optimum's; the profile's minimum takes the least and its maximum the largest.
+    scales: tuple[Fraction, Fraction] | None = None
 
     def __repr__(self) -> str:
         # the architecture key reads this text: an axis without `from_one` keeps the text (and keys) it had
         text = f"Axis(name={self.name!r}, of={self.of!r}, scale={self.scale!r}, min_scale={self.min_scale!r}"
         text += ", from_one=True" if self.from_one else ""
+        text += f", scales={self.scales!r}" if self.scales else ""
         return text + (f", bounds={self.bounds!r})" if self.bounds else ")")
 
     @classmethod
@@ -231,6 +236,9 @@ class Axis:
         if self.bounds is not None:
             return {"min": self.bounds[0], "max": self.bounds[1]}.get(which, int(self.scale))
         shape = getattr(profile, which)
+        if self.scales is not None:
+            scale = {"min": self.scales[0], "max": self.scales[1]}.get(which, self.scale)
+            return int(math.prod(getattr(shape, dim) for dim in self.dims) * scale)
         if self.min_scale is not None and profile.guidance is not None:
             return self.at(shape, minimum=not profile.guidance)
         return self.at(shape, minimum=which == "min")
