@@ -70,6 +70,9 @@ def main() -> None:
     parser.add_argument("--groups", default="0,32,64,128,192,256,512")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--repeats", type=int, default=7)
+    parser.add_argument("--int4", action="store_true",
+                        help="int4 weights too (NNCF's INT4_SYM by groups of 128, every layer), which kasoku does not "
+                             "build: what they would gain")
     args = parser.parse_args()
 
     from kasoku.backends.base import cpu_flags, cpu_name
@@ -95,6 +98,25 @@ def main() -> None:
     for group in args.groups.split(","):
         row(f"int8 weights, groups of {group}", *timed(compressed, {
             **base, "INFERENCE_PRECISION_HINT": "bf16", "DYNAMIC_QUANTIZATION_GROUP_SIZE": group}, x, args.repeats))
+    if args.int4:
+        compressed = int4_weights(two_linear_layers(args.tokens, up, down))
+        for group in args.groups.split(","):
+            row(f"int4 weights, groups of {group}", *timed(compressed, {
+                **base, "INFERENCE_PRECISION_HINT": "bf16", "DYNAMIC_QUANTIZATION_GROUP_SIZE": group}, x,
+                args.repeats))
+
+
+def int4_weights(model):
+    """NNCF's int4 weights (symmetric, groups of 128) on the graph widened as kasoku's int8 recipes take it."""
+    import nncf
+
+    from kasoku.backends.int8 import fold_weight_transposes, widened, with_bf16_io
+
+    model = fold_weight_transposes(model)
+    bf16_io = widened(model)
+    compressed = nncf.compress_weights(model, mode=nncf.CompressWeightsMode.INT4_SYM, group_size=128, ratio=1.0,
+                                       all_layers=True)
+    return with_bf16_io(compressed, *bf16_io)
 
 
 if __name__ == "__main__":
