@@ -99,7 +99,8 @@ class WeightsFingerprints:
         self._computed: weakref.WeakKeyDictionary[torch.nn.Module, str] = weakref.WeakKeyDictionary()
         self._pending: weakref.WeakKeyDictionary[torch.nn.Module, concurrent.futures.Future] = \
             weakref.WeakKeyDictionary()
-        self._base: weakref.WeakKeyDictionary[torch.nn.Module, str] = weakref.WeakKeyDictionary()  # (adapters out)
+        # digests without the adapters loaded into a module since
+        self._base: weakref.WeakKeyDictionary[torch.nn.Module, str] = weakref.WeakKeyDictionary()
 
     def remember_under(self, root: str | Path) -> None:
         """Remember digests of folder-loaded modules under `root` (a cache folder) from now on, unless a
