@@ -269,11 +269,11 @@ class Engine(ABC):
         axis, rng = self._axes[axis_name]
         if rng.min <= value <= rng.max and value % rng.step == 0:
             return
-        if axis.is_free:  # no image dimension gives it: a prompt's tokens
+        if axis.is_free:  # no image dimension gives it: a wider image profile would not help
             raise ShapeOutOfProfile(
                 f"{self.spec.name} input {input_name!r} dimension {index} ({axis_name}) is {value}, outside the "
-                f"engine's {rng.min}..{rng.max}, which no image size changes. Compile for longer prompts "
-                f"(`kasoku compile MODEL --text-tokens N`, or `ShapeProfile.text_tokens` in Python).")
+                f"engine's {rng.min}..{rng.max}: a length no image size gives (a prompt's tokens, at most the "
+                f"pipeline's max_sequence_length when kasoku recorded it). Call it with at most {rng.max}.")
         profile = self.spec.profile
         image = ", ".join(f"{dim} {profile.range_text(dim)}" for dim in axis.dims)
         flags = " ".join(f"--{dim} MIN:MAX" for dim in axis.dims)
