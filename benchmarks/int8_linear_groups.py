@@ -2,7 +2,7 @@
 weights (kasoku's "weights" recipe) with the activations quantized on the fly by each group size asked for; the time
 of a call and the relative RMS error against float64. It is what chose `openvino.DYNAMIC_QUANTIZATION_GROUP`.
 
-    python benchmarks/int8_linear_groups.py [--tokens 1536 --width 3072 --hidden 9216] [--groups 0,32,64,128,256]
+    python benchmarks/int8_linear_groups.py [--tokens 1536 --width 3072 --hidden 9216] [--groups 0,32,128] [--int4]
 
 Flux.2 klein 4B's widths are the defaults (1536 tokens: a 512x512 image and 512 text tokens); Sana 0.6B: --tokens
 1024 --width 1152 --hidden 2880; Qwen3-4B over a 512-token prompt: --tokens 512 --width 2560 --hidden 9728. Group 0
@@ -15,7 +15,6 @@ import argparse
 import statistics
 import time
 
-import numpy as np
 import torch
 
 
@@ -40,15 +39,15 @@ def two_linear_layers(tokens: int, up: torch.Tensor, down: torch.Tensor):
 
 
 def timed(model, config: dict, x: torch.Tensor, repeats: int) -> tuple[float, torch.Tensor]:
-    """(median seconds of a call after two warm-ups, its output as fp32)."""
+    """(median seconds of a call after two warm-ups, its output as fp32): bf16 in and out, as the graph takes them."""
     import openvino as ov
 
     from kasoku.backends.openvino import ov_tensor
 
-    compiled = ov.Core().compile_model(model, "CPU", config)
-    request = compiled.create_infer_request()
-    given = x.to(torch.bfloat16)
-    request.set_input_tensor(ov_tensor(given))
+    request = ov.Core().compile_model(model, "CPU", config).create_infer_request()
+    given, out = x.to(torch.bfloat16), torch.empty(x.shape, dtype=torch.bfloat16)
+    request.set_input_tensor(ov_tensor(given))  # shares `given`'s memory, which must outlive the calls
+    request.set_output_tensor(ov_tensor(out))
     for _ in range(2):
         request.infer()
     seconds = []
@@ -56,10 +55,7 @@ def timed(model, config: dict, x: torch.Tensor, repeats: int) -> tuple[float, to
         start = time.perf_counter()
         request.infer()
         seconds.append(time.perf_counter() - start)
-    out = request.get_output_tensor(0)
-    data = torch.from_numpy(out.data.view(np.int16).copy()).view(torch.bfloat16) if out.element_type == ov.Type.bf16 \
-        else torch.from_numpy(out.data.copy())
-    return statistics.median(seconds), data.float()
+    return statistics.median(seconds), out.float()
 
 
 def main() -> None:
@@ -77,8 +73,9 @@ def main() -> None:
 
     from kasoku.backends.base import cpu_flags, cpu_name
     from kasoku.backends.int8 import quantize
+    from kasoku.backends.openvino import openvino_config
+    from kasoku.core.components import Precision
 
-    base = {"INFERENCE_NUM_THREADS": args.threads, "PERFORMANCE_HINT": "LATENCY"}
     flags = sorted(f for f in cpu_flags() if "vnni" in f or "bf16" in f or "amx" in f)
     print(f"{cpu_name()} ({', '.join(flags)}), {args.threads} threads; "
           f"{args.tokens} tokens, {args.width} -> {args.hidden} -> {args.width}")
@@ -92,31 +89,25 @@ def main() -> None:
         error = ((out - reference).pow(2).mean() / reference.pow(2).mean()).sqrt().item()
         print(f"{label:32s} {seconds * 1e3:8.1f} ms   relative RMS error {error:.2%}", flush=True)
 
-    row("bf16", *timed(two_linear_layers(args.tokens, up, down), {
-        **base, "INFERENCE_PRECISION_HINT": "bf16"}, x, args.repeats))
-    compressed = quantize(two_linear_layers(args.tokens, up, down), "weights")
-    for group in args.groups.split(","):
-        row(f"int8 weights, groups of {group}", *timed(compressed, {
-            **base, "INFERENCE_PRECISION_HINT": "bf16", "DYNAMIC_QUANTIZATION_GROUP_SIZE": group}, x, args.repeats))
+    config = openvino_config(Precision.BF16, args.threads)  # kasoku's bf16 engines'; an int8 one's sets the group
+    row("bf16", *timed(two_linear_layers(args.tokens, up, down), config, x, args.repeats))
+    compressed = {"int8": quantize(two_linear_layers(args.tokens, up, down), "weights")}
     if args.int4:
-        compressed = int4_weights(two_linear_layers(args.tokens, up, down))
+        compressed["int4"] = int4_weights(two_linear_layers(args.tokens, up, down))
+    for kind, model in compressed.items():
         for group in args.groups.split(","):
-            row(f"int4 weights, groups of {group}", *timed(compressed, {
-                **base, "INFERENCE_PRECISION_HINT": "bf16", "DYNAMIC_QUANTIZATION_GROUP_SIZE": group}, x,
-                args.repeats))
+            row(f"{kind} weights, groups of {group}", *timed(
+                model, {**config, "DYNAMIC_QUANTIZATION_GROUP_SIZE": group}, x, args.repeats))
 
 
 def int4_weights(model):
-    """NNCF's int4 weights (symmetric, groups of 128) on the graph widened as kasoku's int8 recipes take it."""
+    """NNCF's int4 weights (symmetric, groups of 128) on the graph as kasoku's int8 recipes quantize it."""
     import nncf
 
-    from kasoku.backends.int8 import fold_weight_transposes, widened, with_bf16_io
+    from kasoku.backends.int8 import quantized_as_read
 
-    model = fold_weight_transposes(model)
-    bf16_io = widened(model)
-    compressed = nncf.compress_weights(model, mode=nncf.CompressWeightsMode.INT4_SYM, group_size=128, ratio=1.0,
-                                       all_layers=True)
-    return with_bf16_io(compressed, *bf16_io)
+    return quantized_as_read(model, lambda graph: nncf.compress_weights(
+        graph, mode=nncf.CompressWeightsMode.INT4_SYM, group_size=128, ratio=1.0, all_layers=True))
 
 
 if __name__ == "__main__":

@@ -24,9 +24,9 @@ weights through, and fp32 inputs for the fp32 samples NNCF calibrates with), and
 inputs and outputs back (:func:`with_bf16_io`). Compressed as they are, bf16 weights decompress through fp16, which
 OpenVINO's CPU plugin does not fuse into its linear layers: it decompressed them on every call. On the Zen 5 of
 docs/BENCHMARKS.md, two linear layers of Flux.2's width over 1536 tokens took 219 ms in bf16, 201 ms with int8 weights
-compressed in bf16, 169 ms compressed widened (u8 weights in its FullyConnected kernels, activations quantized by
-OpenVINO's default groups of 32), 121 ms so with groups of 128, and about 110 ms with calibrated int8 activations
-(the full recipe).
+compressed in bf16, 169 ms compressed widened (u8 weights in its FullyConnected kernels, their activations quantized
+on the fly by OpenVINO's default groups; kasoku's group, and its figures: `openvino.DYNAMIC_QUANTIZATION_GROUP`), and
+about 110 ms with calibrated int8 activations (the full recipe).
 
 Before any recipe, weights that reach a MatMul through a Transpose are folded into the MatMul's own
 `transpose_b` (:func:`fold_weight_transposes`): torch's exporter writes every `nn.Linear` on a 3-D input so,
@@ -39,7 +39,7 @@ from __future__ import annotations
 import contextlib
 import io
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from ..core.errors import KasokuError
@@ -198,7 +198,13 @@ def quantize(model, recipe: str, samples: Sequence[dict[str, Any]] | None = None
     """The int8 model of `recipe` ("weights" or "full")."""
     if recipe not in RECIPES:
         raise ValueError(f"unknown int8 recipe {recipe!r}; recipes are {RECIPES}")
+    return quantized_as_read(model, weights_only if recipe == "weights" else lambda graph: full(graph, samples or []))
+
+
+def quantized_as_read(model, quantizer: Callable[[Any], Any]):
+    """`quantizer` applied to `model` with its weights' transposes folded; a graph read in bf16 is quantized widened
+    and gets its bf16 inputs and outputs back (see the module docstring)."""
     model = fold_weight_transposes(model)
     bf16_io = widened(model) if read_in_bf16(model) else None
-    quantized = weights_only(model) if recipe == "weights" else full(model, samples or [])
+    quantized = quantizer(model)
     return quantized if bf16_io is None else with_bf16_io(quantized, *bf16_io)

@@ -227,7 +227,9 @@ class Axis:
     def at(self, shape: ImageShape, *, minimum: bool = False) -> int:
         if minimum and self.from_one:
             return 1
-        scale = self.min_scale if (minimum and self.min_scale is not None) else self.scale
+        return self._scaled(shape, self.min_scale if (minimum and self.min_scale is not None) else self.scale)
+
+    def _scaled(self, shape: ImageShape, scale: Fraction) -> int:
         return int(math.prod(getattr(shape, dim) for dim in self.dims) * scale)
 
     def in_profile(self, profile: ShapeProfile, which: str) -> int:
@@ -237,8 +239,7 @@ class Axis:
             return {"min": self.bounds[0], "max": self.bounds[1]}.get(which, int(self.scale))
         shape = getattr(profile, which)
         if self.scales is not None:
-            scale = {"min": self.scales[0], "max": self.scales[1]}.get(which, self.scale)
-            return int(math.prod(getattr(shape, dim) for dim in self.dims) * scale)
+            return self._scaled(shape, {"min": self.scales[0], "max": self.scales[1]}.get(which, self.scale))
         if self.min_scale is not None and profile.guidance is not None:
             return self.at(shape, minimum=not profile.guidance)
         return self.at(shape, minimum=which == "min")
