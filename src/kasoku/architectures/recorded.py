@@ -390,7 +390,7 @@ class _AxisNamer:
             opt = observations[0][1]
             return Axis.free("text_tokens" if offset == 0 else f"text_tokens_plus{offset}", opt, 1,
                              self.max_tokens + offset)
-        fitted = _image_axis_per_task(observations)
+        fitted = _image_axis_per_task(observations) or _text_and_image_axis(observations, self.max_tokens)
         if fitted is not None:
             return fitted
         key = tuple(sorted(set(observations), key=repr))
@@ -445,6 +445,23 @@ def _image_axis_per_task(observations: list[tuple[Probe, int]]) -> Axis | None:
             probe, value = observations[0]  # the optimum's
             scale = Fraction(value, probe.product(dims))
             return Axis(f"{_axis_name(dims, scale)}_per_task", dims, scale, scales=(min(products), max(products)))
+    return None
+
+
+def _text_and_image_axis(observations: list[tuple[Probe, int]], max_tokens: int) -> Axis | None:
+    """The text tokens asked for plus a multiple of a product of image dimensions: one sequence of the prompt's
+    tokens and the image's (Ideogram 4's transformer input, Chroma's attention mask). A free axis in its place was
+    bounded by the probes' small sizes, and refused every full-size call."""
+    if any(probe.tokens is None for probe, _ in observations):
+        return None
+    for dims in PRODUCTS:
+        if len(dims) < 2 or "batch" in dims:
+            continue
+        scales = {Fraction(value - probe.tokens, probe.product(dims)) for probe, value in observations}
+        products = {probe.product(dims) for probe, _ in observations}
+        if len(scales) == 1 and len(products) > 1 and (scale := scales.pop()) > 0:
+            tokens = observations[0][0].tokens  # the optimum's
+            return Axis(f"text_tokens_plus_{_axis_name(dims, scale)}", dims, scale, text=(1, tokens, max_tokens))
     return None
 
 

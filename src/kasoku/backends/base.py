@@ -276,6 +276,8 @@ class Engine(ABC):
                 f"pipeline's max_sequence_length when kasoku recorded it). Call it with at most {rng.max}.")
         profile = self.spec.profile
         image = ", ".join(f"{dim} {profile.range_text(dim)}" for dim in axis.dims)
+        if axis.text is not None:  # the prompt's tokens come first in this sequence
+            image += f"; after at most {axis.text[2]} text tokens"
         flags = " ".join(f"--{dim} MIN:MAX" for dim in axis.dims)
         raise ShapeOutOfProfile(
             f"{self.spec.name} input {input_name!r} dimension {index} ({axis_name}) is {value}, outside the "

@@ -198,12 +198,16 @@ class Axis:
     # klein's inpainting appends the reference image's tokens to the image's: twice text-to-image's). `scale` is the
     # optimum's; the profile's minimum takes the least and its maximum the largest.
     scales: tuple[Fraction, Fraction] | None = None
+    # (least, optimum, most) text tokens before the image's: a sequence of a prompt's tokens and the image's packed
+    # ones (Ideogram 4's joint sequence, Chroma's attention mask), `scale` x the product of `of` plus the tokens.
+    text: tuple[int, int, int] | None = None
 
     def __repr__(self) -> str:
         # the architecture key reads this text: an axis without `from_one` keeps the text (and keys) it had
         text = f"Axis(name={self.name!r}, of={self.of!r}, scale={self.scale!r}, min_scale={self.min_scale!r}"
         text += ", from_one=True" if self.from_one else ""
         text += f", scales={self.scales!r}" if self.scales else ""
+        text += f", text={self.text!r}" if self.text else ""
         return text + (f", bounds={self.bounds!r})" if self.bounds else ")")
 
     @classmethod
@@ -227,6 +231,8 @@ class Axis:
     def at(self, shape: ImageShape, *, minimum: bool = False) -> int:
         if minimum and self.from_one:
             return 1
+        if self.text is not None:
+            return self._scaled(shape, self.scale) + self.text[1]
         return self._scaled(shape, self.min_scale if (minimum and self.min_scale is not None) else self.scale)
 
     def _scaled(self, shape: ImageShape, scale: Fraction) -> int:
@@ -238,6 +244,8 @@ class Axis:
         if self.bounds is not None:
             return {"min": self.bounds[0], "max": self.bounds[1]}.get(which, int(self.scale))
         shape = getattr(profile, which)
+        if self.text is not None:
+            return self._scaled(shape, self.scale) + self.text[("min", "opt", "max").index(which)]
         if self.scales is not None:
             return self._scaled(shape, {"min": self.scales[0], "max": self.scales[1]}.get(which, self.scale))
         if self.min_scale is not None and profile.guidance is not None:
