@@ -32,7 +32,7 @@ def test_an_allocation_past_the_free_memory_is_a_clear_error_and_the_limit_is_re
     before = resource.getrlimit(resource.RLIMIT_DATA)
     free_beyond_floor(256 * MIB)
     expected = (r"the test step needs more memory than this machine has free: it stopped when it reached the 0\.2 GiB "
-                r".* Do it with less; or build on a machine with more memory, or set KASOKU_MEMORY_CHECK=0 to try "
+                r".* Do it with less; or use a machine with more memory, or set KASOKU_MEMORY_CHECK=0 to try "
                 r"anyway\.")
     with pytest.raises(NotEnoughMemory, match=expected):
         with limited_to_free_memory("the test step", REMEDY):
@@ -113,3 +113,54 @@ def test_a_build_the_guard_stopped_is_refused_before_its_work_until_more_memory_
     assert stages[("unet", "calibrate")] == "reused" and stages[("unet", "engine")] == "built"
     Cache(tmp_path).clear()
     assert not (tmp_path / "memory-stops.json").exists()  # clearing the cache forgets the stop too
+
+
+def _outer_product_sum_engine():
+    """An onnxruntime engine of y = rowsum(x xᵀ): an n x n intermediate that onnxruntime allocates itself (as its
+    attention holds every score), n the free axis of `x`."""
+    import onnxruntime as ort
+    import torch
+    from onnx import TensorProto, helper
+
+    from kasoku.backends.onnxruntime import OnnxRuntimeEngine
+    from kasoku.core.components import Axis, ComponentSpec, ImageShape, ShapeProfile, TensorSpec
+
+    graph = helper.make_graph(
+        [helper.make_node("Transpose", ["x"], ["xt"]), helper.make_node("MatMul", ["x", "xt"], ["outer"]),
+         helper.make_node("ReduceSum", ["outer", "axes"], ["y"], keepdims=0)], "outer",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["n", 1])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["n"])],
+        [helper.make_tensor("axes", TensorProto.INT64, [1], [1])])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)])
+    n = Axis.free("n", 16, 1, 1 << 15)
+    profile = ShapeProfile.exact(ImageShape(1, 64, 64), guidance=False, multiple=8)  # x's axis is free of it
+    spec = ComponentSpec("outer", (TensorSpec("x", (n, 1)),), (TensorSpec("y", (n,)),), profile,
+                         load_module=lambda: None, weights=lambda: "")
+    session = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
+    return OnnxRuntimeEngine(spec, "fp32", session, torch.device("cpu")), torch
+
+
+def test_an_engine_call_that_runs_out_of_memory_is_a_clear_error_that_names_the_remedy(free_beyond_floor):
+    """What a call holds grows with its shape (onnxruntime's attention holds every score): past the free memory it
+    is refused in one line that names the call and what to do, where the kernel would have killed the process."""
+    engine, torch = _outer_product_sum_engine()
+    before = resource.getrlimit(resource.RLIMIT_DATA)
+    free_beyond_floor(256 * MIB)
+    big = torch.ones(1 << 14, 1)  # a 1 GiB intermediate
+    with pytest.raises(NotEnoughMemory, match=r"^the outer engine \(onnxruntime\) on x \(16384, 1\) needs more memory "
+                                              r"than this machine has free: .* Call it with a smaller image or fewer "
+                                              r"images, or compile it for OpenVINO \(backend=\"openvino\"\)"):
+        engine.run({"x": big})
+    assert resource.getrlimit(resource.RLIMIT_DATA) == before
+    assert engine.run({"x": torch.ones(64, 1)})["y"].tolist() == [64.0] * 64  # the engine goes on
+
+
+def test_guards_at_once_share_one_limit_and_the_last_to_leave_takes_it_off(free_beyond_floor):
+    before = resource.getrlimit(resource.RLIMIT_DATA)
+    free_beyond_floor(256 * MIB)
+    with limited_to_free_memory("the outer step", REMEDY):
+        limit = resource.getrlimit(resource.RLIMIT_DATA)
+        with limited_to_free_memory("the inner step", REMEDY):
+            assert resource.getrlimit(resource.RLIMIT_DATA) == limit
+        assert resource.getrlimit(resource.RLIMIT_DATA) == limit  # the outer one still runs under it
+    assert resource.getrlimit(resource.RLIMIT_DATA) == before

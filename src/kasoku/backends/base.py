@@ -32,6 +32,7 @@ import torch
 
 from ..core.components import ComponentSpec, Precision, ShapeOutOfProfile, TensorSpec
 from ..core.errors import KasokuError
+from ..core.memory import limited_to_free_memory
 from ..core.options import CompileOptions, InvalidOptions, check_cuda_graph_profile
 from ..core.weights import WeightBindingError
 
@@ -157,6 +158,7 @@ class Engine(ABC):
     """A compiled component: named tensors in, named tensors out, on `device`."""
 
     backend: str = "?"
+    memory_remedy: ClassVar[str] = ""  # what else a call that runs out of memory can do on this backend
 
     def __init__(self, spec: ComponentSpec, precision: Precision, device: torch.device | str = "cpu",
                  dtype: torch.dtype = torch.float32):
@@ -168,9 +170,16 @@ class Engine(ABC):
         self._bound: dict[str, torch.Tensor] = {}  # run-time weights (LoRA targets), by graph name
 
     def run(self, inputs: Mapping[str, Any]) -> dict[str, torch.Tensor]:
-        """Check the inputs against the component's spec and profile, then run."""
+        """Check the inputs against the component's spec and profile, then run: on the CPU under the memory guard,
+        since what a call holds grows with its shape beyond what the profile's check can count (onnxruntime's
+        attention holds every score: the tiny Flux.2 klein's VAE decoder asked it for 16 GiB at 512x512)."""
         feeds = self._check_inputs(inputs)
-        return self._run(feeds)
+        if self.device.type != "cpu":
+            return self._run(feeds)
+        shapes = ", ".join(f"{name} {tuple(value.shape)}" for name, value in feeds.items())
+        with limited_to_free_memory(f"the {self.spec.name} engine ({self.backend}) on {shapes}",
+                                    f"Call it with a smaller image or fewer images{self.memory_remedy}"):
+            return self._run(feeds)
 
     __call__ = run
 

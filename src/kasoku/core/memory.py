@@ -13,7 +13,9 @@ from __future__ import annotations
 
 import contextlib
 import os
+import threading
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 from .errors import KasokuError
@@ -88,42 +90,65 @@ def _out_of_memory(error: BaseException) -> bool:
     return isinstance(error, MemoryError) or any(text in str(error).lower() for text in _OUT_OF_MEMORY)
 
 
+@dataclass
+class _Limit:
+    """The data limit the guarded blocks running now share: set by the first, restored by the last to leave."""
+
+    held: int = 0
+    saved: tuple[int, int] = (0, 0)  # (soft, hard) before the first
+    free: int = 0  # bytes the limit allowed beyond the process's data when the first set it
+
+
+_LIMIT, _LIMIT_LOCK = _Limit(), threading.Lock()
+
+
 @contextlib.contextmanager
 def limited_to_free_memory(what: str, remedy: str) -> Iterator[None]:
     """Run the block with this process's data limit at its present size plus the machine's free memory less
     :func:`memory_floor`; an allocation past it raises :class:`NotEnoughMemory` naming `what` and `remedy`.
-    Refused at once where less than the floor is free. A no-op where Linux's limits or /proc are missing, or
-    with KASOKU_MEMORY_CHECK=0."""
+    Refused at once where less than the floor is free. Blocks that run at once (nested, or on other threads: a
+    server's engines) share the limit the first one set, which the last one to leave takes off. A no-op where
+    Linux's limits or /proc are missing, or with KASOKU_MEMORY_CHECK=0."""
     try:
         import resource
     except ImportError:  # not a POSIX system
         resource = None
-    free, used = available_memory(), process_memory("VmData")
-    if resource is None or free is None or used is None or not checks_memory():
+    if resource is None or not checks_memory():
         yield
         return
     floor = memory_floor()
 
     def refusal(detail: str) -> NotEnoughMemory:
-        return NotEnoughMemory(f"{what} needs more memory than this machine has free: {detail}. {remedy}; or build "
-                               f"on a machine with more memory, or set {MEMORY_CHECK_ENV}=0 to try anyway.", free)
+        return NotEnoughMemory(f"{what} needs more memory than this machine has free: {detail}. {remedy}; or use "
+                               f"a machine with more memory, or set {MEMORY_CHECK_ENV}=0 to try anyway.", free)
 
-    if free <= floor:
-        raise refusal(f"{free / GIB:.1f} GiB free, and kasoku keeps {floor / GIB:.1f} GiB for the rest of the machine")
-    soft, hard = resource.getrlimit(resource.RLIMIT_DATA)
-    limit = used + free - floor
-    if soft != resource.RLIM_INFINITY:
-        limit = min(limit, soft)
-    resource.setrlimit(resource.RLIMIT_DATA, (limit, hard))
+    with _LIMIT_LOCK:
+        free, used = available_memory(), process_memory("VmData")
+        unknown = _LIMIT.held == 0 and (free is None or used is None)
+        if _LIMIT.held == 0 and not unknown:
+            if free <= floor:
+                raise refusal(f"{free / GIB:.1f} GiB free, and kasoku keeps {floor / GIB:.1f} GiB for the rest of "
+                              "the machine")
+            soft, hard = resource.getrlimit(resource.RLIMIT_DATA)
+            limit = used + free - floor if soft == resource.RLIM_INFINITY else min(used + free - floor, soft)
+            resource.setrlimit(resource.RLIMIT_DATA, (limit, hard))
+            _LIMIT.saved, _LIMIT.free = (soft, hard), limit - used
+        _LIMIT.held += not unknown
+    if unknown:
+        yield
+        return
     try:
         yield
     except Exception as error:  # NNCF's and the runtimes' own error classes too
         if not _out_of_memory(error):
             raise
-        raise refusal(f"it stopped when it reached the {(limit - used) / GIB:.1f} GiB that were free "
+        raise refusal(f"it stopped when it reached the {_LIMIT.free / GIB:.1f} GiB that were free "
                       f"(less {floor / GIB:.1f} GiB kept for the rest of the machine)") from error
     finally:
-        resource.setrlimit(resource.RLIMIT_DATA, (soft, hard))
+        with _LIMIT_LOCK:
+            _LIMIT.held -= 1
+            if _LIMIT.held == 0:
+                resource.setrlimit(resource.RLIMIT_DATA, _LIMIT.saved)
 
 
 def return_freed_memory() -> None:
