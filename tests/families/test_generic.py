@@ -449,6 +449,20 @@ def test_a_graph_whose_text_follows_the_prompt_is_a_graph_of_one_shape_per_call(
 
 
 @pytest.mark.integration
+def test_a_graph_of_one_shape_whose_call_holds_its_size_is_built_per_size(generic_cache):
+    """Qwen-Image's transformer takes the image's size as Python numbers (`img_shapes`): its graphs are of one shape,
+    and a call at another size than the compiled one builds its own engine and matches diffusers (it was refused:
+    the numbers, seen at one size, were taken for constants)."""
+    pipe, fast = compiled("qwen-image", "onnxruntime", generic_cache)
+    profile = _profile(pipe)
+    for size in (profile.min.height, profile.max.height):
+        call = _arguments(pipe, height=size, width=size)
+        assert psnr(_images(pipe, **call), _images(fast, **call)) >= MIN_PSNR, size
+    sizes = {key[1] for _, key in fast._pipes["txt2img"].transformer._at_shape}  # the size-following values
+    assert len(sizes) >= 2  # an engine per size
+
+
+@pytest.mark.integration
 def test_an_engine_per_prompt_length_is_built_on_the_first_call_of_each_length(generic_cache):
     pipe, fast = compiled("qwen-image", "onnxruntime", generic_cache)
     report = fast.compile_report

@@ -150,6 +150,16 @@ class Signature:
         of another length, another size, guidance or not) has its own built on its first call."""
         return bool(self.one_shape)
 
+    def following_the_size_as(self, probed: Signature) -> Signature:
+        """This signature (recorded at one shape) with the values that follow the image size in `probed` (the same
+        call pattern recorded at several) taken as such, not as constants: a graph of one shape is built per value
+        of them (Qwen-Image's `img_shapes`), where a constant refused every call at another size."""
+        following = {index for index, _ in probed.keyed}
+        return dataclasses.replace(
+            self, constants=tuple((i, v) for i, v in self.constants if i not in following),
+            keyed=tuple(sorted((*self.keyed, *((i, v) for i, v in self.constants if i in following)),
+                               key=lambda kept: kept[0])))
+
     def shape_key(self, leaves: Sequence[Any] | None = None) -> tuple:
         """What picks the engine of a graph of one shape: the shape of each input and each value that follows the
         image size, in the call's `leaves` (None: as recorded)."""

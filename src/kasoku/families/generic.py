@@ -478,6 +478,7 @@ class GenericFamily(Family):
                 recordings = self.recordings_at(model, at, tasks, blocks=blocks)
                 for found in recorded.signatures(recordings, signature.attribute, max_tokens=self.max_tokens()):
                     if found.pattern == signature.pattern:
+                        found = found.following_the_size_as(signature)
                         model.memo.setdefault("signatures_at", {})[signature.component] = found
                         return found
         raise UncompilableCall(f"the pipeline does not call {signature.component} as it did at the probes when it "
