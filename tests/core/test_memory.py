@@ -164,3 +164,7 @@ def test_guards_at_once_share_one_limit_and_the_last_to_leave_takes_it_off(free_
             assert resource.getrlimit(resource.RLIMIT_DATA) == limit
         assert resource.getrlimit(resource.RLIMIT_DATA) == limit  # the outer one still runs under it
     assert resource.getrlimit(resource.RLIMIT_DATA) == before
+    with pytest.raises(NotEnoughMemory, match="^the inner step needs more memory"):  # named by the step that ran out
+        with limited_to_free_memory("the outer step", REMEDY), limited_to_free_memory("the inner step", REMEDY):
+            np.ones(GIB_OF_FLOATS, np.float32)
+    assert resource.getrlimit(resource.RLIMIT_DATA) == before

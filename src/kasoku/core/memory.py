@@ -140,8 +140,8 @@ def limited_to_free_memory(what: str, remedy: str) -> Iterator[None]:
     try:
         yield
     except Exception as error:  # NNCF's and the runtimes' own error classes too
-        if not _out_of_memory(error):
-            raise
+        if isinstance(error, NotEnoughMemory) or not _out_of_memory(error):
+            raise  # an inner guard's refusal names its own step
         raise refusal(f"it stopped when it reached the {_LIMIT.free / GIB:.1f} GiB that were free "
                       f"(less {floor / GIB:.1f} GiB kept for the rest of the machine)") from error
     finally:
