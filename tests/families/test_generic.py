@@ -400,7 +400,7 @@ def test_a_transformer_whose_dynamic_graph_fails_runs_engines_of_one_shape_built
     report = fast.compile_report
     assert report.backends["transformer"] == "onnxruntime" and not report.in_torch
     (note,) = [n for n in report.notes if n.startswith("transformer runs engines of one shape")]
-    # why: its dynamic graph failed its parity run at batch 1 (the ONNX file fixes its output's batch)
+    # why: its dynamic graph failed its parity run at batch 1 (the export keeps the traced batch in places)
     assert "Got invalid dimensions for output" in note
     stand_in = fast._pipes["txt2img"].transformer
     assert not stand_in._at_shape
