@@ -2,7 +2,9 @@
 
     python benchmarks/coverage.py [--backends onnxruntime,openvino] [--families pixart-sigma,sana] [--readme]
 
-(`--families none` measures nothing: it writes the table again from this machine's latest JSON.)
+(`--families none` measures nothing: it writes the table again from this machine's latest JSON. `--size 512` calls
+each family at up to 512x512 instead, its profile spanning that size: drop-in at large sizes, in a results file of
+its own.)
 
 Every text-to-image pipeline class of the installed diffusers (video, audio and 3D left out; ControlNet, PAG and
 edit variants are listed with their family) gets a row. A family kasoku can build a tiny pipeline of (the five
@@ -78,9 +80,10 @@ def tiny_builders() -> dict[str, str]:
     return {**HAND_WRITTEN, **{type(tiny_family_pipeline(name)).__name__: name for name in TINY_FAMILIES}}
 
 
-def measured(family: str, backend: str, cache: Path) -> dict:
+def measured(family: str, backend: str, cache: Path, size: int | None = None) -> dict:
     """Compile the tiny `family` on `backend` and compare one image with diffusers' (guidance as the class's
-    default)."""
+    default): at 4x its pixel step, or with `size` at up to `size` pixels (the profile spanning it; no larger than
+    the family's default profile)."""
     import numpy as np
     import torch
 
@@ -93,15 +96,20 @@ def measured(family: str, backend: str, cache: Path) -> dict:
     pipe = tiny_pipeline(family=family)
     model = Model.of(pipe)
     step = max(16, model.family.pixel_multiple(model)) if model.family.generic else 16
-    profile = ShapeProfile.from_ranges((1, 1, 1), (2 * step, 4 * step, 8 * step), (2 * step, 4 * step, 8 * step),
-                                       step)
+    largest = 8 * step
+    if size:
+        default = model.default_profile().max
+        largest = max(2 * step, min(size, default.height, default.width) // step * step)
+    side = min(4 * step, largest) if not size else largest
+    profile = ShapeProfile.from_ranges((1, 1, 1), (2 * step, min(4 * step, largest), largest),
+                                       (2 * step, min(4 * step, largest), largest), step)
     if model.family.generic:  # the text tokens the call asks for (a graph of one shape is compiled for them)
         profile = dataclasses.replace(profile, text_tokens=48)
     start = time.perf_counter()
     fast = kasoku.compile(pipe, backend, profile=profile, cache_dir=cache)
     seconds = time.perf_counter() - start
     parameters = inspect.signature(type(pipe).__call__).parameters
-    call = {"prompt": "a red fox", "height": 4 * step, "width": 4 * step, "num_inference_steps": 2,
+    call = {"prompt": "a red fox", "height": side, "width": side, "num_inference_steps": 2,
             "output_type": "np", "use_resolution_binning": False, "max_sequence_length": 48,
             "enable_prompt_rewrite": False}
     if "guidance_schedule" in parameters:  # a guidance per step (Ideogram 4's) as long as its default steps
@@ -116,7 +124,7 @@ def measured(family: str, backend: str, cache: Path) -> dict:
 
     report = fast.compile_report
     return {"psnr": round(float(psnr(images(pipe), images(fast))), 1), "compile_seconds": round(seconds, 1),
-            "components": dict(report.backends), "in_torch": dict(report.in_torch)}
+            "components": dict(report.backends), "in_torch": dict(report.in_torch), "pixels": side}
 
 
 def status(row: dict) -> str:
@@ -156,7 +164,7 @@ def where_components_run(components: dict) -> str:
     return ", ".join(shown)
 
 
-def run(backends: list[str], only: list[str] | None, cache: Path) -> dict:
+def run(backends: list[str], only: list[str] | None, cache: Path, size: int | None = None) -> dict:
     from kasoku.backends.base import cpu_name
 
     classes = text_to_image_classes()
@@ -182,7 +190,7 @@ def run(backends: list[str], only: list[str] | None, cache: Path) -> dict:
             for backend in backends:
                 print(f"{name} on {backend} ...", flush=True)
                 try:
-                    row["backends"][backend] = measured(family, backend, cache)
+                    row["backends"][backend] = measured(family, backend, cache, size)
                 except Exception as error:  # the table says what failed; the run goes on
                     row["backends"][backend] = {"error": f"{type(error).__name__}: {str(error)[:300]}"}
         row["status"] = status(row) if "backends" in row else "not built"
@@ -251,26 +259,36 @@ def main() -> int:
                              "machine's latest run, with its date")
     parser.add_argument("--cache", type=Path, default=Path("/tmp/kasoku-coverage-cache"))
     parser.add_argument("--readme", action="store_true", help="write the table into README.md too")
+    parser.add_argument("--size", type=int, default=None, metavar="PIXELS",
+                        help="call each family at up to PIXELS square (no larger than its default profile) instead "
+                             "of 4x its pixel step: drop-in at large sizes; its own results file "
+                             "(<date>-<host>-coverage-<PIXELS>px), never the README's table")
     args = parser.parse_args()
+    if args.size and args.readme:
+        parser.error("--readme writes the table at the tiny pipelines' own size: leave out --size")
     only = [f for f in args.families.split(",") if f]
-    result = run(args.backends.split(","), only, args.cache)
-    earlier_runs = sorted(RESULTS.glob(f"*-{result['host']}-coverage.json"))
+    result = run(args.backends.split(","), only, args.cache, args.size)
+    suffix = f"-{args.size}px" if args.size else ""
+    result["size"] = args.size
+    earlier_runs = sorted(RESULTS.glob(f"*-{result['host']}-coverage{suffix}.json"))
     if only and earlier_runs:  # the other rows as this machine's latest run measured them, with that run's date
         latest = json.loads(earlier_runs[-1].read_text())
         earlier = {row["class"]: {"date": latest["date"], **row} for row in latest["rows"]}
         result["rows"] = [earlier.get(row["class"], row) if row.get("reason") == NOT_MEASURED else row
                           for row in result["rows"]]
-    return write_table(result, args.readme)
+    return write_table(result, args.readme, suffix)
 
 
-def write_table(result: dict, readme: bool) -> int:
+def write_table(result: dict, readme: bool, suffix: str = "") -> int:
     for row in result["rows"]:
         if "backends" in row:
             row["status"] = status(row)
-    stem = RESULTS / f"{result['date']}-{result['host']}-coverage"
+    stem = RESULTS / f"{result['date']}-{result['host']}-coverage{suffix}"
     stem.with_suffix(".json").write_text(json.dumps(result, indent=1) + "\n")
     table = markdown(result)
-    stem.with_suffix(".md").write_text("# Coverage of diffusers' text-to-image families\n\n" + table)
+    size = f" at up to {result['size']} px (each family's default profile's largest where smaller)" \
+        if result.get("size") else ""
+    stem.with_suffix(".md").write_text(f"# Coverage of diffusers' text-to-image families{size}\n\n" + table)
     if readme:
         write_readme(table)
     print(table)

@@ -149,7 +149,7 @@ def test_an_engine_call_that_runs_out_of_memory_is_a_clear_error_that_names_the_
     big = torch.ones(1 << 14, 1)  # a 1 GiB intermediate
     with pytest.raises(NotEnoughMemory, match=r"^the outer engine \(onnxruntime\) on x \(16384, 1\) needs more memory "
                                               r"than this machine has free: .* Call it with a smaller image or fewer "
-                                              r"images, or compile it for OpenVINO \(backend=\"openvino\"\)"):
+                                              r"images, or try OpenVINO \(backend=\"openvino\"\)"):
         engine.run({"x": big})
     assert resource.getrlimit(resource.RLIMIT_DATA) == before
     assert engine.run({"x": torch.ones(64, 1)})["y"].tolist() == [64.0] * 64  # the engine goes on

@@ -165,8 +165,9 @@ class OnnxRuntimeEngine(Engine):
     outputs are copied out of theirs."""
 
     backend = "onnxruntime"
-    # its CPU attention holds every score; OpenVINO's ran the same 512x512 decode of the tiny Flux.2 klein in 1 GiB
-    memory_remedy = ', or compile it for OpenVINO (backend="openvino"), whose attention does not hold every score'
+    # its CPU attention holds every score; OpenVINO's fused one ran the same 512x512 decode of the tiny Flux.2 klein in
+    # 1 GiB (not every attention fuses: the tiny Ideogram 4's transformer at 512x512 ran out on both)
+    memory_remedy = ', or try OpenVINO (backend="openvino"), whose fused attention does not hold every score'
 
     def __init__(self, spec: ComponentSpec, precision: Precision, session, device: torch.device,
                  cuda_graph: bool = False, keep_alive=None):
