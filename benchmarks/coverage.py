@@ -96,13 +96,12 @@ def measured(family: str, backend: str, cache: Path, size: int | None = None) ->
     pipe = tiny_pipeline(family=family)
     model = Model.of(pipe)
     step = max(16, model.family.pixel_multiple(model)) if model.family.generic else 16
-    largest = 8 * step
+    largest, side = 8 * step, 4 * step
     if size:
         default = model.default_profile().max
-        largest = max(2 * step, min(size, default.height, default.width) // step * step)
-    side = min(4 * step, largest) if not size else largest
-    profile = ShapeProfile.from_ranges((1, 1, 1), (2 * step, min(4 * step, largest), largest),
-                                       (2 * step, min(4 * step, largest), largest), step)
+        largest = side = max(2 * step, min(size, default.height, default.width) // step * step)
+    sides = (2 * step, min(4 * step, largest), largest)
+    profile = ShapeProfile.from_ranges((1, 1, 1), sides, sides, step)
     if model.family.generic:  # the text tokens the call asks for (a graph of one shape is compiled for them)
         profile = dataclasses.replace(profile, text_tokens=48)
     start = time.perf_counter()

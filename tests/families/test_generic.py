@@ -43,12 +43,13 @@ def _multiple(pipe) -> int:
     return model.family.pixel_multiple(model)
 
 
-def _profile(pipe, max_batch: int | None = None) -> ShapeProfile:
+def _profile(pipe, max_batch: int | None = None, largest: int | None = None) -> ShapeProfile:
+    """2x to 8x the pipeline's pixel step (up to `largest` pixels where given), 48 text tokens."""
     step = max(16, _multiple(pipe))
     if max_batch is None:  # PRX's pipeline makes one image per call (it fails in diffusers for two)
         max_batch = 1 if type(pipe).__name__ == "PRXPipeline" else 2
-    profile = ShapeProfile.from_ranges((1, 1, max_batch), (2 * step, 4 * step, 8 * step),
-                                       (2 * step, 4 * step, 8 * step), step)
+    sides = (2 * step, 4 * step, largest or 8 * step)
+    profile = ShapeProfile.from_ranges((1, 1, max_batch), sides, sides, step)
     return dataclasses.replace(profile, text_tokens=48)  # the calls' max_sequence_length (graphs of one shape)
 
 
@@ -267,9 +268,7 @@ def test_a_sequence_of_the_prompt_and_the_image_tokens_spans_the_profile(generic
     (axis,) = {d for d in transformer.inputs[0].tensor.dims if isinstance(d, Axis) and d.text}
     assert transformer.inputs[0].tensor.name == "hidden_states"
     assert axis.dims == ("height", "width") and axis.text == (1, 48, model.family.max_tokens())
-    step = max(16, _multiple(pipe))
-    profile = dataclasses.replace(ShapeProfile.from_ranges((1, 1, 1), (2 * step, 4 * step, 256),
-                                                           (2 * step, 4 * step, 256), step), text_tokens=48)
+    profile = _profile(pipe, max_batch=1, largest=256)
     spec = model.specs(profile, ["transformer"])["transformer"]
     assert spec.axes()[axis.name][1].max == model.family.max_tokens() + 256 * 256 * axis.scale
     fast = kasoku.compile(pipe, "onnxruntime", profile=profile, cache_dir=generic_cache)

@@ -54,6 +54,7 @@ RECORDED_GRAPH_VERSION = 2
 IMAGE_DIMS = ("batch", "height", "width")
 # every product of the image dimensions an axis may scale, simplest first
 PRODUCTS = tuple(combo for size in (1, 2, 3) for combo in itertools.combinations(IMAGE_DIMS, size))
+AREAS = tuple(dims for dims in PRODUCTS if len(dims) > 1 and "batch" not in dims)  # an image's area: packed tokens
 MAX_TASK_SCALES = 3  # an axis at more scales of the image than this is not fitted as one (a free axis instead)
 
 
@@ -445,9 +446,7 @@ def _image_axis_per_task(observations: list[tuple[Probe, int]]) -> Axis | None:
     at two image sizes or more: the pipeline's tasks call one graph with more or fewer tokens per image (Flux.2
     klein's inpainting appends the reference image's tokens). A free axis in its place was bounded by the probes'
     small sizes, and refused every full-size call."""
-    for dims in PRODUCTS:
-        if len(dims) < 2 or "batch" in dims:
-            continue
+    for dims in AREAS:
         products: dict[Fraction, set[int]] = {}
         for probe, value in observations:
             products.setdefault(Fraction(value, probe.product(dims)), set()).add(probe.product(dims))
@@ -464,9 +463,7 @@ def _text_and_image_axis(observations: list[tuple[Probe, int]], max_tokens: int)
     bounded by the probes' small sizes, and refused every full-size call."""
     if any(probe.tokens is None for probe, _ in observations):
         return None
-    for dims in PRODUCTS:
-        if len(dims) < 2 or "batch" in dims:
-            continue
+    for dims in AREAS:
         scales = {Fraction(value - probe.tokens, probe.product(dims)) for probe, value in observations}
         products = {probe.product(dims) for probe, _ in observations}
         if len(scales) == 1 and len(products) > 1 and (scale := scales.pop()) > 0:
