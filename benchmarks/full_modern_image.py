@@ -9,6 +9,7 @@ own environment), with the time of each stage.
     python benchmarks/full_modern_image.py --family flux2-klein-4b --size 512 --steps 4 \
         --contenders kasoku:bf16,diffusers:bf16
 
+`--family sana-0.6b-lite` is Sana Sprint 0.6B with DC-AE-Lite, the lighter decoder its authors publish for it.
 Flux.2 klein 4B's folder is written and read in bf16 by every contender (its fp32 weights, 32 GB, do not fit in
 24 GiB): its images are compared with diffusers' bf16 image, and its FLOPs counted there. `--kasoku-reads bf16` has
 kasoku read a Sana folder in bf16 too (`torch_dtype=torch.bfloat16`: its bf16 engines then hold bf16 weights).
@@ -34,6 +35,10 @@ Contenders:
 - `openvino-genai:default`: openvino.genai's Text2ImagePipeline on that export, its defaults; it takes a seed, not
   latents, so its image starts from its own noise (no PSNR). openvino.genai 2026.4 has no Sana pipeline (its
   Text2ImagePipeline runs Flux.2 klein, Z-Image and Qwen-Image).
+- `stable-diffusion-cpp:default`, `stable-diffusion-cpp:q8_0` (Flux.2 klein only: stable-diffusion.cpp has no Sana):
+  stable-diffusion.cpp's Python bindings (benchmarks/peer_sdcpp.py, in benchmarks/.peers/stable-diffusion-cpp, a C++
+  build of the registry's source distribution made when missing: about 12 minutes on 2 cores), the weights as the
+  folder holds them (bf16) or quantized to its 8-bit blocks as it loads them; its own noise from a seed (no PSNR).
 
 Writes benchmarks/results/<date>-<host>-full_modern_image[-TAG].md/.json.
 """
@@ -69,7 +74,8 @@ DEFAULT_CONTENDERS = "diffusers:fp32,diffusers:bf16,kasoku:bf16,kasoku:int8,opti
 STAGES = {"text_encoder": ("text_encoder", "forward"), "transformer": ("transformer", "forward"),
           "vae_decoder": ("vae", "decode")}
 PEER_ENV = "optimum-intel"  # optimum-intel and openvino.genai, in one environment
-PEERS = ("optimum-intel", "openvino-genai")
+SDCPP_ENV = "stable-diffusion-cpp"
+PEERS = ("optimum-intel", "openvino-genai", "stable-diffusion-cpp")
 
 
 # ---- the model folder --------------------------------------------------------------------------------------
@@ -300,16 +306,22 @@ class PeerFailed(RuntimeError):
     """A peer's run ended with an error it wrote down (its export stopped by the memory watchdog, say)."""
 
 
-def stage_peer(args, runner: str) -> dict:
-    out = args.work / "peer" / ("result.json" if runner == "optimum-intel" else f"result-{runner}.json")
+def stage_peer(args, runner: str, precision: str) -> dict:
+    out = args.work / "peer" / ("result.json" if runner == "optimum-intel" else f"result-{runner}-{precision}.json")
     out.parent.mkdir(parents=True, exist_ok=True)
     out.unlink(missing_ok=True)
     folder = pipeline_folder(args.family, args.work)
-    ran = subprocess.run([str(peer_python(PEER_ENV)), str(HERE / "peer_modern.py"), "--runner", runner,
-                          "--model", str(folder), "--work", str(args.work / "peer"),
-                          "--latents", str(latents_file(args.family, args.size, args.work)), "--prompt", PROMPT,
-                          "--size", str(args.size), "--steps", str(args.steps), "--repeats", str(args.repeats),
-                          "--threads", str(args.threads), "--out", str(out)])
+    common = ["--model", str(folder), "--prompt", PROMPT, "--size", str(args.size), "--steps", str(args.steps),
+              "--repeats", str(args.repeats), "--threads", str(args.threads), "--out", str(out)]
+    if runner == "stable-diffusion-cpp":
+        if not args.family.startswith("flux2"):
+            raise PeerFailed(f"stable-diffusion.cpp has no pipeline for {FAMILIES[args.family].title}")
+        ran = subprocess.run([str(peer_python(SDCPP_ENV)), str(HERE / "peer_sdcpp.py"), "--weights", precision,
+                              "--work", str(args.work / "peer-sdcpp"), *common])
+    else:
+        ran = subprocess.run([str(peer_python(PEER_ENV)), str(HERE / "peer_modern.py"), "--runner", runner,
+                              "--work", str(args.work / "peer"),
+                              "--latents", str(latents_file(args.family, args.size, args.work)), *common])
     if not out.exists():
         raise subprocess.CalledProcessError(ran.returncode, ran.args)
     result = json.loads(out.read_text())
@@ -327,7 +339,7 @@ def run_stage(args) -> dict:
     elif kind == "kasoku":
         result = stage_kasoku(args, precision)
     else:
-        result = stage_peer(args, kind)
+        result = stage_peer(args, kind, precision)
     image = result.pop("image")
     np.save(args.work / f"image-{args.contender.replace(':', '-')}{'-warm' if args.warm else ''}.npy", image)
     result["peak_mb"] = max(_peak_mb(), result.get("peak_mb", 0.0))
@@ -399,8 +411,10 @@ def markdown(report: dict) -> str:
                          "its default dynamic pipeline.")
         if run.get("versions"):
             lines.append(f"- {name}: {run.get('class')}, " + ", ".join(f"{k} {v}" for k, v in run["versions"].items())
-                         + f"; export {run['export_s']:.0f} s" + (f", its peak {run['export_peak_mb'] / 1024:.1f} GiB"
-                                                                   if run.get("export_peak_mb") else ""))
+                         + (f"; export {run['export_s']:.0f} s" if run.get("export_s") is not None else
+                            "; its files written by an earlier run")
+                         + (f", its peak {run['export_peak_mb'] / 1024:.1f} GiB" if run.get("export_peak_mb") else "")
+                         + (f"; weights {run['weights']}" if run.get("weights") else ""))
         if run.get("precisions"):
             built = sum(seconds for _c, _stage, _status, seconds in run.get("compile_stages", []))
             lines.append(f"- {name}: " + ", ".join(f"{c} {run['backends'].get(c)} {p}" for c, p in

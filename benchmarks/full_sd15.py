@@ -443,6 +443,8 @@ PEERS = {"optimum-intel-f32-static": "optimum-intel", "optimum-intel-default-dyn
 PEER_INSTALLS = {
     "optimum-intel": [["torch==2.13.0", "optimum-intel[openvino]", "diffusers", "openvino-genai"]],
     "optimum-onnx": [["torch==2.13.0", "optimum-onnx", "diffusers", "onnxruntime"]],
+    # a source distribution only: pip builds stable-diffusion.cpp with cmake and the C++ compiler (-march=native)
+    "stable-diffusion-cpp": [["stable-diffusion-cpp-python==0.4.7", "numpy"]],
 }
 PEERS_DIR = HERE / ".peers"
 

@@ -53,6 +53,39 @@ def test_a_reduced_part_is_estimated_from_the_whole_transformers_flops(full_mode
     assert 8 < ratio < 25
 
 
+def test_stable_diffusion_cpp_gets_flux2_in_black_forest_labs_names(tmp_path):
+    """benchmarks/peer_sdcpp.py writes a diffusers Flux.2 transformer as the file stable-diffusion.cpp reads: every
+    tensor once, q, k and v joined in that order, the output modulation's (scale, shift) as BFL's (shift, scale);
+    a file with a tensor it has no name for is refused."""
+    import torch
+    from diffusers import Flux2Transformer2DModel
+    from safetensors.torch import load_file, save_file
+
+    spec = importlib.util.spec_from_file_location("peer_sdcpp", ROOT / "benchmarks" / "peer_sdcpp.py")
+    peer = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(peer)
+    torch.manual_seed(0)
+    Flux2Transformer2DModel(patch_size=1, in_channels=4, num_layers=2, num_single_layers=1, attention_head_dim=16,
+                            num_attention_heads=2, joint_attention_dim=48, timestep_guidance_channels=256,
+                            axes_dims_rope=[4, 4, 4, 4], guidance_embeds=False).save_pretrained(tmp_path / "diffusers")
+    source = tmp_path / "diffusers" / "diffusion_pytorch_model.safetensors"
+    peer.write_bfl_transformer(source, tmp_path / "bfl.safetensors")
+    ours, theirs = load_file(source), load_file(tmp_path / "bfl.safetensors")
+    assert sum(t.numel() for t in theirs.values()) == sum(t.numel() for t in ours.values())
+    attn = "transformer_blocks.1.attn."
+    assert torch.equal(theirs["double_blocks.1.img_attn.qkv.weight"],
+                       torch.cat([ours[attn + f"to_{x}.weight"] for x in "qkv"]))
+    assert torch.equal(theirs["double_blocks.1.txt_attn.qkv.weight"],
+                       torch.cat([ours[attn + f"add_{x}_proj.weight"] for x in "qkv"]))
+    scale, shift = ours["norm_out.linear.weight"].chunk(2)
+    assert torch.equal(theirs["final_layer.adaLN_modulation.1.weight"], torch.cat([shift, scale]))
+    assert torch.equal(theirs["single_blocks.0.linear1.weight"],
+                       ours["single_transformer_blocks.0.attn.to_qkv_mlp_proj.weight"])
+    save_file({**ours, "pos_embed.weight": torch.zeros(2)}, tmp_path / "other.safetensors")
+    with pytest.raises(SystemExit, match=r"tensors with no BFL name: \['pos_embed.weight'\]"):
+        peer.write_bfl_transformer(tmp_path / "other.safetensors", tmp_path / "refused.safetensors")
+
+
 @pytest.mark.integration
 @pytest.mark.slow(reason="a benchmark's own check: three processes that export and build (50 s on 2 cores)")
 def test_smoke_runs_a_part_through_every_stage(tmp_path):
