@@ -13,7 +13,8 @@ its class defaults, the model cards), said per family below and in the report; t
 
 What fits and what does not (24 GiB, one copy of the weights in torch and one in the runtime, each contender in its
 own process):
-- Sana Sprint 0.6B (transformer 0.59B, DC-AE 0.31B: 2.4 and 1.3 GB in fp32) and 1.6B (6.4 GB) run whole.
+- Sana Sprint 0.6B (transformer 0.59B, DC-AE 0.31B: 2.4 and 1.3 GB in fp32) and 1.6B (6.4 GB) run whole;
+  `sana-0.6b-lite` is Sana Sprint 0.6B with DC-AE-Lite, the lighter decoder its authors publish for it.
 - Flux.2 klein 4B (5 double- and 20 single-stream blocks at 3072 wide), Z-Image-Turbo's 6B (30 layers at 3840) and
   Qwen-Image's 20B (60 dual-stream layers at 3072) cannot hold torch's fp32 copy beside a runtime's: their
   `transformer-N` parts are the same transformer class at its full width with N layers of each kind (`-1`: one
@@ -97,6 +98,12 @@ _DC_AE = dict(in_channels=3, latent_channels=32, attention_head_dim=32,
               encoder_layers_per_block=(2, 2, 2, 3, 3, 3), decoder_layers_per_block=(3, 3, 3, 3, 3, 3),
               downsample_block_type="conv", upsample_block_type="interpolate", decoder_norm_types="rms_norm",
               decoder_act_fns="silu", scaling_factor=0.41407)
+# DC-AE-Lite (mit-han-lab/dc-ae-lite-f32c32-sana-1.1-diffusers, which Sana's authors give Sana Sprint for faster
+# decoding): DC-AE's encoder, a decoder of ResBlocks only (efficientvit's ae_model_zoo: depths 0,3,5,4,4,4, pixel
+# shuffle upsampling, a SiLU before the last convolution)
+_LITE_DECODER = dict(decoder_block_types="ResBlock", decoder_layers_per_block=(0, 3, 5, 4, 4, 4),
+                     decoder_qkv_multiscales=((),) * 6, upsample_block_type="pixel_shuffle", decoder_conv_act_fn="silu")
+_DC_AE_LITE = {**_DC_AE, **_LITE_DECODER}
 _GEMMA2_2B = dict(kind="gemma2", vocab_size=256000, hidden_size=2304, intermediate_size=9216, num_hidden_layers=26,
                   num_attention_heads=8, num_key_value_heads=4, head_dim=256, max_tokens=300)
 # Qwen/Qwen3-4B's config: the text encoder of Flux.2 klein 4B and of Z-Image-Turbo
@@ -115,6 +122,9 @@ FAMILIES = {
     "sana-1.6b": Family("Sana Sprint 1.6B", "convert_sana_to_diffusers.py SanaSprint_1600M_P1_D20", 2,
                         "none (distilled)",
                         {**_SANA, **_SANA_16}, _DC_AE, _GEMMA2_2B),
+    "sana-0.6b-lite": Family("Sana Sprint 0.6B with DC-AE-Lite", "convert_sana_to_diffusers.py SanaSprint_600M_P1_D28; "
+                             "dc-ae-lite-f32c32-sana-1.1", 2, "none (distilled)", {**_SANA, **_SANA_06}, _DC_AE_LITE,
+                             _GEMMA2_2B),
     # scripts/convert_flux2_to_diffusers.py's klein-4b
     "flux2-klein-4b": Family("Flux.2 klein 4B", "convert_flux2_to_diffusers.py klein-4b", 4, "none (distilled)",
                              dict(patch_size=1, in_channels=128, num_layers=5, num_single_layers=20,
@@ -146,6 +156,8 @@ def use_smoke_model() -> None:
              "decoder_block_out_channels": (8, 8, 16, 16, 32, 32),
              "encoder_layers_per_block": (1,) * 6, "decoder_layers_per_block": (1,) * 6, "attention_head_dim": 8},
         text_encoder={**_GEMMA2_2B, **small_text})
+    FAMILIES["sana-0.6b-lite"] = dataclasses.replace(FAMILIES["sana-0.6b"], vae={
+        **FAMILIES["sana-0.6b"].vae, **_LITE_DECODER, "decoder_layers_per_block": (0, 1, 1, 1, 1, 1)})
     FAMILIES["flux2-klein-4b"] = dataclasses.replace(
         FAMILIES["flux2-klein-4b"], transformer={**FAMILIES["flux2-klein-4b"].transformer, "num_attention_heads": 2,
                                                  "attention_head_dim": 32, "joint_attention_dim": 96,
