@@ -447,9 +447,17 @@ def stage_engine(part: Part, backend: str, precision: str, repeats: int, threads
     first = time.perf_counter() - start
     samples, out = _repeat(lambda: run(inputs), repeats)
     parity = compare_output(spec.name, "out", part.key, reference["out"], out["out"].float().numpy())
-    return {"stage": "engine", "part": part.key, "backend": backend, "precision": precision, "compile_s": compile_s,
-            "stages": stages, "first_call_s": first, "seconds": samples, "max_abs_vs_torch": parity.max_abs,
-            "rel_error_vs_torch": parity.rel_error, "peak_mb": _peak_mb()}
+    result = {"stage": "engine", "part": part.key, "backend": backend, "precision": precision,
+              "compile_s": compile_s, "stages": stages, "first_call_s": first, "seconds": samples,
+              "max_abs_vs_torch": parity.max_abs, "rel_error_vs_torch": parity.rel_error, "peak_mb": _peak_mb()}
+    if part.component == "vae_decoder":  # the image the pipeline makes of it, against torch fp32's: the contracts' PSNR
+        from kasoku.core.parity import psnr
+
+        def image(x):
+            return np.clip(np.asarray(x, np.float32) / 2 + 0.5, 0, 1)
+
+        result["psnr_db_vs_torch"] = psnr(image(reference["out"]), image(out["out"].float().numpy()))
+    return result
 
 
 def _calibrate(spec, options: dict) -> None:
@@ -481,7 +489,9 @@ def _meta_pipeline():
 
 def _row(key: str, label: str, run: dict, base: float, floor: float, estimate: float | None) -> str:
     median = statistics.median(run["seconds"])
-    check = "—" if label == "torch eager fp32" else f"{run['max_abs_vs_torch']:.1e} / {run['rel_error_vs_torch']:.1e}"
+    image = f" ({run['psnr_db_vs_torch']:.1f} dB)" if run.get("psnr_db_vs_torch") is not None else ""
+    check = "—" if label == "torch eager fp32" else \
+        f"{run['max_abs_vs_torch']:.1e} / {run['rel_error_vs_torch']:.1e}{image}"
     whole = f"{median * estimate:.1f}" if estimate else "—"
     compile_s = f"{run['compile_s']:.0f}" if "compile_s" in run else (
         f"export {run['export_s']:.0f}" if "export_s" in run else "—")
@@ -497,7 +507,7 @@ def markdown(report: dict) -> str:
              f"{report['threads']} threads · torch {report['torch']} · fp32 matmul {report['matmul_gflops']:.0f} "
              f"GFLOP/s · median of {report['repeats']} after a warm-up · each contender in its own process", "",
              "| part | contender | median s | min–max s | speed-up vs torch fp32 | whole component s (estimate) | "
-             "FLOP floor s | time ÷ floor | max abs / rel. error vs torch fp32 | cold compile s | peak RSS MB |",
+             "FLOP floor s | time ÷ floor | max abs / rel. error vs torch fp32 (a decoder: its image's PSNR) | cold compile s | peak RSS MB |",
              "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     refusals: list[str] = []
     for key, entry in report["parts"].items():
