@@ -507,7 +507,8 @@ def markdown(report: dict) -> str:
              f"{report['threads']} threads · torch {report['torch']} · fp32 matmul {report['matmul_gflops']:.0f} "
              f"GFLOP/s · median of {report['repeats']} after a warm-up · each contender in its own process", "",
              "| part | contender | median s | min–max s | speed-up vs torch fp32 | whole component s (estimate) | "
-             "FLOP floor s | time ÷ floor | max abs / rel. error vs torch fp32 (a decoder: its image's PSNR) | cold compile s | peak RSS MB |",
+             "FLOP floor s | time ÷ floor | max abs / rel. error vs torch fp32 (a decoder: its image's PSNR) | "
+             "cold compile s | peak RSS MB |",
              "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     refusals: list[str] = []
     for key, entry in report["parts"].items():
