@@ -22,13 +22,16 @@ import ctypes
 import importlib.metadata
 import json
 import re
-import resource
 import struct
 import sys
 import time
 from pathlib import Path
 
 import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from peer_modern import timed_calls  # noqa: E402 - the newest families' peers' timing loop (stdlib and numpy only)
+from peer_run import peak_mb  # noqa: E402
 
 SDCPP_TRANSFORMER = "flux-2-klein-bfl.safetensors"
 STAGE_OF_LOG = {"get_learned_condition": "text_encoder", "sampling": "transformer", "decode_first_stage": "vae_decoder"}
@@ -119,10 +122,6 @@ def write_bfl_transformer(source: Path, target: Path) -> None:
 # ---- the runs ------------------------------------------------------------------------------------------------
 
 
-def peak_mb() -> float:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-
-
 class StageLog:
     """stable-diffusion.cpp's log lines, read for each stage's seconds ("sampling completed, taking 41.2s")."""
 
@@ -166,20 +165,11 @@ def run(args, transformer: Path) -> dict:
                                        sample_steps=args.steps, cfg_scale=1.0, sample_method="euler", seed=0)
         return np.asarray(image, np.float32) / 255.0, log.stages()
 
-    start = time.perf_counter()
-    generate()
-    first = time.perf_counter() - start
-    seconds, stages, image = [], [], None
-    for _ in range(args.repeats):
-        start = time.perf_counter()
-        image, stage = generate()
-        seconds.append(time.perf_counter() - start)
-        stages.append(stage)
-    if not all(stages):
+    result = timed_calls(generate, args.repeats)
+    if not all(result["stages"]):
         raise SystemExit("stable-diffusion.cpp's log gave no stage's seconds: " + " | ".join(log.lines[-5:]))
-    np.save(args.out.with_suffix(".npy"), image)
-    return {"class": "StableDiffusion", "weights": args.weights, "load_s": load_s, "first_call_s": first,
-            "seconds": seconds, "stages": stages, "own_noise": True}
+    np.save(args.out.with_suffix(".npy"), result.pop("image"))
+    return {"class": "StableDiffusion", "weights": args.weights, "load_s": load_s, **result, "own_noise": True}
 
 
 def main() -> int:
