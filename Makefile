@@ -39,7 +39,8 @@ demo: setup
 	$(VENV)/bin/kasoku demo
 
 # Two workers (pytest-xdist), a test file per worker at a time: exports are single-threaded, so two
-# cores run two files' exports at once. Each worker builds the session's tiny artefacts once. Files go out in
+# cores run two files' exports at once. Each worker builds the session's tiny artefacts once; files that build the
+# same engines go to one worker together (tests/conftest.py: SHARED_BUILDS). Files go out in
 # collection order, the slowest first (tests/conftest.py: SLOWEST_FILES).
 # `make test WORKERS=0` runs in one process.
 WORKERS := 2

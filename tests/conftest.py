@@ -40,9 +40,33 @@ SLOWEST_FILES = ("test_transformers.py", "test_generic.py", "test_controlnet.py"
                  "test_footprint.py")
 
 
+# Files whose module fixtures build the same tiny SD3 and Flux.1 engines: `make test` hands them to one worker as one
+# unit of work (:func:`pytest_xdist_make_scheduler`), one file after the other, so its session cache holds those
+# engines once (measured 2026-12-07: about 60 s of exports were done by both workers when the files went to
+# different ones).
+SHARED_BUILDS = {"test_transformers.py": "transformers", "test_transformer_cache.py": "transformers",
+                 "test_transformer_controlnets.py": "transformers"}
+
+
 def _file_rank(item) -> int:
     name = item.path.name
     return SLOWEST_FILES.index(name) if name in SLOWEST_FILES else len(SLOWEST_FILES)
+
+
+def pytest_xdist_make_scheduler(config, log):
+    """pytest-xdist's `--dist loadfile`, whose unit of work is a test file, with the files of SHARED_BUILDS as one
+    unit. (Its `loadgroup` marks cannot do this under pytest 9, whose test ids no longer take the group's suffix.)"""
+    from xdist.scheduler import LoadFileScheduling
+
+    if config.getvalue("dist") != "loadfile":
+        return None
+
+    class SharedBuildsScheduling(LoadFileScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            path = super()._split_scope(nodeid)
+            return SHARED_BUILDS.get(path.rsplit("/", 1)[-1], path)
+
+    return SharedBuildsScheduling(config, log)
 
 
 def pytest_collection_modifyitems(config, items):

@@ -330,29 +330,12 @@ _RUN_AND_SAY_IF_DIFFUSERS_LOADED = ("import sys\nfrom kasoku.cli import main\nco
                                     "print('diffusers imported:', 'diffusers' in sys.modules)\nsys.exit(code)")
 
 
-@pytest.fixture
-def busy_cores():
-    """Every core busy with another process, as on a loaded machine (a second job, another user's export): one
-    spinning process per core, less the suite's other workers (pytest-xdist's), which are busy themselves."""
-    import os
-    import subprocess
-    import sys
-
-    others = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1")) - 1
-    burners = [subprocess.Popen([sys.executable, "-c", "while True: pass"])
-               for _ in range(max(1, (os.cpu_count() or 2) - others))]
-    yield len(burners)
-    for burner in burners:
-        burner.kill()
-        burner.wait()
-
-
-def test_errors_from_configs_answer_in_seconds_on_a_busy_machine(tiny_dir, tmp_path, busy_cores):
-    """A new process as a user starts it (interpreter, imports and all), every core busy: a size off the model's
-    step, beyond its bound, or another family's argument is refused from the configs with under 5 s of CPU work,
-    before diffusers is imported, with one line and nothing written. The bound is on the process's CPU seconds: its
-    wall time is those over the share of the cores it gets (about 2.6 s of CPU on a quiet 2-core machine, 5.0-5.8 s
-    of wall time with every core busy, past the 5 s a wall-time bound asked for)."""
+def test_errors_from_configs_answer_in_seconds_of_cpu(tiny_dir, tmp_path):
+    """A new process as a user starts it (interpreter, imports and all): a size off the model's step, beyond its
+    bound, or another family's argument is refused from the configs with under 5 s of CPU work, before diffusers is
+    imported, with one line and nothing written. The bound is on the process's CPU seconds (about 2.6 s here), which
+    a busy machine does not change: its wall time is those over the share of the cores it gets (5.0-5.8 s with every
+    core busy), so a wall-time bound would measure the machine's load, not kasoku."""
     import resource
     import subprocess
     import sys
@@ -372,5 +355,5 @@ def test_errors_from_configs_answer_in_seconds_on_a_busy_machine(tiny_dir, tmp_p
         assert done.returncode == 1 and len(lines) == 2, f"{extra}: {done.stdout}{done.stderr}"
         assert lines[0].startswith("error:") and message in lines[0], lines[0]
         assert lines[1] == "diffusers imported: False"
-        assert seconds < ANSWER_SECONDS, f"{extra} took {seconds:.1f} s of CPU to refuse ({busy_cores} cores busy)"
+        assert seconds < ANSWER_SECONDS, f"{extra} took {seconds:.1f} s of CPU to refuse"
         assert list(tmp_path.iterdir()) == []
