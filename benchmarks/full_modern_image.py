@@ -29,7 +29,9 @@ Contenders:
   the calls; then the same from the warm cache in a new process (timed: what every later start costs). The first
   kasoku contender starts from an empty cache; the next reuses its recording and graphs, as a user's second
   precision does (the report says which started empty). int8 is kasoku's per component: the denoiser's and text
-  encoder's weights in int8, the VAE in bf16.
+  encoder's weights in int8, the VAE in bf16. `kasoku:int8-decoder` is int8 with the VAE decoder's activations in
+  int8 too (`int8_activations=("vae_decoder",)`: calibrated on the images the pipeline decodes, its convolutions in
+  int8).
 - `optimum-intel:default`: `optimum-cli export openvino` of the same folder (timed) and its OVDiffusionPipeline with
   its defaults (benchmarks/peer_modern.py, in benchmarks/.peers/optimum-intel, made when missing).
 - `openvino-genai:default`: openvino.genai's Text2ImagePipeline on that export, its defaults; it takes a seed, not
@@ -283,12 +285,14 @@ def stage_kasoku(args, precision: str) -> dict:
         shutil.rmtree(cache, ignore_errors=True)
     components = ("text_encoder", "transformer", "vae_decoder")
     chosen = {"text_encoder": "int8", "transformer": "int8", "vae_decoder": "bf16"} if precision == "int8" \
-        else precision
+        else dict.fromkeys(components, "int8") if precision == "int8-decoder" else precision
+    activations = ("vae_decoder",) if precision == "int8-decoder" else ()
     profile = ShapeProfile.exact(ImageShape(1, args.size, args.size), guidance=False, multiple=32)
     read = {"torch_dtype": torch.bfloat16} if kasoku_reads_bf16(args) else {}
     start = time.perf_counter()
     pipe = kasoku.KasokuPipeline.from_pretrained(folder, backend="openvino", precision=chosen, profile=profile,
-                                                 components=components, cache_dir=cache, threads=args.threads, **read)
+                                                 components=components, cache_dir=cache, threads=args.threads,
+                                                 int8_activations=activations, **read)
     compile_s = time.perf_counter() - start
     pipe.set_progress_bar_config(disable=True)
     peak_compile = _peak_mb()

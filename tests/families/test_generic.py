@@ -707,6 +707,30 @@ def test_reduced_precisions_keep_their_contract(precision, generic_cache):
     _check_precision("pixart-sigma", precision, generic_cache)
 
 
+@pytest.mark.integration
+def test_a_decoder_with_int8_activations_is_calibrated_on_the_images_it_decodes(generic_cache):
+    """Sana Sprint's DC-AE decoder with `int8_activations`: calibrated on its own calls in the pipeline's runs (the
+    denoiser's steps, the latents decoded), its convolutions computing in int8 where plain int8 leaves them in
+    floating point, proven against torch, and the image within int8's contract from diffusers' fp32 one."""
+    from kasoku.core.parity import TOLERANCES, Precision
+    from kasoku.policies.calibration import CALIBRATION_RUNS
+    from tests.conftest import layer_precisions
+
+    pipe = tiny_family_pipeline("sana-sprint")
+    fast = kasoku.compile(pipe, "openvino", precision="int8", int8_activations=["vae_decoder"], profile=_profile(pipe),
+                          cache_dir=generic_cache)
+    stages = {(s.component, s.stage): s for s in fast.compile_report.stages}
+    assert stages["vae_decoder", "calibrate"].detail == {"samples": CALIBRATION_RUNS}
+    assert stages["vae_decoder", "engine"].detail["int8"] == {"recipe": "full", "calibration_samples": CALIBRATION_RUNS}
+    assert stages["vae_decoder", "engine"].detail["parity"]  # proven against torch when built
+    assert {"u8", "i8"} & set(layer_precisions(fast.engines["vae_decoder"], "Convolution"))
+    weights_only = kasoku.compile(pipe, "openvino", precision="int8", profile=_profile(pipe), cache_dir=generic_cache)
+    assert not {"u8", "i8"} & set(layer_precisions(weights_only.engines["vae_decoder"], "Convolution"))
+    assert weights_only.compile_report.statuses()["transformer", "engine"] == "reused"  # the same int8 denoiser
+    call = _arguments(pipe)
+    assert psnr(_images(pipe, **call), _images(fast, **call)) >= TOLERANCES[Precision.INT8].image_psnr_db
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("precision", ["bf16", "int8"])
 @pytest.mark.parametrize("family", ["flux2-klein", "cogview4"])

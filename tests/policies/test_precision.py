@@ -245,6 +245,30 @@ def test_int8_is_calibrated_once_and_keeps_its_contract(tiny_pipe, fp32_openvino
     assert psnr(expected, actual) >= contract.image_psnr_db and ssim(expected, actual) >= contract.image_ssim
 
 
+def test_int8_activations_are_refused_where_they_cannot_be_built_or_miss_the_contract(tiny_pipe, precision_cache):
+    """Refused before any work: a component the compile does not build, one not in int8, one text-to-image never
+    runs (nothing to calibrate on). The tiny U-Net's latents reach hundreds, so the decoder calibrated on them
+    quantizes the engine check's unit-scale latents far outside int8's contract: refused with the remedy, not
+    reported as an export bug."""
+    from kasoku.core.options import InvalidOptions
+    from kasoku.core.parity import ParityError
+
+    def compile_(**options):
+        return kasoku.compile(tiny_pipe, "openvino", cache_dir=precision_cache, **options)
+
+    with pytest.raises(InvalidOptions, match="names vae_decoder, which this compile does not build: it builds unet"):
+        compile_(precision="int8", components=["unet"], int8_activations=["vae_decoder"])
+    with pytest.raises(InvalidOptions, match="names vae_decoder, whose precision is bf16: only an int8 engine"):
+        compile_(precision={"text_encoder": "int8", "unet": "int8", "vae_decoder": "bf16", "vae_encoder": "int8"},
+                 int8_activations=["vae_decoder"])
+    with pytest.raises(InvalidOptions, match="names vae_encoder, which text-to-image does not run"):
+        compile_(precision="int8", int8_activations=["vae_encoder"])
+    with pytest.raises(ParityError, match=r"(?s)the int8 engine of vae_decoder \(weights and activations in int8.*"
+                                          r"misses int8's contract.*leave it out of `int8_activations`") as missed:
+        compile_(precision="int8", int8_activations=["vae_decoder"])
+    assert "bug in the export" not in str(missed.value)
+
+
 @pytest.mark.integration
 @needs_bf16
 def test_verify_checks_the_contract_and_fails_when_it_is_broken(tiny_dir, precision_cache, tmp_path, monkeypatch):

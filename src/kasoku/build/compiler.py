@@ -39,6 +39,7 @@ import torch
 
 from ..backends import Engine, UnsupportedPrecision, cpu_candidates, get_backend, gpu_candidates
 from ..backends.base import Backend, Source, cpu_name
+from ..backends.int8 import CALIBRATED
 from ..core.cache import Cache, CacheEntry, CacheError, default_cache_dir, digest_key, file_sha256
 from ..core.components import ComponentSpec, Precision, ShapeProfile, traced_shapes
 from ..core.errors import KasokuError
@@ -507,6 +508,12 @@ class Compiler:
                 bound = None if weights is None else module_weights(spec, onnx.load(str(graph)))
                 check_onnx_parity(spec, graph, shapes, stage=stage, weights=bound,
                                   precision=Precision.FP32 if stage == "export" else precision)
+            if precision == Precision.INT8 and spec.int8 in CALIBRATED:  # the graphs match: quantization drifted
+                raise ParityError(
+                    f"the int8 engine of {spec.name} (weights and activations in int8, calibrated on its calls in the "
+                    f"pipeline's runs) misses int8's contract against torch:\n  {error.failed}\nIts activations do "
+                    f"not quantize within the contract: build it in bf16, or with int8 weights only (for a component "
+                    f"other than the denoiser: leave it out of `int8_activations`).", failed=error.failed) from None
             raise error
 
     def _load(self, spec: ComponentSpec, backend: Backend, entry: CacheEntry, precision: Precision) -> Engine | None:

@@ -280,6 +280,11 @@ def add_backend_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--min-psnr", type=finite_float, default=DEFAULT_MIN_PSNR, metavar="DB",
                         help=f"with --precision fastest or --recipe fastest: the least image PSNR against the fp32 "
                              f"engines (default {DEFAULT_MIN_PSNR:g} dB)")
+    parser.add_argument("--int8-activations", nargs="+", type=component_name, default=(), metavar="COMPONENT",
+                        help="with --precision int8: components besides the denoiser whose activations are int8 too, "
+                             "calibrated on their own calls in the pipeline's runs (vae_decoder: its convolutions "
+                             "in int8, the fastest decoder on a CPU with VNNI or AMX). The engine is proven against "
+                             "torch within int8's contract, or refused (default: none; their int8 is weights only)")
 
 
 def add_recipe(parser: argparse.ArgumentParser) -> None:
@@ -394,6 +399,7 @@ def options_from_args(args: argparse.Namespace, profile=None, *, cuda_graph: boo
         trt_opt_level=getattr(args, "trt_opt_level", CompileOptions.trt_opt_level),
         keep_intermediate=getattr(args, "keep_intermediate", False),
         lora_targets=getattr(args, "lora_targets", None) or (),
+        int8_activations=getattr(args, "int8_activations", ()),
         step_cache=getattr(args, "step_cache", False),
         cache_branch=getattr(args, "cache_branch", CompileOptions.cache_branch),
         cuda_graph=getattr(args, "cuda_graph", False) if cuda_graph is None else cuda_graph,

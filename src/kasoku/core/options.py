@@ -63,6 +63,9 @@ class CompileOptions:
     check_parity: bool = True  # prove every built artefact against torch
     onnx_dir: Path | None = None  # build from these ONNX files (a `kasoku export` folder) instead of exporting
     calibration_samples: int = 32  # int8: denoiser calls recorded from the pipeline's own runs to calibrate on
+    # int8: components besides the denoisers whose activations are quantized too, calibrated on their own calls in
+    # the pipeline's runs (the VAE decoder: its convolutions in int8); their int8 is otherwise weights only
+    int8_activations: tuple[str, ...] = ()
     keep_intermediate: bool = False  # keep what engines were only built through (calibration engines)
     # modules whose weights stay engine inputs, bound once per LoRA adapter set (a switch in seconds); a preset
     # name of LORA_TARGET_PRESETS or module names; empty: every weight is a constant of its engine
@@ -85,6 +88,8 @@ class CompileOptions:
             set_(self, "backend", dict(self.backend))
         if self.components is not None:
             set_(self, "components", tuple(self.components))
+        set_(self, "int8_activations", (self.int8_activations,) if isinstance(self.int8_activations, str)
+             else tuple(self.int8_activations))
         set_(self, "lora_targets", lora_targets(self.lora_targets))
         for name in ("cache_dir", "onnx_dir"):
             value = getattr(self, name)

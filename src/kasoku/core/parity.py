@@ -92,7 +92,11 @@ def as_numpy(value) -> np.ndarray:
 
 
 class ParityError(KasokuError, AssertionError):
-    """An engine's output differs from torch by more than the tolerance."""
+    """An engine's output differs from torch by more than the tolerance (`failed`: the outputs' lines)."""
+
+    def __init__(self, message: str, failed: str = ""):
+        super().__init__(message)
+        self.failed = failed
 
 
 @dataclass
@@ -214,7 +218,7 @@ def raise_on_failure(results: list[OutputParity], stage: str) -> None:
         raise ParityError(
             f"{stage}: the engine does not match torch.\n  {lines}\n"
             "This is a bug in the export of this component (or a model that is not "
-            "deterministic in eval mode); please report it with the lines above."
+            "deterministic in eval mode); please report it with the lines above.", failed=lines
         )
 
 

@@ -242,9 +242,13 @@ class Family:
         return (*self.image_prompt_components(model), *self.denoiser_components(model)[-1:])
 
     def calibration_components(self, component: str, model: ModelView | None = None) -> tuple[str, ...]:
-        """What a text-to-image run needs to reach `component` (its calibration records its inputs
-        with the latents left undecoded): the text encoders and the component."""
-        return (*(slot.name for slot in self.present_text_encoders(model)), component)
+        """What a text-to-image run needs to reach `component` (its calibration records its inputs): the text
+        encoders and the component, and for a component past the denoising loop (the VAE decoder) the denoiser's
+        components too."""
+        encoders = tuple(slot.name for slot in self.present_text_encoders(model))
+        denoisers = self.denoiser_components(model)
+        before = () if component in encoders or component in denoisers else denoisers
+        return tuple(dict.fromkeys((*encoders, *before, component)))
 
     def tasks(self, model: ModelView) -> tuple[str, ...]:
         """The tasks this model runs."""

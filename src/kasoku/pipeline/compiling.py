@@ -70,6 +70,7 @@ def compile_components(
     asked = options.precision_label
     if options.precision == FASTEST:
         options, notes = _fastest(model, specs, options, cache, on_stage)
+    specs = calibration.with_activations(model, specs, options)
     check_lora_targets(model, specs, options)
     check_bf16_backends(specs, options)
     compiler = Compiler(cache, options, on_stage=on_stage, label=label)

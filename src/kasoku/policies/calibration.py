@@ -5,6 +5,8 @@ family's text-to-image pipeline runs over a built-in prompt set at the profile's
 with guidance, on engines of a higher precision (where the quantizing backend says: bf16 where the CPU
 has it natively, else fp32), and every input the denoiser engine is called with is recorded until
 `samples` calls are collected. The recording is a cache entry, so an int8 build calibrates once.
+Another component whose int8 activations are asked for (`CompileOptions.int8_activations`: the VAE
+decoder) is calibrated so too, on its own calls in a few such runs (the decoder's: the latents decoded).
 
 This is a policy: it runs before the builder and hands it the samples (:func:`provide`), so the builder
 never runs the pipeline itself.
@@ -14,6 +16,7 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -22,12 +25,17 @@ import torch
 
 from ..build.compiler import Compiler, StageRecord
 from ..core.components import ComponentSpec, ImageShape, Precision
-from ..core.options import CALIBRATION_PROMPTS, CalibrationPlan  # noqa: F401 - the plan's home is options
+from ..core.options import CalibrationPlan, CompileOptions, InvalidOptions  # the plan's home is options
 from ..core.weights import numpy_of
 from ..model.pipeline_model import Model
 from ..runtime.engine_pipelines import EnginePipelines
 
 CALIBRATION_FILE = "calibration.npz"
+DECODER = "vae_decoder"  # the component past the denoising loop: its calibration runs decode their latents
+# The pipeline runs a component other than a denoiser is calibrated on (at most `calibration_samples`): it is called
+# once or twice a run. NNCF's statistics of DC-AE-Lite's decoder from 2 latents kept Sana Sprint's 1024x1024 image at
+# 44.9 dB from torch fp32 (benchmarks/full_modern.py, 2026-12-07).
+CALIBRATION_RUNS = 4
 
 
 class _Enough(Exception):
@@ -60,13 +68,14 @@ def record_inputs(model: Model, engines: dict, component: str, shape: ImageShape
     (:meth:`Model.fixed_arguments`)."""
     recorder = RecordingEngine(engines[component], plan.samples)
     runner = EnginePipelines(model, {**engines, component: recorder}, tasks=("txt2img",))
+    output = "np" if component == DECODER else "latent"  # the latents are decoded only to calibrate the decoder
     for index, prompt in enumerate(itertools.cycle(plan.prompts)):
         if len(recorder.recorded) >= plan.samples or index >= plan.samples:
             break
         try:
             runner("txt2img", **(prompt_inputs or {"prompt": prompt}), height=shape.height, width=shape.width,
                    num_inference_steps=plan.steps, guidance_scale=plan.guidance,
-                   generator=torch.Generator().manual_seed(plan.seed + index), output_type="latent", **(fixed or {}))
+                   generator=torch.Generator().manual_seed(plan.seed + index), output_type=output, **(fixed or {}))
         except _Enough:
             break
     return recorder.recorded
@@ -107,14 +116,19 @@ def recorded_samples(compiler: Compiler, model: Model, spec: ComponentSpec, prom
     (see :func:`record_inputs`) no text encoder is built."""
 
     def record(parts: dict[str, Any]) -> list[dict[str, np.ndarray]]:
-        names = (spec.name,) if prompt_inputs else model.family.calibration_components(spec.name, model)
+        names = model.family.calibration_components(spec.name, model)
+        if prompt_inputs:  # the prompt's embeddings are given: no text encoder runs
+            encoders = {slot.name for slot in model.family.present_text_encoders(model)}
+            names = tuple(name for name in names if name not in encoders)
         specs = model.specs(spec.profile, [n for n in names if n != spec.name])
         specs[spec.name] = spec
         recording = compiler.options.replace(precision=Precision(parts["precision"]), backend=parts["backend"])
         sub = Compiler(compiler.cache, recording, on_stage=compiler.on_stage, label=compiler.model)
         engines = {name: sub.engine(specs[name], parts["backend"]) for name in names}
         plan = CalibrationPlan.from_dict(parts["plan"])
-        with compiler.on_stage(spec.name, f"calibrating on {plan.samples} denoising steps"):
+        calls = "decoded images" if spec.name == DECODER else \
+            "denoising steps" if spec.name in model.family.denoiser_components(model) else "calls"
+        with compiler.on_stage(spec.name, f"calibrating on {plan.samples} {calls}"):
             samples = record_inputs(model, engines, spec.name, spec.profile.opt, plan, prompt_inputs,
                                     model.fixed_arguments(spec.profile))
         compiler.records += [StageRecord(r.component, f"calibration {r.stage}", r.status, r.key, r.seconds, r.detail)
@@ -126,6 +140,37 @@ def recorded_samples(compiler: Compiler, model: Model, spec: ComponentSpec, prom
         return samples
 
     return stored_samples(compiler, spec, record)
+
+
+def with_activations(model: Model, specs: dict[str, ComponentSpec], options: CompileOptions
+                     ) -> dict[str, ComponentSpec]:
+    """`specs` with the int8 recipe of each component `options.int8_activations` names made the calibrated one
+    (activations in int8 too), calibrated on CALIBRATION_RUNS of the pipeline's text-to-image runs with its
+    denoiser's steps and guidance. Refused before any work where the compile does not build the component in int8,
+    or text-to-image does not run it (no call to record)."""
+    if not options.int8_activations:
+        return specs
+    built = [name for name in options.int8_activations if name not in specs]
+    if built:
+        raise InvalidOptions(f"`int8_activations` names {', '.join(built)}, which this compile does not build: it "
+                             f"builds {', '.join(specs)}.")
+    ran = model.family.task_components("txt2img", model)
+    denoiser = next((specs[name] for name in model.family.denoiser_components(model) if name in specs), None)
+    plan = {**(denoiser.calibration if denoiser is not None else {}),
+            "samples": min(options.calibration_samples, CALIBRATION_RUNS)}
+    chosen = dict(specs)
+    for name in options.int8_activations:
+        precision = options.precision_of(name)
+        if precision != Precision.INT8:
+            raise InvalidOptions(f"`int8_activations` names {name}, whose precision is {precision.value}: only an "
+                                 f"int8 engine has int8 activations. Compile {name} in int8 (precision 'int8', or "
+                                 f"int8 for it in a mapping) or leave it out of `int8_activations`.")
+        if name not in ran:
+            raise InvalidOptions(f"`int8_activations` names {name}, which text-to-image does not run: its int8 "
+                                 f"activations are calibrated on its calls in text-to-image runs. Leave it out.")
+        if specs[name].int8 != "full":  # a denoiser is calibrated on its own steps already
+            chosen[name] = replace(specs[name], int8="full", calibration=plan)
+    return chosen
 
 
 def provide(compiler: Compiler, model: Model, specs: dict[str, ComponentSpec]) -> None:
