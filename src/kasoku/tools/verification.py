@@ -165,7 +165,8 @@ def image_parity(reference: Model, pipe: KasokuPipeline, precision: Precision, o
         expected_extra = {**diffusers_inputs(reference, task, extra), **pipe.fixed_arguments}
     else:
         kwargs = {"on_stage": on_stage} if on_stage else {}
-        fp32 = (options or CompileOptions()).replace(precision=Precision.FP32, profile=pipe.profile)
+        fp32 = (options or CompileOptions()).replace(precision=Precision.FP32, profile=pipe.profile,
+                                                     int8_activations=())
         expected_pipe, prompts = compile(reference, options=fp32, **kwargs), FIDELITY_PROMPTS
         expected_extra = extra
 
