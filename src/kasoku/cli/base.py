@@ -283,8 +283,10 @@ def add_backend_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--int8-activations", nargs="+", type=component_name, default=(), metavar="COMPONENT",
                         help="with --precision int8: components besides the denoiser whose activations are int8 too, "
                              "calibrated on their own calls in the pipeline's runs (vae_decoder: its convolutions "
-                             "in int8, the fastest decoder on a CPU with VNNI or AMX). The engine is proven against "
-                             "torch within int8's contract, or refused (default: none; their int8 is weights only)")
+                             "in int8; Sana's DC-AE-Lite at 1024x1024 took 6.5 s against 9.1 s in bf16 on a VNNI "
+                             "CPU). The engine is checked against torch within int8's relative error, or refused; "
+                             "`kasoku verify` holds the images to the contract (default: none; their int8 is "
+                             "weights only)")
 
 
 def add_recipe(parser: argparse.ArgumentParser) -> None:

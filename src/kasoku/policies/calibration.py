@@ -150,9 +150,9 @@ def with_activations(model: Model, specs: dict[str, ComponentSpec], options: Com
     or text-to-image does not run it (no call to record)."""
     if not options.int8_activations:
         return specs
-    built = [name for name in options.int8_activations if name not in specs]
-    if built:
-        raise InvalidOptions(f"`int8_activations` names {', '.join(built)}, which this compile does not build: it "
+    missing = [name for name in options.int8_activations if name not in specs]
+    if missing:
+        raise InvalidOptions(f"`int8_activations` names {', '.join(missing)}, which this compile does not build: it "
                              f"builds {', '.join(specs)}.")
     ran = model.family.task_components("txt2img", model)
     denoiser = next((specs[name] for name in model.family.denoiser_components(model) if name in specs), None)
