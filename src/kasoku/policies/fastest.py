@@ -22,7 +22,7 @@ from ..core.parity import TOLERANCES, psnr
 from ..model.pipeline_model import Model
 from ..runtime.engine_pipelines import EnginePipelines
 from . import calibration
-from .fidelity import FIDELITY_PROMPTS, VERIFY_SEED, diffusers_inputs, task_inputs
+from .fidelity import FIDELITY_PROMPTS, VERIFY_SEED, contract_steps, diffusers_inputs, task_inputs
 
 # Fastest first: what is tried for each component (those its backend cannot build here are skipped).
 CANDIDATES = (Precision.INT8, Precision.BF16, Precision.FP16)
@@ -37,7 +37,7 @@ def choose_precisions(model: Model, specs: dict[str, ComponentSpec], options: Co
     profile = next(iter(specs.values())).profile
     shape = profile.opt
     extra = diffusers_inputs(model, task, task_inputs(model, task, shape))
-    steps = TOLERANCES[Precision.BF16].image_steps
+    steps = contract_steps(model, task, TOLERANCES[Precision.BF16].image_steps)
     measured = [n for n in model.task_components(task) if n in specs]
 
     built: dict[str, set[tuple[Precision, str]]] = {}  # the trials' engine entries: (precision, key) per component

@@ -17,6 +17,17 @@ FIDELITY_PROMPTS = (VERIFY_PROMPT, "a watercolor painting of a red fox in the sn
                     "a photograph of a lighthouse at sunset, detailed")
 
 
+def contract_steps(model: Model, task: str, steps: int) -> int:
+    """A contract's denoising `steps`, or the model's pipeline's own default where that is fewer: a distilled
+    pipeline may take no other count (Sana Sprint's SCM scheduler takes exactly its 2)."""
+    import inspect
+
+    parameter = inspect.signature(type(model.task_pipeline(task)).__call__).parameters.get("num_inference_steps")
+    default = getattr(parameter, "default", None)
+    fewer = isinstance(default, int) and not isinstance(default, bool) and 0 < default < steps
+    return default if fewer else steps
+
+
 def seeded_call(pipe, prompt, seed: int, **kwargs):
     """`pipe(prompt, **kwargs)` with a generator of `seed`, and torch's global generator at `seed` for the call
     (restored after it): diffusers' SD3 ControlNet pipeline samples its control image's latents from the global one,

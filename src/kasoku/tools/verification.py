@@ -32,6 +32,7 @@ from ..policies.fidelity import (  # noqa: F401 - verify's prompts and seed, whe
     FIDELITY_PROMPTS,
     VERIFY_PROMPT,
     VERIFY_SEED,
+    contract_steps,
     diffusers_inputs,
     inpaint_inputs,
     seeded_call,
@@ -159,6 +160,7 @@ def image_parity(reference: Model, pipe: KasokuPipeline, precision: Precision, o
     tolerance = TOLERANCES[precision]
     task = reference.task
     shape = pipe.profile.opt
+    steps = contract_steps(reference, task, tolerance.image_steps)
     extra = task_inputs(reference, task, shape)
     if tolerance.image_reference == "diffusers":
         expected_pipe, prompts = reference.task_pipeline(task), (VERIFY_PROMPT,)
@@ -171,12 +173,12 @@ def image_parity(reference: Model, pipe: KasokuPipeline, precision: Precision, o
         expected_extra = extra
 
     def run(p, prompt, inputs):
-        return seeded_call(p, prompt, VERIFY_SEED, num_inference_steps=tolerance.image_steps, height=shape.height,
+        return seeded_call(p, prompt, VERIFY_SEED, num_inference_steps=steps, height=shape.height,
                            width=shape.width, output_type="np", **inputs).images
 
     return _compare_images(prompts, lambda prompt: run(expected_pipe, prompt, expected_extra),
                            lambda prompt: run(pipe, prompt, extra),
-                           tolerance, shape, tolerance.image_reference)
+                           tolerance, shape, tolerance.image_reference, steps)
 
 
 def step_cache_parity(reference: Model, pipe: KasokuPipeline, caching: StepCaching) -> ImageParity:
@@ -196,10 +198,11 @@ def step_cache_parity(reference: Model, pipe: KasokuPipeline, caching: StepCachi
     if caching.method != FIRST_BLOCK and caching.interval > STEP_CACHE_INTERVAL:
         beyond = f"; beyond the contract's interval {STEP_CACHE_INTERVAL}"
     return _compare_images(FIDELITY_PROMPTS, run, lambda prompt: run(prompt, **caching.arguments()),
-                           tolerance, shape, f"{tolerance.image_reference} ({caching}{beyond})")
+                           tolerance, shape, f"{tolerance.image_reference} ({caching}{beyond})", tolerance.image_steps)
 
 
-def _compare_images(prompts, expected, actual, tolerance, shape: ImageShape, reference: str) -> ImageParity:
+def _compare_images(prompts, expected, actual, tolerance, shape: ImageShape, reference: str,
+                    steps: int) -> ImageParity:
     """PSNR and SSIM of `actual(prompt)` against `expected(prompt)` per prompt, the worst against the bounds."""
     rows = []
     for prompt in prompts:
@@ -211,7 +214,7 @@ def _compare_images(prompts, expected, actual, tolerance, shape: ImageShape, ref
     return ImageParity(psnr_db=worst_psnr, max_abs=max(r["max_abs"] for r in rows), bound_db=tolerance.image_psnr_db,
                        nan=nan, ssim=worst_ssim, bound_ssim=tolerance.image_ssim, reference=reference,
                        passed=nan == 0 and worst_psnr >= tolerance.image_psnr_db and worst_ssim >= tolerance.image_ssim,
-                       shape=f"1x{shape.height}x{shape.width}, {tolerance.image_steps} steps, {len(prompts)} prompt(s)",
+                       shape=f"1x{shape.height}x{shape.width}, {steps} steps, {len(prompts)} prompt(s)",
                        per_prompt=rows)
 
 
