@@ -131,18 +131,24 @@ def run_genai(args, target: Path) -> dict:
 RUNNERS = {"optimum-intel": run_optimum, "openvino-genai": run_genai}
 
 
+def add_call_arguments(parser: argparse.ArgumentParser, *, size: int, steps: int, model: str | None = None) -> None:
+    """What full_modern_image.py hands every peer of the newest families: the folder (`model`: its help), the call,
+    the result file."""
+    parser.add_argument("--model", type=Path, required=True, help=model)
+    parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--prompt", default="a red fox in the snow")
+    parser.add_argument("--size", type=int, default=size)
+    parser.add_argument("--steps", type=int, default=steps)
+    parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--threads", type=int, default=2)
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--runner", choices=sorted(RUNNERS), default="optimum-intel")
-    parser.add_argument("--model", type=Path, required=True)
     parser.add_argument("--work", type=Path, required=True)
     parser.add_argument("--latents", type=Path, required=True)
-    parser.add_argument("--out", type=Path, required=True)
-    parser.add_argument("--prompt", default="a red fox in the snow")
-    parser.add_argument("--size", type=int, default=1024)
-    parser.add_argument("--steps", type=int, default=1)
-    parser.add_argument("--repeats", type=int, default=2)
-    parser.add_argument("--threads", type=int, default=2)
+    add_call_arguments(parser, size=1024, steps=1)
     args = parser.parse_args()
     args.work.mkdir(parents=True, exist_ok=True)
 

@@ -30,7 +30,7 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from peer_modern import timed_calls  # noqa: E402 - the newest families' peers' timing loop (stdlib and numpy only)
+from peer_modern import add_call_arguments, timed_calls  # noqa: E402 - the newest families' peers' arguments and timing loop
 from peer_run import peak_mb  # noqa: E402
 
 SDCPP_TRANSFORMER = "flux-2-klein-bfl.safetensors"
@@ -174,15 +174,9 @@ def run(args, transformer: Path) -> dict:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model", type=Path, required=True, help="the diffusers folder (Flux2KleinPipeline)")
     parser.add_argument("--work", type=Path, required=True, help="where the BFL-named transformer is written once")
-    parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--weights", default="default", help="stable-diffusion.cpp's wtype: default or q8_0")
-    parser.add_argument("--prompt", default="a red fox in the snow")
-    parser.add_argument("--size", type=int, default=512)
-    parser.add_argument("--steps", type=int, default=4)
-    parser.add_argument("--repeats", type=int, default=2)
-    parser.add_argument("--threads", type=int, default=2)
+    add_call_arguments(parser, size=512, steps=4, model="the diffusers folder (Flux2KleinPipeline)")
     args = parser.parse_args()
     args.work.mkdir(parents=True, exist_ok=True)
     transformer = args.work / SDCPP_TRANSFORMER
