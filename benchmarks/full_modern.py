@@ -63,6 +63,8 @@ SMOKE_DIR = Path("/tmp/kasoku-full_modern-smoke")
 SMOKE = False
 DEFAULT_PARTS = "sana-0.6b/transformer@1024,sana-0.6b/transformer@512,sana-0.6b/vae_decoder@1024"
 DEFAULT_CONTENDERS = "onnxruntime:fp32,openvino:fp32,openvino:bf16,openvino:int8,openvino-defaults:default"
+# contenders' precisions that are int8 with another recipe (kasoku.backends.int8) than kasoku's for the part
+BEYOND_RECIPE = {"int8-full": "full", "int4-weights": "int4-weights"}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -426,8 +428,8 @@ def stage_engine(part: Part, backend: str, precision: str, repeats: int, threads
     from kasoku.pipeline.compiling import compile_components
 
     spec = part_spec(part, real=False)  # the module on the meta device: the engine is built from the ONNX file
-    if precision == "int8-full":  # beyond kasoku's recipe for a VAE or text encoder: int8 activations too
-        precision, spec = "int8", dataclasses.replace(spec, int8="full")
+    if precision in BEYOND_RECIPE:  # int8 activations for a VAE or text encoder too; int4 weights for a text encoder
+        precision, spec = "int8", dataclasses.replace(spec, int8=BEYOND_RECIPE[precision])
     io = np.load(work / f"{_file(part)}-io.npz")
     inputs = {k[3:]: io[k] for k in io.files if k.startswith("in.")}
     reference = {k[4:]: io[k] for k in io.files if k.startswith("out.")}
@@ -573,7 +575,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--contenders", default=DEFAULT_CONTENDERS,
                         help="BACKEND:PRECISION, comma-separated; int8 is kasoku's recipe for the part (a "
                              "transformer's activations too, calibrated; weights only elsewhere), int8-full int8 "
-                             "activations for any part")
+                             "activations for any part, int4-weights int4 weights (by groups of 128) for a text "
+                             "encoder or any part in int8 weights")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--threads", type=int, default=torch.get_num_threads())
     parser.add_argument("--work", type=Path, default=WORK, help="scratch folder (~15 GB free disk)")

@@ -31,7 +31,8 @@ Contenders:
   precision does (the report says which started empty). int8 is kasoku's per component: the denoiser's and text
   encoder's weights in int8, the VAE in bf16. `kasoku:int8-decoder` is int8 with the VAE decoder's activations in
   int8 too (`int8_activations=("vae_decoder",)`: calibrated on the images the pipeline decodes, its convolutions in
-  int8).
+  int8). `kasoku:int4-text` and `kasoku:int4-text-decoder` are `int8` and `int8-decoder` with the LLM text encoder's
+  weights in int4 (`int4_weights=("text_encoder",)`).
 - `optimum-intel:default`: `optimum-cli export openvino` of the same folder (timed) and its OVDiffusionPipeline with
   its defaults (benchmarks/peer_modern.py, in benchmarks/.peers/optimum-intel, made when missing).
 - `openvino-genai:default`: openvino.genai's Text2ImagePipeline on that export, its defaults; it takes a seed, not
@@ -73,6 +74,11 @@ WORK = HERE / ".models" / "modern-image"
 RESULTS = HERE / "results"
 PROMPT = "a red fox in the snow at dawn, soft light, detailed fur"
 DEFAULT_CONTENDERS = "diffusers:fp32,diffusers:bf16,kasoku:bf16,kasoku:int8,optimum-intel:default"
+# kasoku's int8 contenders: (the VAE decoder's precision, int8_activations, int4_weights); the text encoder and the
+# transformer are int8 in each
+INT8_VARIANTS = {"int8": ("bf16", (), ()), "int8-decoder": ("int8", ("vae_decoder",), ()),
+                 "int4-text": ("bf16", (), ("text_encoder",)),
+                 "int4-text-decoder": ("int8", ("vae_decoder",), ("text_encoder",))}
 STAGES = {"text_encoder": ("text_encoder", "forward"), "transformer": ("transformer", "forward"),
           "vae_decoder": ("vae", "decode")}
 PEER_ENV = "optimum-intel"  # optimum-intel and openvino.genai, in one environment
@@ -284,15 +290,16 @@ def stage_kasoku(args, precision: str) -> dict:
     if args.fresh_cache:
         shutil.rmtree(cache, ignore_errors=True)
     components = ("text_encoder", "transformer", "vae_decoder")
-    chosen = {"text_encoder": "int8", "transformer": "int8", "vae_decoder": "bf16"} if precision == "int8" \
-        else dict.fromkeys(components, "int8") if precision == "int8-decoder" else precision
-    activations = ("vae_decoder",) if precision == "int8-decoder" else ()
+    chosen, activations, int4 = precision, (), ()
+    if precision in INT8_VARIANTS:
+        decoder, activations, int4 = INT8_VARIANTS[precision]
+        chosen = {"text_encoder": "int8", "transformer": "int8", "vae_decoder": decoder}
     profile = ShapeProfile.exact(ImageShape(1, args.size, args.size), guidance=False, multiple=32)
     read = {"torch_dtype": torch.bfloat16} if kasoku_reads_bf16(args) else {}
     start = time.perf_counter()
     pipe = kasoku.KasokuPipeline.from_pretrained(folder, backend="openvino", precision=chosen, profile=profile,
                                                  components=components, cache_dir=cache, threads=args.threads,
-                                                 int8_activations=activations, **read)
+                                                 int8_activations=activations, int4_weights=int4, **read)
     compile_s = time.perf_counter() - start
     pipe.set_progress_bar_config(disable=True)
     peak_compile = _peak_mb()

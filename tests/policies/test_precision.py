@@ -270,6 +270,60 @@ def test_int8_activations_are_refused_where_they_cannot_be_built_or_miss_the_con
 
 
 @pytest.mark.integration
+def test_int4_weights_are_int4_in_the_engine_and_keep_int8s_contract(tiny_dir, tiny_pipe, fp32_openvino,
+                                                                      precision_cache, tmp_path, monkeypatch):
+    """`--int4-weights text_encoder`: the text encoder's linear layers run on int4 weights (the last one and the
+    embeddings in int8, NNCF's backup), its engine within int8's relative error, the images within int8's contract
+    against the fp32 engines; the other int8 engines are int8's. Refused before any work where int4 cannot apply,
+    and with the remedy where its engine misses the contract."""
+    from dataclasses import replace
+
+    import kasoku.core.parity
+    from kasoku.core.options import InvalidOptions
+    from kasoku.core.parity import ParityError
+
+    out = tmp_path / "compile.json"
+    assert main(["compile", str(tiny_dir), "--backend", "openvino", "--precision", "int8", "--int4-weights",
+                 "text_encoder", "--components", "text_encoder", "--cache-dir", str(precision_cache),
+                 "--json", str(out)]) == 0
+    built = next(s for s in json.loads(out.read_text())["stages"] if s["stage"] == "engine")
+    assert built["component"] == "text_encoder" and built["detail"]["int8"]["recipe"] == "int4-weights"
+
+    fast = kasoku.compile(tiny_pipe, "openvino", precision="int8", int4_weights=["text_encoder"],
+                          cache_dir=precision_cache)
+    text = next(s for s in fast.compile_report.stages if s.component == "text_encoder" and s.stage == "engine")
+    assert text.detail["int8"]["recipe"] == "int4-weights"
+    unet = next(s for s in fast.compile_report.stages if s.component == "unet" and s.stage == "engine")
+    assert unet.detail["int8"]["recipe"] == "full"
+    linear = linear_layer_precisions(fast.engines["text_encoder"])
+    assert "u4" in linear and "u4" not in linear_layer_precisions(fast.engines["unet"]), linear
+    expected, actual = _images(fp32_openvino), _images(fast)
+    contract = TOLERANCES[Precision.INT8]
+    assert psnr(expected, actual) >= contract.image_psnr_db and ssim(expected, actual) >= contract.image_ssim
+
+    def compile_(**options):
+        return kasoku.compile(tiny_pipe, "openvino", cache_dir=precision_cache, **options)
+
+    with pytest.raises(InvalidOptions, match="`int4_weights` names unet, whose int8 quantizes its activations too"):
+        compile_(precision="int8", int4_weights=["unet"])
+    with pytest.raises(InvalidOptions, match="`int4_weights` names vae_decoder, whose int8 quantizes its activations"):
+        compile_(precision="int8", int8_activations=["vae_decoder"], int4_weights=["vae_decoder"])
+    with pytest.raises(InvalidOptions, match="`int4_weights` names text_encoder, whose precision is bf16"):
+        compile_(precision={"text_encoder": "bf16", "unet": "int8", "vae_decoder": "int8", "vae_encoder": "int8"},
+                 int4_weights=["text_encoder"])
+    with pytest.raises(InvalidOptions, match="`int4_weights` names text_encoder_2, which this compile does not build"):
+        compile_(precision="int8", int4_weights=["text_encoder_2"])
+
+    strict = {**kasoku.core.parity.TOLERANCES, Precision.INT8: replace(TOLERANCES[Precision.INT8], rel_error=1e-4)}
+    monkeypatch.setattr(kasoku.core.parity, "TOLERANCES", strict)
+    with pytest.raises(ParityError, match=r"(?s)the int8 engine of text_encoder with int4 weights misses int8's "
+                                          r"contract.*leave it out of `int4_weights`") as missed:
+        kasoku.compile(tiny_pipe, "openvino", precision="int8", components=["text_encoder"],
+                       int4_weights=["text_encoder"], cache_dir=tmp_path / "cache")
+    assert "bug in the export" not in str(missed.value)
+
+
+@pytest.mark.integration
 @needs_bf16
 def test_verify_checks_the_contract_and_fails_when_it_is_broken(tiny_dir, precision_cache, tmp_path, monkeypatch):
     out = tmp_path / "v.json"

@@ -1,12 +1,17 @@
 """int8 through NNCF, the OpenVINO toolkit's own quantizer (no hand-written quantizer here).
 
-Two recipes, chosen per component by its spec (`ComponentSpec.int8`):
+Three recipes, chosen per component by its spec (`ComponentSpec.int8`):
 
 - "weights" (text encoders, the VAE, the ControlNets): weight-only int8 (`nncf.compress_weights`, INT8_ASYM),
   data-free. OpenVINO's CPU plugin runs compressed MatMul weights in its FullyConnected kernels: where the CPU has
   VNNI or AMX it quantizes their activations on the fly (by groups of channels, `openvino.DYNAMIC_QUANTIZATION_GROUP`)
   and multiplies in int8, else it widens the weights inside its bf16 or fp32 kernels; compressed convolutions are
   decompressed when the model is compiled, so they save disk and memory, not time.
+- "int4-weights" (an LLM text encoder, where `CompileOptions.int4_weights` names it): weight-only int4 (INT4_ASYM,
+  groups of 128 input channels, NNCF's defaults for LLMs), data-free; the embeddings and the last layer stay in int8
+  (NNCF's backup mode). Half the bytes of int8 weights, for the text encoders that are most of a new family's
+  weights; OpenVINO's FullyConnected kernels decompress the groups in their tiles, so the time follows the bytes
+  where the product is memory-bound (a short prompt) and int8's where it is not.
 - "full" (the denoisers: U-Net and transformers): int8 weights and activations for every layer NNCF quantizes
   (convolutions, linear layers, the attention's products), calibrated on the denoiser's inputs recorded during the
   pipeline's own denoising runs (see :mod:`kasoku.policies.calibration`): preset MIXED, transformer model type, no
@@ -45,7 +50,9 @@ from typing import Any
 from ..core.errors import KasokuError
 
 NNCF_EXTRA = "pip install 'kasoku[openvino]'"
-RECIPES = ("weights", "full")
+INT4_RECIPE = "int4-weights"
+RECIPES = ("weights", INT4_RECIPE, "full")
+INT4_GROUP = 128  # input channels per int4 scale: NNCF's default for LLM weights
 CALIBRATED = ("full",)  # the recipes that quantize activations, on recorded inputs
 # Bumped when a recipe quantizes other layers than before: it is part of every int8 engine's key.
 # 2: weights behind a Transpose are quantized (fold_weight_transposes); "full" replaces "hybrid".
@@ -113,6 +120,18 @@ def weights_only(model):
     nncf = _nncf()
     with _quiet():
         return nncf.compress_weights(model, mode=nncf.CompressWeightsMode.INT8_ASYM)
+
+
+def int4_weights_only(model):
+    """int4 weights (asymmetric, by groups of INT4_GROUP input channels), the embeddings and the last layer in int8;
+    data-free."""
+    nncf = _nncf()
+    # a layer narrower than a group, or not a multiple of one, gets the largest power-of-two group that divides it
+    # (at least 32 channels), else int8 weights
+    adjusted = nncf.AdvancedCompressionParameters(group_size_fallback_mode=nncf.GroupSizeFallbackMode.ADJUST)
+    with _quiet():
+        return nncf.compress_weights(model, mode=nncf.CompressWeightsMode.INT4_ASYM, group_size=INT4_GROUP, ratio=1.0,
+                                     backup_mode=nncf.BackupMode.INT8_ASYM, advanced_parameters=adjusted)
 
 
 def overflow_fix() -> str:
@@ -195,10 +214,12 @@ def full(model, samples: Sequence[dict[str, Any]]):
 
 
 def quantize(model, recipe: str, samples: Sequence[dict[str, Any]] | None = None):
-    """The int8 model of `recipe` ("weights" or "full")."""
-    if recipe not in RECIPES:
+    """The int8 model of `recipe` (one of RECIPES)."""
+    quantizers = {"weights": weights_only, INT4_RECIPE: int4_weights_only,
+                  "full": lambda graph: full(graph, samples or [])}
+    if recipe not in quantizers:
         raise ValueError(f"unknown int8 recipe {recipe!r}; recipes are {RECIPES}")
-    return quantized_as_read(model, weights_only if recipe == "weights" else lambda graph: full(graph, samples or []))
+    return quantized_as_read(model, quantizers[recipe])
 
 
 def quantized_as_read(model, quantizer: Callable[[Any], Any]):

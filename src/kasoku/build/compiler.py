@@ -39,7 +39,7 @@ import torch
 
 from ..backends import Engine, UnsupportedPrecision, cpu_candidates, get_backend, gpu_candidates
 from ..backends.base import Backend, Source, cpu_name
-from ..backends.int8 import CALIBRATED
+from ..backends.int8 import CALIBRATED, INT4_RECIPE
 from ..core.cache import Cache, CacheEntry, CacheError, default_cache_dir, digest_key, file_sha256
 from ..core.components import ComponentSpec, Precision, ShapeProfile, traced_shapes
 from ..core.errors import KasokuError
@@ -514,6 +514,11 @@ class Compiler:
                     f"pipeline's runs) misses int8's contract against torch:\n  {error.failed}\nIts activations do "
                     f"not quantize within the contract: build it in bf16, or with int8 weights only (for a component "
                     f"other than the denoiser: leave it out of `int8_activations`).", failed=error.failed) from None
+            if precision == Precision.INT8 and spec.int8 == INT4_RECIPE:
+                raise ParityError(
+                    f"the int8 engine of {spec.name} with int4 weights misses int8's contract against torch:\n  "
+                    f"{error.failed}\nIts weights do not quantize to int4 within the contract: leave it out of "
+                    f"`int4_weights` (int8 weights).", failed=error.failed) from None
             raise error
 
     def _load(self, spec: ComponentSpec, backend: Backend, entry: CacheEntry, precision: Precision) -> Engine | None:

@@ -287,6 +287,11 @@ def add_backend_arguments(parser: argparse.ArgumentParser) -> None:
                              "CPU). The engine is checked against torch within int8's relative error, or refused; "
                              "`kasoku verify` holds the images to the contract (default: none; their int8 is "
                              "weights only)")
+    parser.add_argument("--int4-weights", nargs="+", type=component_name, default=(), metavar="COMPONENT",
+                        help="with --precision int8: components whose weights are int4 (asymmetric, by groups of 128 "
+                             "input channels; the embeddings int8) instead of int8, half their bytes: an LLM text "
+                             "encoder (text_encoder). Weight-only components only; the engine is held to int8's "
+                             "contract against torch, or refused (default: none)")
 
 
 def add_recipe(parser: argparse.ArgumentParser) -> None:
@@ -402,6 +407,7 @@ def options_from_args(args: argparse.Namespace, profile=None, *, cuda_graph: boo
         keep_intermediate=getattr(args, "keep_intermediate", False),
         lora_targets=getattr(args, "lora_targets", None) or (),
         int8_activations=getattr(args, "int8_activations", ()),
+        int4_weights=getattr(args, "int4_weights", ()),
         step_cache=getattr(args, "step_cache", False),
         cache_branch=getattr(args, "cache_branch", CompileOptions.cache_branch),
         cuda_graph=getattr(args, "cuda_graph", False) if cuda_graph is None else cuda_graph,

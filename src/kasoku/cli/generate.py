@@ -386,7 +386,8 @@ class Batch(Command):
             ("attention" if any(job.loras for job in jobs) else ())
         options = CompileOptions(backend=args.backend, precision=args.precision, min_psnr=args.min_psnr,
                                  cache_dir=args.cache_dir, threads=threads, lora_targets=targets,
-                                 int8_activations=args.int8_activations, cache_branch=args.cache_branch,
+                                 int8_activations=args.int8_activations, int4_weights=args.int4_weights,
+                                 cache_branch=args.cache_branch,
                                  recipe=args.recipe)
         check_recipe_arguments(args)
         check_backend(options)

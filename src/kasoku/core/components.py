@@ -327,7 +327,7 @@ class ComponentSpec:
     graph_kind: str = ""  # what ONNX Runtime's transformer optimizer calls this graph: clip, unet, vae
     fp16_keep_ops: tuple[str, ...] = ()  # ops that overflow in fp16 in this component, kept fp32
     modules: tuple[str, ...] = ()  # the pipeline attributes whose weights it uses ("vae", "unet", ...)
-    int8: str = "weights"  # int8 recipe (kasoku.backends.int8): "weights", or "full" (calibrated activations)
+    int8: str = "weights"  # int8 recipe (kasoku.backends.int8): "weights", "int4-weights", or "full" (activations)
     int8_note: str = field(default="", compare=False)  # why a denoiser's int8 is weights only (said when int8 is asked)
     # the calibration plan's fields its pipeline's calls need (a distilled model's steps and guidance; see
     # kasoku.core.options.CalibrationPlan): the calls it is calibrated on are calls its pipeline takes

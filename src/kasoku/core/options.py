@@ -66,6 +66,8 @@ class CompileOptions:
     # int8: components besides the denoisers whose activations are quantized too, calibrated on their own calls in
     # the pipeline's runs (the VAE decoder: its convolutions in int8); their int8 is otherwise weights only
     int8_activations: tuple[str, ...] = ()
+    # int8: components whose weights are int4 instead (by groups; an LLM text encoder), held to int8's contract
+    int4_weights: tuple[str, ...] = ()
     keep_intermediate: bool = False  # keep what engines were only built through (calibration engines)
     # modules whose weights stay engine inputs, bound once per LoRA adapter set (a switch in seconds); a preset
     # name of LORA_TARGET_PRESETS or module names; empty: every weight is a constant of its engine
@@ -88,8 +90,9 @@ class CompileOptions:
             set_(self, "backend", dict(self.backend))
         if self.components is not None:
             set_(self, "components", tuple(self.components))
-        set_(self, "int8_activations", (self.int8_activations,) if isinstance(self.int8_activations, str)
-             else tuple(self.int8_activations))
+        for name in ("int8_activations", "int4_weights"):
+            value = getattr(self, name)
+            set_(self, name, (value,) if isinstance(value, str) else tuple(value))
         set_(self, "lora_targets", lora_targets(self.lora_targets))
         for name in ("cache_dir", "onnx_dir"):
             value = getattr(self, name)

@@ -65,6 +65,9 @@ TOLERANCES: dict[Precision | str, Tolerance] = {
     # which the tiny U-Net (narrow channels, random weights) needs at 0.056: its bound stays 1e-1.
     Precision.BF16: Tolerance(rel_to_peak=None, rel_error=1e-1, image_psnr_db=40.0, image_ssim=0.99, image_steps=20,
                               image_reference="fp32 engines"),
+    # int8 with int4 weights (`CompileOptions.int4_weights`) is held to int8's bounds: on the LLM text encoders at full
+    # width with random weights (full_modern.py --tag int4, 2026-12-07) 4 of their layers gave relative errors 0.30
+    # (Gemma 2, 300 tokens) and 0.51 (Qwen3-4B, 512) against int8 weights' 0.029 and 0.055: their engines are refused.
     Precision.INT8: Tolerance(rel_to_peak=None, rel_error=2e-1, image_psnr_db=32.0, image_ssim=0.97, image_steps=20,
                               image_reference="fp32 engines"),
     # Measured at full size (full_sd15.py --stages deepcache: SD 1.5, 512x512, 20 steps with guidance, OpenVINO fp32,

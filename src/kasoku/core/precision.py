@@ -12,7 +12,8 @@ class Precision(str, Enum):
     bf16: bfloat16 compute (OpenVINO on CPUs with native bf16, AVX512-BF16 or AMX; TensorRT).
     int8: NNCF's int8 on OpenVINO: the denoiser (U-Net, SD3's and Flux's transformers) in int8
     weights and activations, calibrated on the pipeline's own denoising runs; text encoders and VAE:
-    weights only. What is not quantized computes in bf16 where the CPU has it natively, else fp32."""
+    weights only (int4 weights where `CompileOptions.int4_weights` names a component, held to int8's contract).
+    What is not quantized computes in bf16 where the CPU has it natively, else fp32."""
 
     FP32 = "fp32"
     FP16 = "fp16"

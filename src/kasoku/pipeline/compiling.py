@@ -31,7 +31,7 @@ from ..core.options import FASTEST, CompileOptions, InvalidOptions, Precision
 from ..core.weights import run_time_weights
 from ..model.loading import model_label
 from ..model.pipeline_model import Model
-from ..policies import calibration
+from ..policies import calibration, quantization
 from ..policies.fastest import choose_precisions
 
 __all__ = ["NotEnoughMemory", "available_memory", "compile_components", "precision_notes"]
@@ -70,7 +70,7 @@ def compile_components(
     asked = options.precision_label
     if options.precision == FASTEST:
         options, notes = _fastest(model, specs, options, cache, on_stage)
-    specs = calibration.with_activations(model, specs, options)
+    specs = quantization.with_int4_weights(calibration.with_activations(model, specs, options), options)
     check_lora_targets(model, specs, options)
     check_bf16_backends(specs, options)
     compiler = Compiler(cache, options, on_stage=on_stage, label=label)

@@ -29,6 +29,7 @@ from ..core.options import CalibrationPlan, CompileOptions, InvalidOptions  # th
 from ..core.weights import numpy_of
 from ..model.pipeline_model import Model
 from ..runtime.engine_pipelines import EnginePipelines
+from .quantization import int8_components
 
 CALIBRATION_FILE = "calibration.npz"
 DECODER = "vae_decoder"  # the component past the denoising loop: its calibration runs decode their latents
@@ -148,23 +149,15 @@ def with_activations(model: Model, specs: dict[str, ComponentSpec], options: Com
     (activations in int8 too), calibrated on CALIBRATION_RUNS of the pipeline's text-to-image runs with its
     denoiser's steps and guidance. Refused before any work where the compile does not build the component in int8,
     or text-to-image does not run it (no call to record)."""
-    if not options.int8_activations:
+    names = int8_components("int8_activations", specs, options)
+    if not names:
         return specs
-    missing = [name for name in options.int8_activations if name not in specs]
-    if missing:
-        raise InvalidOptions(f"`int8_activations` names {', '.join(missing)}, which this compile does not build: it "
-                             f"builds {', '.join(specs)}.")
     ran = model.family.task_components("txt2img", model)
     denoiser = next((specs[name] for name in model.family.denoiser_components(model) if name in specs), None)
     plan = {**(denoiser.calibration if denoiser is not None else {}),
             "samples": min(options.calibration_samples, CALIBRATION_RUNS)}
     chosen = dict(specs)
-    for name in options.int8_activations:
-        precision = options.precision_of(name)
-        if precision != Precision.INT8:
-            raise InvalidOptions(f"`int8_activations` names {name}, whose precision is {precision.value}: only an "
-                                 f"int8 engine has int8 activations. Compile {name} in int8 (precision 'int8', or "
-                                 f"int8 for it in a mapping) or leave it out of `int8_activations`.")
+    for name in names:
         if name not in ran:
             raise InvalidOptions(f"`int8_activations` names {name}, which text-to-image does not run: its int8 "
                                  f"activations are calibrated on its calls in text-to-image runs. Leave it out.")

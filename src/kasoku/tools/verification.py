@@ -168,7 +168,7 @@ def image_parity(reference: Model, pipe: KasokuPipeline, precision: Precision, o
     else:
         kwargs = {"on_stage": on_stage} if on_stage else {}
         fp32 = (options or CompileOptions()).replace(precision=Precision.FP32, profile=pipe.profile,
-                                                     int8_activations=())
+                                                     int8_activations=(), int4_weights=())
         expected_pipe, prompts = compile(reference, options=fp32, **kwargs), FIDELITY_PROMPTS
         expected_extra = extra
 
