@@ -427,7 +427,9 @@ def markdown(report: dict) -> str:
                          + (f", its peak {run['export_peak_mb'] / 1024:.1f} GiB" if run.get("export_peak_mb") else "")
                          + (f"; weights {run['weights']}" if run.get("weights") else ""))
         if run.get("precisions"):
-            built = sum(seconds for _c, _stage, _status, seconds in run.get("compile_stages", []))
+            # a calibration's own builds ("calibration engine", ...) are inside its "calibrate" stage's seconds
+            built = sum(seconds for _c, stage, _status, seconds in run.get("compile_stages", [])
+                        if not stage.startswith("calibration "))
             lines.append(f"- {name}: " + ", ".join(f"{c} {run['backends'].get(c)} {p}" for c, p in
                                                    run["precisions"].items())
                          + f"; cold start {run['compile_s']:.0f} s, of which exports, calibration and engine builds "

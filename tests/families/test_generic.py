@@ -745,12 +745,14 @@ def test_reduced_precisions_keep_their_contract_on_more_families(family, precisi
 
 
 @pytest.mark.integration
-def test_a_pipeline_read_in_bf16_builds_bf16_graphs_and_is_left_in_bf16(generic_cache, tmp_path):
+def test_a_pipeline_read_in_bf16_builds_bf16_graphs_and_is_left_in_bf16(generic_cache, tmp_path, monkeypatch):
     """A generic pipeline in bf16 (a live one, and a folder read with diffusers' `torch_dtype`) compiles bf16 graphs:
     the weights, the engines' inputs and outputs and their compute in bf16 (half the memory of fp32 at full size),
     images as close to diffusers' own bf16 pipeline as bf16 engines are to fp32; fp32 asked of it builds bf16 and
     says why; int8 is quantized from the bf16 weights (the transformer calibrated on its bf16 calls) within int8's
-    contract; a backend without bf16 is refused before a graph is built; the user's pipeline stays in bf16."""
+    contract; a backend without bf16 is refused before a graph is built; the user's pipeline stays in bf16. int4
+    weights asked for a recorded text encoder whose engine misses the contract are refused with the remedy (a
+    recorded component does not stay in torch for a quantization the user named)."""
     from kasoku.core.options import InvalidOptions
     from kasoku.core.parity import TOLERANCES, Precision
     from tests.conftest import linear_layer_precisions
@@ -788,6 +790,14 @@ def test_a_pipeline_read_in_bf16_builds_bf16_graphs_and_is_left_in_bf16(generic_
     contract = TOLERANCES[Precision.INT8]
     call = _arguments(pipe, num_inference_steps=contract.image_steps)
     assert psnr(_images(pipe, **call).astype(np.float32), _images(int8, **call)) >= contract.image_psnr_db
+    from kasoku.core.parity import QuantizationMissed
+
+    strict = {**TOLERANCES, Precision.INT8: dataclasses.replace(contract, rel_error=1e-4)}
+    monkeypatch.setattr("kasoku.core.parity.TOLERANCES", strict)
+    with pytest.raises(QuantizationMissed, match=r"(?s)text_encoder with int4 weights misses.*out of `int4_weights`"):
+        kasoku.compile(pipe, "openvino", precision="int8", int4_weights=["text_encoder"], profile=_profile(pipe),
+                       cache_dir=cache)
+    monkeypatch.undo()
 
     folder = tmp_path / "pixart"
     tiny_family_pipeline("pixart-sigma").save_pretrained(folder)

@@ -46,7 +46,7 @@ from ..core.errors import KasokuError
 from ..core.extras import import_onnxruntime
 from ..core.memory import NotEnoughMemory
 from ..core.options import FASTEST, CalibrationPlan, CompileOptions, InvalidOptions
-from ..core.parity import ParityError, parity_against_torch, raise_on_failure
+from ..core.parity import ParityError, QuantizationMissed, parity_against_torch, raise_on_failure
 from ..core.weights import (
     GraphWeight,
     bind_named_parts,
@@ -503,19 +503,20 @@ class Compiler:
         try:
             return engine_parity(spec, engine, precision, self.references, shapes)
         except ParityError as error:
-            for stage, entry in zip(("export", "optimization"), sources):
+            # a graph read in bf16 cannot run in ONNX Runtime (no bf16 CPU kernels, and numpy has no bf16 to bind)
+            for stage, entry in zip(("export", "optimization"), sources if not spec.in_bf16 else ()):
                 graph = entry.file(ONNX_FILE)
                 bound = None if weights is None else module_weights(spec, onnx.load(str(graph)))
                 check_onnx_parity(spec, graph, shapes, stage=stage, weights=bound,
                                   precision=Precision.FP32 if stage == "export" else precision)
             if precision == Precision.INT8 and spec.int8 in CALIBRATED:  # the graphs match: quantization drifted
-                raise ParityError(
+                raise QuantizationMissed(
                     f"the int8 engine of {spec.name} (weights and activations in int8, calibrated on its calls in the "
                     f"pipeline's runs) misses int8's contract against torch:\n  {error.failed}\nIts activations do "
                     f"not quantize within the contract: build it in bf16, or with int8 weights only (for a component "
                     f"other than the denoiser: leave it out of `int8_activations`).", failed=error.failed) from None
             if precision == Precision.INT8 and spec.int8 == INT4_RECIPE:
-                raise ParityError(
+                raise QuantizationMissed(
                     f"the int8 engine of {spec.name} with int4 weights misses int8's contract against torch:\n  "
                     f"{error.failed}\nIts weights do not quantize to int4 within the contract: leave it out of "
                     f"`int4_weights` (int8 weights).", failed=error.failed) from None
@@ -620,6 +621,7 @@ class Compiler:
                 engines[name] = engine or self.engine(spec, chosen[name])
             except _stays_in_torch(spec) as error:
                 _raise_refusal(error)
+                self._raise_asked_quantization(spec, error)
                 at_one_shape = self._at_one_shape(spec, error)
                 if at_one_shape is None:
                     chosen[name] = "torch"
@@ -628,6 +630,13 @@ class Compiler:
             if on_done:
                 on_done(name)
         return engines, chosen
+
+    def _raise_asked_quantization(self, spec: ComponentSpec, error: BaseException) -> None:
+        """A quantization the options asked for by name that misses the contract is refused with its remedy: the
+        user asked for that engine, not for the component in torch."""
+        asked = (*self.options.int8_activations, *self.options.int4_weights)
+        if isinstance(error, QuantizationMissed) and spec.name in asked:
+            raise error
 
     def _at_one_shape(self, spec: ComponentSpec, error: Exception) -> tuple[str, Engine] | None:
         """The engine of `spec`'s one-shape graph, where its dynamic one failed with `error` (`one_shape` says

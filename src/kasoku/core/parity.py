@@ -102,6 +102,12 @@ class ParityError(KasokuError, AssertionError):
         self.failed = failed
 
 
+class QuantizationMissed(ParityError):
+    """An int8 engine whose graphs match torch but whose quantization misses int8's contract (the message names the
+    remedy). Where an option asked for that quantization (`int8_activations`, `int4_weights`), it is a refusal: a
+    component compiled from recorded calls does not stay in torch for it."""
+
+
 @dataclass
 class OutputParity:
     component: str
