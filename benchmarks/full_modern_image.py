@@ -27,12 +27,12 @@ Contenders:
 - `kasoku:bf16`, `kasoku:int8`: `KasokuPipeline.from_pretrained(folder, backend="openvino", precision=...,
   profile=<this exact shape>)`, a cold compile (timed: the recording of the pipeline's calls, exports, builds), then
   the calls; then the same from the warm cache in a new process (timed: what every later start costs). The first
-  kasoku contender starts from an empty cache; the next reuses its recording and graphs, as a user's second
-  precision does (the report says which started empty). int8 is kasoku's per component: the denoiser's and text
-  encoder's weights in int8, the VAE in bf16. `kasoku:int8-decoder` is int8 with the VAE decoder's activations in
-  int8 too (`int8_activations=("vae_decoder",)`: calibrated on the images the pipeline decodes, its convolutions in
-  int8). `kasoku:int4-text` and `kasoku:int4-text-decoder` are `int8` and `int8-decoder` with the LLM text encoder's
-  weights in int4 (`int4_weights=("text_encoder",)`).
+  kasoku contender starts from an empty cache (`--keep-cache`: from the one an earlier run left); the next reuses its
+  recording and graphs, as a user's second precision does (the report says which started empty). int8 is kasoku's per
+  component: the denoiser's and text encoder's weights in int8, the VAE in bf16. `kasoku:int8-decoder` is int8 with
+  the VAE decoder's activations in int8 too (`int8_activations=("vae_decoder",)`: calibrated on the images the
+  pipeline decodes, its convolutions in int8). `kasoku:int4-text` and `kasoku:int4-text-decoder` are `int8` and
+  `int8-decoder` with the LLM text encoder's weights in int4 (`int4_weights=("text_encoder",)`).
 - `optimum-intel:default`: `optimum-cli export openvino` of the same folder (timed) and its OVDiffusionPipeline with
   its defaults (benchmarks/peer_modern.py, in benchmarks/.peers/optimum-intel, made when missing).
 - `openvino-genai:default`: openvino.genai's Text2ImagePipeline on that export, its defaults; it takes a seed, not
@@ -463,6 +463,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--reuse", type=lambda text: [c for c in text.split(",") if c], default=[],
                         help="contenders an earlier run in --work measured (its report.json), read instead of run: "
                              "e.g. --reuse diffusers:fp32,optimum-intel:default --contenders kasoku:int8")
+    parser.add_argument("--keep-cache", action="store_true",
+                        help="the first kasoku contender starts from the kasoku cache an earlier run left in --work "
+                             "(its recording, graphs and engines), not from an empty one: its cold start then says "
+                             "so (default: empty, a user's first compile)")
     parser.add_argument("--smoke", action="store_true", help="toy widths at 256x256 (a check of this script; results "
                                                               "under /tmp/kasoku-full_modern_image-smoke)")
     parser.add_argument("--contender", help=argparse.SUPPRESS)
@@ -509,7 +513,7 @@ def main(argv: list[str] | None = None) -> int:
               str(args.repeats), "--threads", str(args.threads), "--work", str(args.work),
               "--kasoku-reads", args.kasoku_reads,
               *(["--smoke"] if args.smoke else [])]
-    fresh = ["--fresh-cache"]  # the first kasoku contender starts from an empty cache
+    fresh = [] if args.keep_cache else ["--fresh-cache"]  # the first kasoku contender starts from an empty cache
     for contender in args.reuse:  # measured by an earlier run in this work folder: read, not run again
         report["contenders"][contender] = json.loads((args.work / "report.json").read_text())["contenders"][contender]
     for contender in args.contenders.split(","):
