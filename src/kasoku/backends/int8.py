@@ -10,8 +10,10 @@ Three recipes, chosen per component by its spec (`ComponentSpec.int8`):
 - "int4-weights" (an LLM text encoder, where `CompileOptions.int4_weights` names it): weight-only int4 (INT4_ASYM,
   groups of 128 input channels, NNCF's defaults for LLMs), data-free; the embeddings and the last layer stay in int8
   (NNCF's backup mode). Half the bytes of int8 weights, for the text encoders that are most of a new family's
-  weights; OpenVINO's FullyConnected kernels decompress the groups in their tiles, so the time follows the bytes
-  where the product is memory-bound (a short prompt) and int8's where it is not.
+  weights. Held to int8's contract: on Gemma 2 and Qwen3-4B at full width with random weights it missed it (four
+  layers: relative errors 0.30 and 0.51; Gemma 2 whole: 0.43) and ran no faster than int8 weights on a Xeon with AMX
+  at 77 to 512 tokens (docs/BENCHMARKS.md), so its engines were refused there; a trained checkpoint's weights may
+  quantize otherwise.
 - "full" (the denoisers: U-Net and transformers): int8 weights and activations for every layer NNCF quantizes
   (convolutions, linear layers, the attention's products), calibrated on the denoiser's inputs recorded during the
   pipeline's own denoising runs (see :mod:`kasoku.policies.calibration`): preset MIXED, transformer model type, no

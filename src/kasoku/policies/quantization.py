@@ -41,6 +41,6 @@ def with_int4_weights(specs: dict[str, ComponentSpec], options: CompileOptions) 
             raise InvalidOptions(f"`int4_weights` names {name}, whose int8 quantizes its activations too "
                                  f"({specs[name].int8!r} recipe: a denoiser's, or `int8_activations`'): int4 is a "
                                  f"weight-only recipe, for the text encoders and other components in int8 weights. "
-                                 f"Leave {name} out of one of them.")
+                                 f"Leave {name} out of `int4_weights` (or out of `int8_activations`).")
         chosen[name] = replace(specs[name], int8=INT4_RECIPE)
     return chosen
