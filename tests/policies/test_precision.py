@@ -6,6 +6,7 @@ kasoku's fp32 engines at 20 steps with the same latents."""
 
 from __future__ import annotations
 
+import functools
 import json
 
 import numpy as np
@@ -33,6 +34,12 @@ def precision_cache(tiny_cache):
 @pytest.fixture(scope="module")
 def fp32_openvino(tiny_pipe, precision_cache):
     return kasoku.compile(tiny_pipe, "openvino", cache_dir=precision_cache)
+
+
+@pytest.fixture
+def on_openvino(tiny_pipe, precision_cache):
+    """`kasoku.compile` of the tiny pipeline on OpenVINO into the session cache, with the options given to it."""
+    return functools.partial(kasoku.compile, tiny_pipe, "openvino", cache_dir=precision_cache)
 
 
 def _images(pipe, prompt="a photo of a cat", steps=20):
@@ -245,7 +252,7 @@ def test_int8_is_calibrated_once_and_keeps_its_contract(tiny_pipe, fp32_openvino
     assert psnr(expected, actual) >= contract.image_psnr_db and ssim(expected, actual) >= contract.image_ssim
 
 
-def test_int8_activations_are_refused_where_they_cannot_be_built_or_miss_the_contract(tiny_pipe, precision_cache):
+def test_int8_activations_are_refused_where_they_cannot_be_built_or_miss_the_contract(on_openvino):
     """Refused before any work: a component the compile does not build, one not in int8, one text-to-image never
     runs (nothing to calibrate on). The tiny U-Net's latents reach hundreds, so the decoder calibrated on them
     quantizes the engine check's unit-scale latents far outside int8's contract: refused with the remedy, not
@@ -253,24 +260,21 @@ def test_int8_activations_are_refused_where_they_cannot_be_built_or_miss_the_con
     from kasoku.core.options import InvalidOptions
     from kasoku.core.parity import ParityError
 
-    def compile_(**options):
-        return kasoku.compile(tiny_pipe, "openvino", cache_dir=precision_cache, **options)
-
     with pytest.raises(InvalidOptions, match="names vae_decoder, which this compile does not build: it builds unet"):
-        compile_(precision="int8", components=["unet"], int8_activations=["vae_decoder"])
+        on_openvino(precision="int8", components=["unet"], int8_activations=["vae_decoder"])
     with pytest.raises(InvalidOptions, match="names vae_decoder, whose precision is bf16: only an int8 engine"):
-        compile_(precision={"text_encoder": "int8", "unet": "int8", "vae_decoder": "bf16", "vae_encoder": "int8"},
-                 int8_activations=["vae_decoder"])
+        on_openvino(precision={"text_encoder": "int8", "unet": "int8", "vae_decoder": "bf16", "vae_encoder": "int8"},
+                    int8_activations=["vae_decoder"])
     with pytest.raises(InvalidOptions, match="names vae_encoder, which text-to-image does not run"):
-        compile_(precision="int8", int8_activations=["vae_encoder"])
+        on_openvino(precision="int8", int8_activations=["vae_encoder"])
     with pytest.raises(ParityError, match=r"(?s)the int8 engine of vae_decoder \(weights and activations in int8.*"
                                           r"misses int8's contract.*leave it out of `int8_activations`") as missed:
-        compile_(precision="int8", int8_activations=["vae_decoder"])
+        on_openvino(precision="int8", int8_activations=["vae_decoder"])
     assert "bug in the export" not in str(missed.value)
 
 
 @pytest.mark.integration
-def test_int4_weights_are_int4_in_the_engine_and_keep_int8s_contract(tiny_dir, tiny_pipe, fp32_openvino,
+def test_int4_weights_are_int4_in_the_engine_and_keep_int8s_contract(tiny_dir, tiny_pipe, fp32_openvino, on_openvino,
                                                                       precision_cache, tmp_path, monkeypatch):
     """`--int4-weights text_encoder`: the text encoder's linear layers run on int4 weights (the last one and the
     embeddings in int8, NNCF's backup), its engine within int8's relative error, the images within int8's contract
@@ -289,8 +293,7 @@ def test_int4_weights_are_int4_in_the_engine_and_keep_int8s_contract(tiny_dir, t
     built = next(s for s in json.loads(out.read_text())["stages"] if s["stage"] == "engine")
     assert built["component"] == "text_encoder" and built["detail"]["int8"]["recipe"] == "int4-weights"
 
-    fast = kasoku.compile(tiny_pipe, "openvino", precision="int8", int4_weights=["text_encoder"],
-                          cache_dir=precision_cache)
+    fast = on_openvino(precision="int8", int4_weights=["text_encoder"])
     text = next(s for s in fast.compile_report.stages if s.component == "text_encoder" and s.stage == "engine")
     assert text.detail["int8"]["recipe"] == "int4-weights"
     unet = next(s for s in fast.compile_report.stages if s.component == "unet" and s.stage == "engine")
@@ -301,18 +304,15 @@ def test_int4_weights_are_int4_in_the_engine_and_keep_int8s_contract(tiny_dir, t
     contract = TOLERANCES[Precision.INT8]
     assert psnr(expected, actual) >= contract.image_psnr_db and ssim(expected, actual) >= contract.image_ssim
 
-    def compile_(**options):
-        return kasoku.compile(tiny_pipe, "openvino", cache_dir=precision_cache, **options)
-
     with pytest.raises(InvalidOptions, match="`int4_weights` names unet, whose int8 quantizes its activations too"):
-        compile_(precision="int8", int4_weights=["unet"])
+        on_openvino(precision="int8", int4_weights=["unet"])
     with pytest.raises(InvalidOptions, match="`int4_weights` names vae_decoder, whose int8 quantizes its activations"):
-        compile_(precision="int8", int8_activations=["vae_decoder"], int4_weights=["vae_decoder"])
+        on_openvino(precision="int8", int8_activations=["vae_decoder"], int4_weights=["vae_decoder"])
     with pytest.raises(InvalidOptions, match="`int4_weights` names text_encoder, whose precision is bf16"):
-        compile_(precision={"text_encoder": "bf16", "unet": "int8", "vae_decoder": "int8", "vae_encoder": "int8"},
-                 int4_weights=["text_encoder"])
+        on_openvino(precision={"text_encoder": "bf16", "unet": "int8", "vae_decoder": "int8", "vae_encoder": "int8"},
+                    int4_weights=["text_encoder"])
     with pytest.raises(InvalidOptions, match="`int4_weights` names text_encoder_2, which this compile does not build"):
-        compile_(precision="int8", int4_weights=["text_encoder_2"])
+        on_openvino(precision="int8", int4_weights=["text_encoder_2"])
 
     strict = {**kasoku.core.parity.TOLERANCES, Precision.INT8: replace(TOLERANCES[Precision.INT8], rel_error=1e-4)}
     monkeypatch.setattr(kasoku.core.parity, "TOLERANCES", strict)
